@@ -1,0 +1,19 @@
+"""jserve: LLM serving on JAX/XLA."""
+
+from jserve.config import EngineConfig, ModelConfig
+from jserve.outputs import CompletionOutput, RequestOutput
+from jserve.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # LLM pulls in JAX and the model code; import it lazily so `jserve --help` and config use stay fast.
+    if name == "LLM":
+        from jserve.llm import LLM
+
+        return LLM
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "ModelConfig", "RequestOutput", "CompletionOutput"]

@@ -1,0 +1,3 @@
+from jserve.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,133 @@
+"""`jserve generate`: a resumable batch job from a JSONL file of prompts to a JSONL file of results.
+
+Each result is written and flushed the moment its request finishes, so an interrupted job keeps what it did;
+a rerun skips the ids already present in the output file.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from jserve.config import EngineConfig
+from jserve.outputs import RequestOutput
+from jserve.sampling_params import SamplingParams
+
+_SAMPLING_FIELDS = {"n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                    "frequency_penalty", "logit_bias", "seed", "max_tokens", "min_tokens", "stop",
+                    "stop_token_ids", "ignore_eos", "logprobs", "skip_special_tokens"}
+
+
+@dataclass
+class BatchItem:
+    id: str
+    prompt: str | list[int] | None
+    messages: list[dict] | None
+    params: SamplingParams
+    priority: int = 0
+
+
+class MalformedLine(ValueError):
+    pass
+
+
+def parse_line(line: str, line_no: int, default_max_tokens: int) -> BatchItem:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise MalformedLine(f"line {line_no}: invalid JSON ({e.msg})") from None
+    if not isinstance(obj, dict):
+        raise MalformedLine(f"line {line_no}: expected a JSON object")
+    has_prompt, has_messages = "prompt" in obj, "messages" in obj
+    if has_prompt == has_messages:
+        raise MalformedLine(f"line {line_no}: needs exactly one of 'prompt' or 'messages'")
+    fields = {k: v for k, v in obj.items() if k in _SAMPLING_FIELDS}
+    if isinstance(fields.get("logit_bias"), dict):  # JSON object keys are strings
+        try:
+            fields["logit_bias"] = {int(k): v for k, v in fields["logit_bias"].items()}
+        except ValueError:
+            raise MalformedLine(f"line {line_no}: logit_bias keys must be token ids") from None
+    fields.setdefault("max_tokens", default_max_tokens)
+    try:
+        params = SamplingParams(**fields)
+    except (TypeError, ValueError) as e:
+        raise MalformedLine(f"line {line_no}: {e}") from None
+    item_id = str(obj.get("id", f"line-{line_no}"))
+    priority = obj.get("priority", 0)
+    if not isinstance(priority, int):
+        raise MalformedLine(f"line {line_no}: priority must be an integer")
+    return BatchItem(item_id, obj.get("prompt"), obj.get("messages"), params, priority)
+
+
+def read_done_ids(output: Path) -> set[str]:
+    done = set()
+    if output.exists():
+        for line in output.read_text().splitlines():
+            try:
+                done.add(str(json.loads(line)["id"]))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue  # a line cut short by an interruption: that request reruns
+    return done
+
+
+def result_record(item_id: str, output: RequestOutput) -> dict:
+    choices = [{"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+               for c in output.outputs]
+    completion_tokens = sum(len(c.token_ids) for c in output.outputs)
+    return {"id": item_id, "prompt": output.prompt, "text": choices[0]["text"], "choices": choices,
+            "usage": {"prompt_tokens": len(output.prompt_token_ids), "completion_tokens": completion_tokens,
+                      "cached_tokens": output.num_cached_tokens}}
+
+
+def run_batch(config: EngineConfig, input_path: Path, output_path: Path, *, strict: bool = False,
+              default_max_tokens: int = 128) -> int:
+    from jserve.engine.engine import LLMEngine
+
+    if not input_path.is_file():
+        raise ValueError(f"{input_path}: no such input file")
+    done = read_done_ids(output_path)
+    items, errors = [], 0
+    for line_no, line in enumerate(input_path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = parse_line(line, line_no, default_max_tokens)
+        except MalformedLine as e:
+            if strict:
+                raise
+            print(f"jserve: skipping {e}", file=sys.stderr)
+            errors += 1
+            continue
+        if item.id not in done:
+            items.append(item)
+    engine = LLMEngine(config)
+    pending: dict[str, BatchItem] = {}
+    for item in items:
+        try:
+            prompt = item.prompt
+            if item.messages is not None:
+                prompt = {"prompt_token_ids": engine.tokenizer.apply_chat_template(item.messages)}
+            engine.add_request(item.id, prompt, item.params, priority=item.priority)
+            pending[item.id] = item
+        except ValueError as e:
+            if strict:
+                raise ValueError(f"request {item.id}: {e}") from None
+            print(f"jserve: skipping request {item.id}: {e}", file=sys.stderr)
+            errors += 1
+    written = 0
+    with open(output_path, "a") as out, tqdm(total=len(pending), desc="Generating", unit="req") as bar:
+        while pending:
+            for output in engine.step():
+                if output.finished:
+                    out.write(json.dumps(result_record(output.request_id, output), ensure_ascii=False) + "\n")
+                    out.flush()
+                    pending.pop(output.request_id, None)
+                    written += 1
+                    bar.update(1)
+    print(f"jserve: wrote {written} results to {output_path}"
+          f" ({len(done)} already present, {errors} skipped)", file=sys.stderr)
+    return 0

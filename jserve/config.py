@@ -1,0 +1,218 @@
+"""Model configuration read from a Hugging Face config.json, and the one EngineConfig every entry point shares."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_DTYPES = ("float32", "bfloat16")
+
+
+class ModelLoadError(ValueError):
+    """The model path or its files cannot be used; the message says which file and why."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary-embedding frequency scaling. kind is "default", "linear" or "llama3"."""
+
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The static shape of a Llama-family decoder; hashable so it can be a static argument under jit."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # qwen2, or llama with attention_bias
+    o_bias: bool = False  # llama with attention_bias
+    mlp_bias: bool = False
+    qk_norm: bool = False  # qwen3 normalizes q and k per head before rotary
+    sliding_window: int | None = None
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict, source: str = "config.json") -> ModelConfig:
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            archs = cfg.get("architectures") or []
+            raise ModelLoadError(
+                f"{source}: unsupported model_type {model_type!r} (architectures {archs}); "
+                f"jserve supports {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ModelLoadError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        attention_bias = bool(cfg.get("attention_bias", False))
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(_rope_param(cfg, "rope_theta", 10000.0)),
+            rope_scaling=_rope_scaling(cfg, source),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type != "qwen2" and attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            sliding_window=_sliding_window(cfg),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> ModelConfig:
+        config_path = Path(path) / "config.json"
+        if not config_path.is_file():
+            raise ModelLoadError(f"{path}: not a model directory (no config.json found)")
+        try:
+            cfg = json.loads(config_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"{config_path}: not valid JSON ({e})") from None
+        if not isinstance(cfg, dict):
+            raise ModelLoadError(f"{config_path}: expected a JSON object")
+        try:
+            config = cls.from_hf_dict(cfg, str(config_path))
+        except KeyError as e:
+            raise ModelLoadError(f"{config_path}: missing required field {e.args[0]!r}") from None
+        # Chat models often list their end-of-turn token only in generation_config.json (as vLLM reads it).
+        extra = _generation_eos_ids(Path(path) / "generation_config.json")
+        return dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra)))
+
+
+def _generation_eos_ids(path: Path) -> tuple[int, ...]:
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return ()  # optional file: missing or unreadable means no extra stop tokens
+    ids = eos if isinstance(eos, list) else [eos]
+    return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
+
+
+def _rope_param(cfg: dict, key: str, default):
+    # transformers >= 5 nests rope settings under "rope_parameters"; older configs keep them at the top level.
+    params = cfg.get("rope_parameters") or {}
+    return params.get(key, cfg.get(key, default))
+
+
+def _rope_scaling(cfg: dict, source: str) -> RopeScaling:
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    if kind == "default":
+        return RopeScaling()
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=float(scaling["factor"]))
+    if kind == "llama3":
+        return RopeScaling(
+            kind="llama3",
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
+        )
+    raise ModelLoadError(f"{source}: rope scaling type {kind!r} is not supported (default, linear, llama3)")
+
+
+def _sliding_window(cfg: dict) -> int | None:
+    window = cfg.get("sliding_window")
+    if cfg.get("model_type") in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        return None
+    return int(window) if window else None
+
+
+@dataclass
+class EngineConfig:
+    """Every engine knob, shared by `LLM(...)`, `jserve generate` and `jserve serve` (each field is a CLI flag).
+
+    Attributes:
+      model: a local checkpoint directory or a Hugging Face hub id; None means the bundled demo model.
+      dtype: how parameters are stored ("float32" or "bfloat16"); matmuls accumulate in float32 either way.
+      seed: seeds requests that bring no seed of their own.
+      max_model_len: the longest prompt + output a request may reach; None means the model's own limit.
+      block_size: tokens per KV cache block.
+      kv_cache_memory_bytes: KV cache budget; None means kv_cache_fraction of device memory where the device
+        reports it, else 1 GiB.
+      kv_cache_fraction: share of free device memory for the KV cache when the device reports its memory.
+      max_num_seqs: the most sequences in one step.
+      max_num_batched_tokens: the most tokens (prefill chunks + decodes) in one step.
+      enable_prefix_caching: share KV blocks between requests with a common prompt prefix.
+      enable_chunked_prefill: split long prompts across steps so decodes keep flowing.
+      compilation_cache_dir: JAX's persistent compilation cache; "" disables it.
+      warmup: compile every step shape at start-up so serving never stalls on a compile.
+      attention_backend: "auto" | "reference" (later: "pallas", "pallas-interpret").
+      tokenizer: tokenizer directory when it differs from `model`.
+      tensor_parallel_size: devices a model is split over (1 = no sharding).
+    """
+
+    model: str | None = None
+    dtype: str = "float32"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_fraction: float = 0.8
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    compilation_cache_dir: str = field(default_factory=lambda: os.path.expanduser("~/.cache/jserve/xla"))
+    warmup: bool = True
+    attention_backend: str = "auto"
+    tokenizer: str | None = None
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        if not 0 < self.kv_cache_fraction <= 1:
+            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction!r}")
+        if self.attention_backend not in ("auto", "reference"):
+            raise ValueError(f"attention_backend must be 'auto' or 'reference', got {self.attention_backend!r}")
+
+    def replace(self, **changes) -> EngineConfig:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,321 @@
+"""EngineCore: schedule -> run -> sample -> emit, one step at a time.
+
+The engine validates requests, turns them into sequences, and after each step appends the sampled tokens,
+detokenizes them incrementally, applies the stop conditions and reports every request that changed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+from checkpoints import DEMO_MODEL_DIR
+from checkpoints.loading import load_model, resolve_model_path
+from jserve.config import EngineConfig, ModelLoadError
+from jserve.engine.kv_cache import BlockManager
+from jserve.engine.runner import ModelRunner, kv_bytes_per_block
+from jserve.engine.sampler import build_metadata, sample, warmup_metadata
+from jserve.engine.scheduler import Scheduler, SchedulerOutput
+from jserve.engine.sequence import Sequence
+from jserve.outputs import CompletionOutput, RequestOutput
+from jserve.sampling_params import InvalidParameterError, SamplingParams
+from jserve.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class SeqStream:
+    """The text side of one sequence: incremental detokenization and stop-string matching."""
+
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: StopStringMatcher
+    text: str = ""
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    streams: list[SeqStream]
+    arrival_time: float
+    first_token_time: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.seq.is_finished for s in self.streams)
+
+    def output(self) -> RequestOutput:
+        outputs = [CompletionOutput(index=s.seq.index, text=s.text, token_ids=list(s.seq.output_token_ids),
+                                    finish_reason=s.seq.finish_reason, stop_reason=s.seq.stop_reason,
+                                    logprobs=None if s.logprobs is None else list(s.logprobs))
+                   for s in self.streams]
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt,
+                             prompt_token_ids=self.prompt_token_ids, outputs=outputs, finished=self.finished,
+                             num_cached_tokens=self.streams[0].seq.num_cached_tokens, metrics=dict(self.metrics))
+
+
+@dataclass
+class EngineStats:
+    num_computed_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_steps: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        _enable_compilation_cache(config.compilation_cache_dir)
+        model_dir = resolve_model_path(config.model) if config.model else DEMO_MODEL_DIR
+        self.model_dir = model_dir
+        self.tokenizer: Tokenizer = load_tokenizer(str(config.tokenizer or model_dir))
+        model = load_model(model_dir, config.dtype)
+        self.model_config = model.config
+        self.max_model_len = self._max_model_len()
+        num_blocks = self._num_kv_blocks()
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        self.runner = ModelRunner(model, dtype=config.dtype, num_blocks=num_blocks, block_size=config.block_size,
+                                  max_num_batched_tokens=config.max_num_batched_tokens,
+                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len)
+        self.eos_token_ids = self._eos_token_ids()
+        self.requests: dict[str, RequestState] = {}
+        self.stats = EngineStats()
+        self._rng = random.Random(config.seed)
+        if config.warmup:
+            self.warmup()
+
+    # ----- set-up -----
+
+    def _max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        wanted = self.config.max_model_len or limit
+        if wanted > limit:
+            raise ValueError(f"max_model_len {wanted} exceeds the model's max_position_embeddings {limit}")
+        return wanted
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        per_block = kv_bytes_per_block(self.model_config, cfg.block_size, cfg.dtype)
+        budget = cfg.kv_cache_memory_bytes or _device_kv_budget(cfg.kv_cache_fraction) or DEFAULT_KV_CACHE_BYTES
+        num_blocks = budget // per_block
+        blocks_per_request = math.ceil(self.max_model_len / cfg.block_size)
+        if num_blocks < blocks_per_request:
+            raise ValueError(
+                f"KV cache budget of {budget} bytes holds {num_blocks} blocks of {cfg.block_size} tokens, but one "
+                f"request of max_model_len={self.max_model_len} tokens needs {blocks_per_request}; raise "
+                f"kv_cache_memory_bytes to at least {blocks_per_request * per_block} or lower max_model_len")
+        logger.info("KV cache: %d blocks = %d tokens; up to %d concurrent requests of max_model_len tokens",
+                    num_blocks, num_blocks * cfg.block_size, num_blocks // blocks_per_request)
+        return int(num_blocks)
+
+    def _eos_token_ids(self) -> list[int]:
+        ids = list(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in ids:
+            ids.append(self.tokenizer.eos_token_id)
+        return ids
+
+    def warmup(self) -> None:
+        """Compile every step shape now, so serving never waits on the compiler."""
+        start = time.perf_counter()
+        for batch in self.runner.warmup_batches():
+            logits = self.runner.run(batch)
+            for meta in warmup_metadata(logits.shape[0]):
+                jax.block_until_ready(sample(logits, meta))
+        logger.info("warm-up compiled %d step shapes in %.1f s", len(self.runner.token_buckets)
+                    * len(self.runner.page_buckets), time.perf_counter() - start)
+
+    # ----- requests -----
+
+    def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
+                    *, priority: int = 0, arrival_time: float | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_text, prompt_ids = self._tokenize_prompt(prompt)
+        params = self._resolve_params(params, len(prompt_ids))
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        streams = []
+        for index in range(params.n):
+            seq = Sequence(request_id, prompt_ids, params, index=index, priority=priority, arrival_time=arrival)
+            seq.sampling_seed = self._sampling_seed(params.seed, index)
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens)
+            streams.append(SeqStream(seq, detok, StopStringMatcher(params.stop, params.include_stop_str_in_output),
+                                     logprobs=[] if params.logprobs is not None else None))
+        for stream in streams:  # raises before anything is registered if the request could never run
+            self.scheduler.check_fits(stream.seq)
+        self.requests[request_id] = RequestState(request_id, prompt_text, prompt_ids, streams, arrival)
+        for stream in streams:
+            self.scheduler.add(stream.seq)
+
+    def _tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidParameterError("prompt", "a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, list(prompt)
+            vocab = max(self.model_config.vocab_size, self.tokenizer.vocab_size)
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+                raise InvalidParameterError("prompt", f"prompt token ids must be integers in [0, {vocab})")
+        else:
+            raise InvalidParameterError("prompt", f"prompt must be a string or a list of token ids, got "
+                                                  f"{type(prompt).__name__}")
+        if not ids:
+            raise InvalidParameterError("prompt", "the prompt is empty: it must contain at least one token")
+        if len(ids) >= self.max_model_len:
+            raise InvalidParameterError(
+                "prompt", f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                          f"request has {len(ids)} input tokens. Please reduce the length of the input messages.")
+        return text, ids
+
+    def _resolve_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        room = self.max_model_len - prompt_len
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        if max_tokens > room:
+            raise InvalidParameterError(
+                "max_tokens", f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                              f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the messages, "
+                              f"{max_tokens} in the completion). Please reduce the length of the messages or "
+                              "completion.")
+        vocab = self.model_config.vocab_size
+        for token in list(params.logit_bias or {}) + list(params.stop_token_ids):
+            if token >= vocab:
+                raise InvalidParameterError("logit_bias" if token in (params.logit_bias or {}) else "stop_token_ids",
+                                            f"token id {token} is outside the vocabulary (size {vocab})")
+        return params.clone(max_tokens=max_tokens, eos_token_ids=list(self.eos_token_ids))
+
+    def _sampling_seed(self, seed: int | None, index: int) -> int:
+        # n > 1 with a seed: sample i uses seed + i, so every sample is reproducible and they differ.
+        return self._rng.getrandbits(32) if seed is None else seed + index
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        self.scheduler.abort(request_id)
+        return state.output()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ----- the step -----
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the outputs of every request that changed (finished ones last time)."""
+        plan: SchedulerOutput = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        batch = self.runner.prepare(plan.scheduled)
+        logits = self.runner.run(batch)
+        meta = build_metadata([c.seq for c in plan.scheduled], pad_to=logits.shape[0])
+        sampled = sample(logits, meta)
+        token_ids = np.asarray(sampled.token_ids)  # the one host round-trip per step
+        self._count_prompt_tokens(plan)
+        self.scheduler.on_step_done(plan)
+        self.stats.num_steps += 1
+        changed: dict[str, RequestState] = {}
+        logprob_rows = _logprob_rows(sampled) if any(c.seq.params.logprobs is not None
+                                                     for c in plan.scheduled) else None
+        now = time.monotonic()
+        for row, chunk in enumerate(plan.scheduled):
+            if not chunk.sample or chunk.seq.is_finished:
+                continue
+            state = self.requests[chunk.seq.request_id]
+            stream = state.streams[chunk.seq.index]
+            self._append_token(stream, int(token_ids[row]), None if logprob_rows is None else logprob_rows[row])
+            state.first_token_time = state.first_token_time or now
+            changed[state.request_id] = state
+        return [self._emit(state) for state in changed.values()]
+
+    def _count_prompt_tokens(self, plan: SchedulerOutput) -> None:
+        for chunk in plan.scheduled:
+            seq = chunk.seq
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + chunk.num_new_tokens
+            self.stats.num_computed_prompt_tokens += max(0, min(end, seq.num_prompt_tokens) - start)
+
+    def _append_token(self, stream: SeqStream, token: int, logprobs: tuple | None) -> None:
+        seq, params = stream.seq, stream.seq.params
+        seq.append_token(token)
+        self.stats.num_generated_tokens += 1
+        if stream.logprobs is not None and logprobs is not None:
+            chosen, top_ids, top_lps = logprobs
+            top = dict(zip(top_ids[: params.logprobs], top_lps[: params.logprobs], strict=True))
+            stream.logprobs.append({token: chosen, **top})
+        reason, stop_reason = None, None
+        ends_on_eos = not params.ignore_eos and token in self.eos_token_ids
+        if (ends_on_eos or token in params.stop_token_ids) and seq.num_output_tokens > params.min_tokens:
+            # The stop token's own text is not output; text held back before it (half a character) is.
+            reason, stop_reason = "stop", token
+            delta = stream.detokenizer.finish()
+        else:
+            delta = stream.detokenizer.add(token)
+            if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+                delta += stream.detokenizer.finish()
+        if params.stop:
+            emit, matched = stream.stop_matcher.feed(delta)
+            if matched is not None:
+                reason, stop_reason = "stop", matched
+            elif reason is not None:
+                emit += stream.stop_matcher.flush()
+            delta = emit
+        stream.text += delta
+        if reason is not None:
+            seq.stop_reason = stop_reason
+            self.scheduler.finish(seq, reason)
+
+    def _emit(self, state: RequestState) -> RequestOutput:
+        output = state.output()
+        if state.finished:
+            state.metrics.update(arrival_time=state.arrival_time, first_token_time=state.first_token_time or 0.0,
+                                 finished_time=time.monotonic())
+            output.metrics = dict(state.metrics)
+            self.requests.pop(state.request_id, None)
+        return output
+
+
+def _logprob_rows(sampled) -> list[tuple[float, list[int], list[float]]]:
+    chosen = np.asarray(sampled.logprobs).tolist()
+    top_ids = np.asarray(sampled.top_ids).tolist()
+    top_lps = np.asarray(sampled.top_logprobs).tolist()
+    return list(zip(chosen, top_ids, top_lps, strict=True))
+
+
+def _device_kv_budget(fraction: float) -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    return int((limit - stats.get("bytes_in_use", 0)) * fraction) if limit else None
+
+
+def _enable_compilation_cache(cache_dir: str) -> None:
+    if not cache_dir:
+        return
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+    except OSError as e:
+        logger.warning("compilation cache disabled: cannot create %s (%s)", cache_dir, e)
+        return
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+__all__ = ["LLMEngine", "ModelLoadError"]

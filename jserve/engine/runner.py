@@ -1,0 +1,133 @@
+"""Turns a scheduled step into padded device arrays, runs the jitted model step, and owns the KV cache.
+
+Shapes are padded to a small grid of buckets (tokens T, sequence rows S, page-table width P) so that every
+step after warm-up reuses a compiled program. The KV cache is donated to the step and updated in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from checkpoints.loading import LoadedModel
+from jserve.engine.sequence import Sequence
+from jserve.models.batch import KVCache, StepBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledChunk:
+    """What the runner needs of a scheduled sequence (the scheduler's ScheduledSeq has the same fields)."""
+
+    seq: Sequence
+    num_new_tokens: int
+    sample: bool
+
+
+def pow2_buckets(smallest: int, largest: int) -> list[int]:
+    """Powers of two from `smallest` up to the first one >= `largest`, the last clipped to `largest`."""
+    buckets, size = [], smallest
+    while size < largest:
+        buckets.append(size)
+        size *= 2
+    buckets.append(largest)
+    return buckets
+
+
+def pick_bucket(buckets: list[int], n: int) -> int:
+    for size in buckets:
+        if size >= n:
+            return size
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def kv_bytes_per_block(config, block_size: int, dtype: str) -> int:
+    return 2 * config.num_layers * block_size * config.kv_size * jnp.dtype(dtype).itemsize
+
+
+class ModelRunner:
+    def __init__(self, model: LoadedModel, *, dtype: str, num_blocks: int, block_size: int,
+                 max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int):
+        self.config = model.config
+        self.graphdef = model.graphdef
+        self.state = model.state
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.num_slots = num_blocks * block_size
+        cfg = self.config
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_cache = KVCache(k=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
+                                v=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)])
+        # Decode batches are padded to at least 4 rows: XLA CPU matmuls with M = 1 are ~10x slower.
+        self.token_buckets = pow2_buckets(min(8, max_num_batched_tokens), max_num_batched_tokens)
+        self.max_seq_rows = min(max_num_seqs, max_num_batched_tokens)
+        self.page_buckets = pow2_buckets(1, math.ceil(max_model_len / block_size))
+        self._step = jax.jit(self._forward, donate_argnums=(1,))
+
+    def _forward(self, state: nnx.State, kv_cache: KVCache, batch: StepBatch) -> tuple[KVCache, jax.Array]:
+        model = nnx.merge(self.graphdef, state)
+        return model(kv_cache, batch)
+
+    def seq_rows_for(self, num_tokens_bucket: int) -> int:
+        return min(num_tokens_bucket, pick_bucket(pow2_buckets(1, self.max_seq_rows), self.max_seq_rows))
+
+    def prepare(self, chunks: Seq[ScheduledChunk]) -> StepBatch:
+        """Flatten the scheduled chunks into one padded ragged batch (host-side numpy, then one transfer)."""
+        num_tokens = sum(c.num_new_tokens for c in chunks)
+        t_pad = pick_bucket(self.token_buckets, num_tokens)
+        s_pad = self.seq_rows_for(t_pad)
+        pages_needed = max(math.ceil((c.seq.num_computed_tokens + c.num_new_tokens) / self.block_size)
+                           for c in chunks)
+        p_pad = pick_bucket(self.page_buckets, pages_needed)
+        token_ids = np.zeros(t_pad, np.int32)
+        positions = np.zeros(t_pad, np.int32)
+        slot_mapping = np.full(t_pad, self.num_slots, np.int32)  # out of range: padding writes are dropped
+        token_seq = np.zeros(t_pad, np.int32)
+        page_table = np.zeros((s_pad, p_pad), np.int32)
+        seq_lens = np.zeros(s_pad, np.int32)
+        query_start = np.zeros(s_pad + 1, np.int32)
+        logits_indices = np.zeros(s_pad, np.int32)
+        offset = 0
+        for row, chunk in enumerate(chunks):
+            seq, n = chunk.seq, chunk.num_new_tokens
+            start = seq.num_computed_tokens
+            pos = np.arange(start, start + n, dtype=np.int32)
+            blocks = np.asarray(seq.block_table, np.int32)
+            token_ids[offset: offset + n] = seq.token_ids[start: start + n]
+            positions[offset: offset + n] = pos
+            slot_mapping[offset: offset + n] = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+            token_seq[offset: offset + n] = row
+            num_pages = min(len(blocks), p_pad)
+            page_table[row, :num_pages] = blocks[:num_pages]
+            seq_lens[row] = start + n
+            offset += n
+            query_start[row + 1] = offset
+            logits_indices[row] = offset - 1
+        query_start[len(chunks) + 1:] = offset
+        return StepBatch(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
+                         token_seq=token_seq, page_table=page_table, seq_lens=seq_lens,
+                         query_start=query_start, logits_indices=logits_indices)
+
+    def run(self, batch: StepBatch) -> jax.Array:
+        """Run one step; returns float32 logits [S, V] (rows past the real sequences are padding)."""
+        self.kv_cache, logits = self._step(self.state, self.kv_cache, batch)
+        return logits
+
+    def warmup_batches(self):
+        """One all-padding batch per (tokens, pages) bucket: compiling them all up front means no step recompiles."""
+        for t_pad in self.token_buckets:
+            s_pad = self.seq_rows_for(t_pad)
+            for p_pad in self.page_buckets:
+                yield StepBatch(
+                    token_ids=np.zeros(t_pad, np.int32), positions=np.zeros(t_pad, np.int32),
+                    slot_mapping=np.full(t_pad, self.num_slots, np.int32), token_seq=np.zeros(t_pad, np.int32),
+                    page_table=np.zeros((s_pad, p_pad), np.int32), seq_lens=np.zeros(s_pad, np.int32),
+                    query_start=np.zeros(s_pad + 1, np.int32), logits_indices=np.zeros(s_pad, np.int32))

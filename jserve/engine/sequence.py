@@ -1,0 +1,70 @@
+"""One generation stream: its tokens, its KV blocks and where it is in its life."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+from jserve.sampling_params import SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # not yet scheduled, or preempted and waiting to be recomputed
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """A prompt plus the tokens generated for it so far.
+
+    `num_computed_tokens` counts the leading tokens whose K/V sit in the cache; the tokens after it are what
+    the next steps must compute. A request with n > 1 owns n sequences that share `request_id`.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 *, index: int = 0, priority: int = 0, arrival_time: float | None = None):
+        self.seq_id = next(_seq_ids)
+        self.request_id = request_id
+        self.index = index
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache when first scheduled
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, request={self.request_id!r}, status={self.status.value}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, blocks={len(self.block_table)})")

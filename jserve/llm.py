@@ -1,0 +1,94 @@
+"""The offline Python API, vLLM-shaped: `LLM(model).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from jserve.config import EngineConfig
+from jserve.engine.engine import LLMEngine
+from jserve.outputs import RequestOutput
+from jserve.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict
+
+_PROGRESS_BAR_MIN_PROMPTS = 8
+
+
+class LLM:
+    """Run a model over many prompts with continuous batching.
+
+    >>> llm = LLM()  # the bundled demo model
+    >>> out = llm.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=32))
+    >>> print(out[0].outputs[0].text)
+    """
+
+    def __init__(self, model: str | None = None, *, dtype: str = "float32", seed: int = 0, **engine_args):
+        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, seed=seed, **engine_args))
+        self._request_ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Seq[PromptType],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True, priority: Seq[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (a string, token ids, or {"prompt_token_ids": [...]}) in input order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                  and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = _per_prompt(sampling_params, len(prompts), "sampling_params")
+        priorities = _per_prompt(priority, len(prompts), "priority") if priority is not None else [0] * len(prompts)
+        return self._run(prompts, params, priorities, use_tqdm)
+
+    def chat(self, messages: list[dict] | Seq[list[dict]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.engine.tokenizer
+        prompts = [{"prompt_token_ids": tokenizer.apply_chat_template(conv, add_generation_prompt)}
+                   for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, prompts: list, params: list[SamplingParams], priorities: list[int],
+             use_tqdm: bool) -> list[RequestOutput]:
+        ids = [f"offline-{next(self._request_ids)}" for _ in prompts]
+        added = []
+        try:
+            for request_id, prompt, p, prio in zip(ids, prompts, params, priorities, strict=True):
+                self.engine.add_request(request_id, prompt, p, priority=prio)
+                added.append(request_id)
+        except Exception:
+            for request_id in added:  # a bad prompt rejects the whole call, leaving nothing half-run
+                self.engine.abort_request(request_id)
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm or len(ids) < _PROGRESS_BAR_MIN_PROMPTS)
+        try:
+            while len(results) < len(ids):
+                for output in self.engine.step():
+                    if output.finished:
+                        results[output.request_id] = output
+                        bar.update(1)
+        except BaseException:
+            for request_id in ids:
+                if request_id not in results:
+                    self.engine.abort_request(request_id)
+            raise
+        finally:
+            bar.close()
+        return [results[i] for i in ids]
+
+
+def _per_prompt(value, count: int, name: str) -> list:
+    if value is None:
+        return [SamplingParams()] * count
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(f"{name} has {len(value)} entries for {count} prompts")
+        return list(value)
+    return [value] * count

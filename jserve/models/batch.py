@@ -1,0 +1,35 @@
+"""The pytrees a jitted step takes and returns: the ragged token batch and the paged KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class StepBatch:
+    """One step's tokens, flattened over sequences and padded to a (T, S, P) bucket.
+
+    Padding tokens carry slot `num_slots` (their K/V write is dropped) and sequence row 0; padding sequence
+    rows point their logits at token 0 and are ignored by the caller.
+    """
+
+    token_ids: jax.Array  # i32[T]
+    positions: jax.Array  # i32[T] position of each token in its sequence
+    slot_mapping: jax.Array  # i32[T] flat cache slot (page * page_size + offset) the token's K/V goes to
+    token_seq: jax.Array  # i32[T] sequence row of each token
+    page_table: jax.Array  # i32[S, P] page ids of each sequence's logical blocks
+    seq_lens: jax.Array  # i32[S] tokens in each sequence's KV after this step
+    query_start: jax.Array  # i32[S + 1] offset of each sequence's first token in token_ids
+    logits_indices: jax.Array  # i32[S] token whose output predicts each sequence's next token
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class KVCache:
+    """Per-layer paged key and value caches, donated to every step and returned updated in place."""
+
+    k: list[jax.Array]  # num_layers x [num_pages, page_size, num_kv_heads, head_dim]
+    v: list[jax.Array]  # num_layers x [num_pages, page_size, num_kv_heads, head_dim]

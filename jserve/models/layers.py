@@ -1,0 +1,81 @@
+"""Building blocks shared by the Llama-family decoders: linear, RMSNorm, rotary embedding.
+
+Every weight is declared once with its shape, dtype and logical axes (the sharding rules map those names to
+mesh axes). Matmuls keep Hugging Face's [out, in] layout and contract the last axis of both operands with a
+float32 result: on XLA CPU that is the fast path for bfloat16 weights (see docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jserve.config import ModelConfig
+
+
+def param(shape: tuple[int, ...], dtype: jnp.dtype, axes: tuple[str | None, ...]) -> nnx.Param:
+    """A parameter filled with zeros: real values always come from a checkpoint."""
+    assert len(shape) == len(axes), (shape, axes)
+    return nnx.Param(jnp.zeros(shape, dtype), logical_axes=axes)
+
+
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x[..., in] @ w[out, in]^T -> float32[..., out]."""
+    return jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+
+class Linear(nnx.Module):
+    def __init__(self, in_features: int, out_features: int, *, dtype: jnp.dtype, axes: tuple[str, str],
+                 bias: bool = False):
+        self.weight = param((out_features, in_features), dtype, axes)
+        self.bias = param((out_features,), jnp.float32, axes[:1]) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = matmul(x, self.weight[...])
+        return y if self.bias is None else y + self.bias[...]
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, size: int, eps: float, axis_name: str = "norm"):
+        self.weight = param((size,), jnp.float32, (axis_name,))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return x * self.weight[...]
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Inverse rotary frequencies, computed as transformers does (float32), with linear / llama3 scaling."""
+    dim = config.head_dim
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    inv_freq = (1.0 / (np.float32(config.rope_theta) ** exponents)).astype(np.float32)
+    scaling = config.rope_scaling
+    if scaling.kind == "linear":
+        return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
+    if scaling.kind == "llama3":
+        old_len = scaling.original_max_position_embeddings
+        low_wavelen = old_len / scaling.low_freq_factor
+        high_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return np.where(is_medium, smoothed, scaled).astype(np.float32)
+    return inv_freq
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate x[T, heads, head_dim] by positions[T] (the rotate-half convention of Llama checkpoints)."""
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, D/2]
+    cos = jnp.cos(freqs)[:, None, :]
+    sin = jnp.sin(freqs)[:, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

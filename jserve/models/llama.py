@@ -1,0 +1,101 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3): one decoder whose differences are config flags.
+
+Qwen2 adds q/k/v biases, Qwen3 normalizes q and k per head before rotary, Mistral may use a sliding window;
+everything else is shared, so one module serves all four. q/k/v and gate/up projections are fused into one
+matmul each (the checkpoint loader concatenates them) because small dots pay a fixed cost on XLA CPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jserve.config import ModelConfig
+from jserve.models.batch import KVCache, StepBatch
+from jserve.models.layers import Linear, RMSNorm, apply_rope, param, rope_inv_freq
+from pallas_kernels import ragged_paged_attention_ref, write_kv_ref
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype):
+        self.config = config
+        qkv_out = config.q_size + 2 * config.kv_size
+        self.qkv_proj = Linear(config.hidden_size, qkv_out, dtype=dtype, axes=("qkv", "embed"), bias=config.qkv_bias)
+        self.o_proj = Linear(config.q_size, config.hidden_size, dtype=dtype, axes=("embed", "heads"),
+                             bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def __call__(self, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: StepBatch,
+                 inv_freq) -> tuple[jax.Array, jax.Array, jax.Array]:
+        cfg = self.config
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+        q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, batch.positions, inv_freq)
+        k = apply_rope(k, batch.positions, inv_freq)
+        k_pages, v_pages = write_kv_ref(k_pages, v_pages, k, v, batch.slot_mapping)
+        out = ragged_paged_attention_ref(q, k_pages, v_pages, batch.page_table, batch.token_seq, batch.positions,
+                                         scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window)
+        return self.o_proj(out.reshape(num_tokens, cfg.q_size)), k_pages, v_pages
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype):
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, dtype=dtype,
+                                   axes=("mlp", "embed"), bias=config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, dtype=dtype,
+                                axes=("embed", "mlp"), bias=config.mlp_bias)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate, up = jnp.split(self.gate_up_proj(x), [self.intermediate_size], axis=-1)
+        return self.down_proj(jax.nn.silu(gate) * up)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype):
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config, dtype)
+
+    def __call__(self, x, k_pages, v_pages, batch, inv_freq):
+        attn_out, k_pages, v_pages = self.self_attn(self.input_layernorm(x), k_pages, v_pages, batch, inv_freq)
+        x = x + attn_out
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, k_pages, v_pages
+
+
+class LlamaForCausalLM(nnx.Module):
+    """forward(kv_cache, batch) -> (kv_cache, logits[S, V]) over a ragged batch and a paged KV cache."""
+
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype = jnp.float32):
+        self.config = config
+        self.embed_tokens = nnx.Param(jnp.zeros((config.vocab_size, config.hidden_size), dtype),
+                                      logical_axes=("vocab", "embed"))
+        self.layers = nnx.List([DecoderLayer(config, dtype) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else param(
+            (config.vocab_size, config.hidden_size), dtype, ("vocab", "embed"))
+
+    def __call__(self, kv_cache: KVCache, batch: StepBatch) -> tuple[KVCache, jax.Array]:
+        inv_freq = rope_inv_freq(self.config)
+        x = self.embed_tokens[...][batch.token_ids].astype(jnp.float32)
+        k_cache, v_cache = list(kv_cache.k), list(kv_cache.v)
+        for i, layer in enumerate(self.layers):
+            x, k_cache[i], v_cache[i] = layer(x, k_cache[i], v_cache[i], batch, inv_freq)
+        last = self.norm(x[batch.logits_indices])  # only the positions that produce a next token
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        logits = jax.lax.dot_general(last.astype(head.dtype), head[...], (((1,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+        return KVCache(k=k_cache, v=v_cache), logits

@@ -1,0 +1,113 @@
+"""Per-request sampling parameters, vLLM-shaped so users can switch."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+# The largest number of top logprobs a request may ask for (OpenAI allows 20).
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request.
+
+    temperature 0 is greedy. top_k 0 (or -1) means no top-k cut. `seed` makes sampling reproducible
+    whatever else shares the batch. `stop` strings are matched on the detokenized text and cut from it.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Filled by the engine, not by users: the tokens that end the request besides stop_token_ids.
+    eos_token_ids: list[int] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad parameter."""
+        _check(_is_int(self.n) and self.n >= 1, "n", f"n must be at least 1, got {self.n!r}")
+        _check(_is_num(self.temperature) and self.temperature >= 0, "temperature",
+               f"temperature must be non-negative, got {self.temperature!r}")
+        _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k",
+               f"top_k must be 0 or -1 (disabled) or a positive integer, got {self.top_k!r}")
+        _check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check(_is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 100, "repetition_penalty",
+               f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_num(value) and -2 <= value <= 2, name, f"{name} must be in [-2, 2], got {value!r}")
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
+               f"max_tokens must be at least 1, got {self.max_tokens!r}")
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
+               f"min_tokens must be non-negative, got {self.min_tokens!r}")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens",
+                   f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        _check(self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64), "seed",
+               f"seed must be an integer, got {self.seed!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
+                   f"{name} must be between 0 and {MAX_LOGPROBS}, got {value!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "stop must be non-empty strings")
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               "stop_token_ids must be non-negative integers")
+        if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, dict), "logit_bias", "logit_bias must map token ids to numbers")
+            for token, bias in self.logit_bias.items():
+                _check(_is_int(token) and token >= 0 and _is_num(bias) and -100 <= bias <= 100, "logit_bias",
+                       f"logit_bias must map token ids to values in [-100, 100], got {token!r}: {bias!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def clone(self, **changes) -> SamplingParams:
+        return dataclasses.replace(self, **changes)
+
+
+class InvalidParameterError(ValueError):
+    """A ValueError that remembers which request parameter was wrong (the server reports it)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise InvalidParameterError(param, message)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_num(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # rejects NaN

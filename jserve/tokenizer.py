@@ -1,0 +1,311 @@
+"""Tokenizer loading, chat templates, streaming detokenization and stop-string matching.
+
+`Tokenizer` wraps a Hugging Face tokenizer read from a local directory. `IncrementalDetokenizer` turns one
+output stream's token ids into text deltas that are always complete characters, and `StopStringMatcher`
+cuts a stream of text deltas at the first stop string without ever emitting part of one.
+
+Text is decoded without `clean_up_tokenization_spaces` everywhere (as vLLM does): that clean-up rewrites
+text across token boundaries, so a stream could not agree with a one-shot decode if it were applied.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from functools import cached_property
+from typing import Any
+
+from jserve.config import ModelLoadError
+from jserve.sampling_params import InvalidParameterError
+
+# Prompt tokens decoded ahead of the first generated token so it gets the leading space it has in context.
+PROMPT_CONTEXT_TOKENS = 5
+# How far back into the prompt we look for context that decodes to some text (skipped specials decode to "").
+MAX_PROMPT_CONTEXT_TOKENS = 64
+# Held tokens after which an incomplete character is emitted anyway: only a malformed byte stream gets here,
+# and the bound keeps the cost of one add() independent of the output's length.
+MAX_HELD_TOKENS = 128
+REPLACEMENT_CHAR = "\ufffd"
+
+# Files that hold a vocabulary; a directory with only tokenizer_config.json would load as an empty tokenizer.
+_VOCAB_FILES = frozenset({"tokenizer.json", "vocab.json", "vocab.txt", "tekken.json"})
+_VOCAB_SUFFIXES = (".model", ".tiktoken")  # SentencePiece and tiktoken vocabularies
+
+
+class TokenizerLoadError(ModelLoadError):
+    """There is no usable tokenizer at the given path; the message names the path."""
+
+
+class ChatTemplateError(ValueError):
+    """The model's tokenizer has no chat template, so chat messages cannot be turned into a prompt."""
+
+
+def load_tokenizer(path: str | os.PathLike[str], *, trust_remote_code: bool = False) -> Tokenizer:
+    """Load the Hugging Face tokenizer stored in the local directory `path` (never touches the network)."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise TokenizerLoadError(f"no tokenizer at {path!r}: not a directory")
+    if not any(name in _VOCAB_FILES or name.endswith(_VOCAB_SUFFIXES) for name in os.listdir(path)):
+        raise TokenizerLoadError(f"no tokenizer at {path!r}: expected tokenizer.json, tokenizer.model or "
+                                 "vocab.json in the directory")
+    from transformers import AutoTokenizer  # imported here so that importing jserve stays fast
+
+    try:
+        hf = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    except Exception as e:  # transformers raises OSError, ValueError or KeyError depending on what is wrong
+        raise TokenizerLoadError(f"cannot load the tokenizer at {path!r}: {e}") from e
+    return Tokenizer(hf)
+
+
+class Tokenizer:
+    """A Hugging Face tokenizer with the few operations serving needs; `.hf` is the tokenizer itself."""
+
+    def __init__(self, hf: Any):
+        self.hf = hf
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.hf.eos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        """Every id the tokenizer knows, added tokens included."""
+        return len(self.hf)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.hf.chat_template)
+
+    @cached_property
+    def byte_token_ids(self) -> frozenset[int]:
+        """Ids of SentencePiece byte-fallback tokens (<0x00>..<0xFF>)."""
+        names = [f"<0x{b:02X}>" for b in range(256)]
+        ids = self.hf.convert_tokens_to_ids(names)
+        return frozenset(i for name, i in zip(names, ids, strict=True)
+                         if i is not None and self.hf.convert_ids_to_tokens(i) == name)
+
+    @cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids that decode(skip_special_tokens=True) may drop (a superset is safe: it only delays text)."""
+        added = self.hf.added_tokens_decoder.items()
+        return frozenset(i for i, token in added if token.special) | frozenset(self.hf.all_special_ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"encode() takes a str, got {type(text).__name__}")
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens,
+                              clean_up_tokenization_spaces=False)
+
+    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                    **kwargs: Any) -> str:
+        """The prompt text the chat template makes of `messages` (OpenAI-style role/content dicts)."""
+        return self.hf.apply_chat_template(self._chat_messages(messages, kwargs), tokenize=False,
+                                           add_generation_prompt=add_generation_prompt, **kwargs)
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> list[int]:
+        """The prompt token ids the chat template makes of `messages`, as Hugging Face tokenizes them."""
+        messages = self._chat_messages(messages, kwargs)
+        ids = self.hf.apply_chat_template(messages, tokenize=True, return_dict=False,
+                                          add_generation_prompt=add_generation_prompt, **kwargs)
+        return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)  # BatchEncoding is a Mapping
+
+    def _chat_messages(self, messages: Any, kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+        if not self.has_chat_template and not kwargs.get("chat_template"):
+            name = getattr(self.hf, "name_or_path", "") or type(self.hf).__name__
+            raise ChatTemplateError(f"the model's tokenizer ({name}) has no chat template; use a completion "
+                                    "prompt instead of chat messages, or pass a chat_template")
+        return normalize_messages(messages)
+
+
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    """Check OpenAI-style chat messages and return copies whose content is a plain string.
+
+    A content list of {"type": "text", "text": ...} parts is joined with newlines, as vLLM does. Raises
+    InvalidParameterError (a ValueError) naming the first bad message.
+    """
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise InvalidParameterError("messages", "messages must be a non-empty list of role/content objects")
+    return [_normalize_message(message, i) for i, message in enumerate(messages)]
+
+
+def _normalize_message(message: Any, index: int) -> dict[str, Any]:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise InvalidParameterError("messages", f"{where} must be an object with 'role' and 'content', "
+                                                f"got {type(message).__name__}")
+    role = message.get("role")
+    if not isinstance(role, str) or not role:
+        raise InvalidParameterError("messages", f"{where}.role must be a non-empty string, got {role!r}")
+    content = message.get("content")
+    if content is None and message.get("tool_calls"):
+        return dict(message)  # an assistant turn that only calls tools has no content
+    return {**message, "content": _content_text(content, where)}
+
+
+def _content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidParameterError("messages", f"{where}.content must be a string or a list of text parts, "
+                                                f"got {type(content).__name__}")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise InvalidParameterError("messages", f"{where}.content[{j}] must be "
+                                                    f'{{"type": "text", "text": <string>}}, got {part!r}')
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+class IncrementalDetokenizer:
+    """Turns one output stream's token ids into text deltas, a token at a time.
+
+    Each add() decodes only a small window: the tokens of the last emitted delta (whose text is subtracted)
+    plus the tokens not yet emitted (vLLM's prefix_offset/read_offset). The window starts inside the prompt,
+    so the first generated token keeps the leading space it has after the prompt (SentencePiece decoders
+    drop a leading space at the start of a sequence). Text is held back while it ends in an incomplete
+    multi-byte character, or in a run of byte-fallback tokens (decoded as a whole), so a stream of valid
+    UTF-8 never shows U+FFFD.
+
+    Everything returned by add() and finish() together is the text the generated tokens add to the decoded
+    prompt: `decode(prompt + output)` minus `decode(prompt)`. For byte-level BPE that is exactly
+    `decode(output)`; for SentencePiece it is `decode(output)` with its stripped leading space kept.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
+                 skip_special_tokens: bool = True):
+        # A bare Hugging Face tokenizer works too, but a shared Tokenizer computes byte_token_ids only once.
+        self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(tokenizer)
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self._ids = self._prompt_context([int(i) for i in prompt_token_ids])  # context + output ids
+        self._prefix_offset = 0  # start of the window: the tokens of the last delta (or the context)
+        self._read_offset = len(self._ids)  # tokens from here on are not emitted yet
+        self._context_text = self._prefix_text = self._decode(self._ids)
+        self._pieces: list[str] = []
+        self._in_byte_run = False  # the last token that reaches the decoder is a byte-fallback token
+        self._finished = False
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]  # join once, so repeated reads stay linear
+        return self._pieces[0] if self._pieces else ""
+
+    def add(self, token_id: int) -> str:
+        """Take the next generated token; return the text it completes (often "", never half a character)."""
+        if self._finished:
+            raise RuntimeError("add() after finish()")
+        token_id = int(token_id)
+        self._ids.append(token_id)
+        self.token_ids.append(token_id)
+        held = len(self._ids) - self._read_offset
+        if not (self.skip_special_tokens and token_id in self.tokenizer.special_token_ids):
+            self._in_byte_run = token_id in self.tokenizer.byte_token_ids  # skipped tokens do not end a run
+        if self._in_byte_run and held < MAX_HELD_TOKENS:
+            return ""  # a byte-fallback run is decoded as a whole, so wait until it ends
+        new_text = self._decode(self._ids[self._prefix_offset:])
+        if not self._is_complete(new_text, held):
+            return ""
+        delta = new_text[len(self._prefix_text):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        return self._emit(delta)
+
+    def finish(self) -> str:
+        """Flush what is held back; afterwards `text` is the output's full text (see the class doc)."""
+        if self._finished:
+            return ""
+        self._finished = True
+        emitted = self.text
+        for reference in self._references():
+            if reference.startswith(emitted):
+                return self._emit(reference[len(emitted):])
+        new_text = self._decode(self._ids[self._prefix_offset:])  # only a malformed stream gets here
+        return self._emit(new_text[len(self._prefix_text):])
+
+    def _is_complete(self, new_text: str, held: int) -> bool:
+        if len(new_text) <= len(self._prefix_text) or not new_text.startswith(self._prefix_text):
+            return False  # no new text yet (e.g. a skipped special token)
+        return not new_text.endswith(REPLACEMENT_CHAR) or held >= MAX_HELD_TOKENS
+
+    def _references(self) -> Iterator[str]:
+        """The full output text, decoded in one go: in its prompt context first, else on its own."""
+        in_context = self._decode(self._ids)
+        if in_context.startswith(self._context_text):
+            yield in_context[len(self._context_text):]
+        yield self._decode(self.token_ids)
+
+    def _prompt_context(self, prompt: list[int]) -> list[int]:
+        start = max(0, len(prompt) - PROMPT_CONTEXT_TOKENS)
+        limit = max(0, len(prompt) - MAX_PROMPT_CONTEXT_TOKENS)
+        while start > limit and not self._decode(prompt[start:]):
+            start = max(limit, start - PROMPT_CONTEXT_TOKENS)
+        return prompt[start:]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _emit(self, delta: str) -> str:
+        if delta:
+            self._pieces.append(delta)
+        return delta
+
+
+class StopStringMatcher:
+    """Cuts a stream of text deltas at the first stop string, never emitting any part of one.
+
+    The first stop string to *complete* wins (it is the one a character-by-character stream would see
+    first); of those completing at the same character, the longest. Text that could still become the
+    start of a stop string is held back until it is decided. Feed it IncrementalDetokenizer's deltas (finish()
+    included); when the stream ends without a match, flush() releases what is still held.
+    """
+
+    def __init__(self, stops: Iterable[str], include_stop_str: bool = False):
+        self.stops = [stops] if isinstance(stops, str) else list(dict.fromkeys(stops))
+        if not all(isinstance(s, str) and s for s in self.stops):
+            raise ValueError(f"stop strings must be non-empty strings, got {self.stops!r}")
+        self.include_stop_str = include_stop_str
+        self.matched: str | None = None
+        self._held = ""
+        # Every proper prefix of a stop string: the text that may have to be held back.
+        self._prefixes = {s[:k] for s in self.stops for k in range(1, len(s))}
+        self._max_held = max((len(s) - 1 for s in self.stops), default=0)
+
+    def feed(self, delta: str) -> tuple[str, str | None]:
+        """Take the next delta; return (text safe to emit now, the stop string matched or None)."""
+        if self.matched is not None:
+            return "", self.matched
+        text = self._held + delta
+        match = self._first_match(text)
+        if match is not None:
+            start, stop = match
+            self.matched, self._held = stop, ""
+            return text[:start + len(stop) if self.include_stop_str else start], stop
+        keep = self._held_suffix_len(text)
+        self._held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep], None
+
+    def flush(self) -> str:
+        """The held-back text, at the end of a stream that did not stop on a string."""
+        held, self._held = self._held, ""
+        return held
+
+    def _first_match(self, text: str) -> tuple[int, str] | None:
+        best: tuple[int, int, str] | None = None  # (end, -length, stop): earliest end, then longest
+        for stop in self.stops:
+            start = text.find(stop)
+            if start >= 0 and (best is None or (start + len(stop), -len(stop)) < best[:2]):
+                best = (start + len(stop), -len(stop), stop)
+        return None if best is None else (best[0] + best[1], best[2])
+
+    def _held_suffix_len(self, text: str) -> int:
+        for k in range(min(len(text), self._max_held), 0, -1):
+            if text[-k:] in self._prefixes:
+                return k
+        return 0

@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny Hugging Face checkpoints (with a tokenizer) built once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# Tests run on the CPU; keep XLA from grabbing every core's worth of threads for tiny ops.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+from hf_models import build_model, save_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory) -> Path:
+    return save_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def hf_model_dir(tmp_path_factory, tiny_tokenizer_dir):
+    """Factory: a saved random-weight model of a given variant, with the tiny tokenizer beside it."""
+    cache: dict[tuple, Path] = {}
+
+    def make(variant: str = "llama", **overrides) -> Path:
+        key = (variant, tuple(sorted(overrides.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(variant)
+            build_model(variant, out, **overrides)
+            save_tokenizer(out)
+            cache[key] = out
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def llm_factory():
+    """Factory: an LLM over a model directory with small test-sized engine settings (cached per settings)."""
+    from jserve import LLM
+
+    cache: dict[tuple, LLM] = {}
+
+    def make(model_dir: Path, **engine_args) -> LLM:
+        settings = dict(max_model_len=512, kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=128,
+                        max_num_seqs=16, warmup=False, compilation_cache_dir="")
+        settings.update(engine_args)
+        key = (str(model_dir), tuple(sorted(settings.items())))
+        if key not in cache:
+            cache[key] = LLM(str(model_dir), **settings)
+        return cache[key]
+
+    return make

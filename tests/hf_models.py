@@ -1,0 +1,85 @@
+"""Tiny random-weight Hugging Face checkpoints, built by transformers itself, for parity tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+VOCAB = 512
+
+# Each variant exercises one family difference: GQA, rope scaling, sliding window, biases + tied
+# embeddings, q/k norm.
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", dict(num_key_value_heads=2)),
+    "llama3_rope": ("LlamaConfig", dict(num_key_value_heads=2, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}, rope_theta=500000.0)),
+    "llama_linear_rope": ("LlamaConfig", dict(num_key_value_heads=4, rope_scaling={
+        "rope_type": "linear", "factor": 2.0})),
+    "mistral": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=12)),
+    "qwen2": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=16)),
+}
+
+_MODEL_CLASSES = {"LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
+                  "Qwen2Config": "Qwen2ForCausalLM", "Qwen3Config": "Qwen3ForCausalLM"}
+
+
+def make_config(variant: str, **overrides) -> transformers.PretrainedConfig:
+    config_cls, extra = VARIANTS[variant]
+    kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    kwargs.update(extra)
+    kwargs.update(overrides)
+    return getattr(transformers, config_cls)(**kwargs)
+
+
+def build_model(variant: str, out_dir: Path, seed: int = 0, **overrides) -> Path:
+    """Save a random-weight model of `variant` to out_dir (float32 safetensors) and return the path."""
+    config = make_config(variant, **overrides)
+    torch.manual_seed(seed)
+    model = getattr(transformers, _MODEL_CLASSES[type(config).__name__])(config)
+    with torch.no_grad():  # larger-than-default weights so logits differ visibly between tokens
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 0.08)
+            elif "norm" in "".join(n for n, q in model.named_parameters() if q is p):
+                p.uniform_(0.8, 1.2)
+            else:
+                p.normal_(0.0, 0.05)
+    model.eval()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return Path(out_dir)
+
+
+def load_hf(path: Path, dtype: torch.dtype = torch.float32):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+    return model.eval()
+
+
+_TOKENIZER_TEXT = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "The quick brown fox jumps over the lazy dog. Hello, world! 你好，世界。 Ünïcödé 🙂🚀",
+    "import os\nimport sys\n\nclass Engine:\n    def step(self):\n        return [x * 2 for x in range(10)]\n",
+]
+
+
+def save_tokenizer(out_dir: Path) -> Path:
+    """A byte-level BPE tokenizer with fewer than VOCAB tokens and a ChatML template, saved to out_dir."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_TOKENIZER_TEXT * 4, trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        chat_template=("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+                       "{% if add_generation_prompt %}<s>assistant\n{% endif %}"))
+    fast.save_pretrained(out_dir)
+    return Path(out_dir)
