@@ -1,4 +1,7 @@
-"""The `jserve` command: `generate` runs a batch job over a JSONL file (`serve` arrives with the server)."""
+"""The `jserve` command. Each subcommand registers itself with `add_parser(subparsers)` and sets `run`.
+
+`generate` runs a batch job over a JSONL file; `serve`, `bench` live in their own modules.
+"""
 
 from __future__ import annotations
 
@@ -34,9 +37,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jserve", description="LLM serving on JAX/XLA")
-    sub = parser.add_subparsers(dest="command", required=True)
+def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     gen = sub.add_parser("generate", help="offline batch generation over a JSONL file")
     gen.add_argument("--input", required=True, help="JSONL: one object per line with 'prompt' or 'messages', "
                                                      "an optional 'id' and optional sampling fields")
@@ -44,6 +45,25 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--strict", action="store_true", help="stop at the first malformed line instead of skipping it")
     gen.add_argument("--max-tokens", type=int, default=128, help="default max_tokens for lines that set none")
     add_engine_args(gen)
+    gen.set_defaults(run=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from jserve.batch import run_batch
+
+    return run_batch(engine_config_from_args(args), Path(args.input), Path(args.output),
+                     strict=args.strict, default_max_tokens=args.max_tokens)
+
+
+# Each entry adds one subcommand; the modules import nothing heavy until their command runs.
+SUBCOMMAND_PARSERS = [add_generate_parser]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jserve", description="LLM serving on JAX/XLA")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add_parser in SUBCOMMAND_PARSERS:
+        add_parser(sub)
     return parser
 
 
@@ -51,15 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        if args.command == "generate":
-            from jserve.batch import run_batch
-
-            return run_batch(engine_config_from_args(args), Path(args.input), Path(args.output),
-                             strict=args.strict, default_max_tokens=args.max_tokens)
+        return args.run(args)
     except (ModelLoadError, ValueError, OSError) as e:
         print(f"jserve: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("jserve: interrupted; finished results are saved", file=sys.stderr)
         return 130
-    return 0
