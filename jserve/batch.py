@@ -63,6 +63,16 @@ def parse_line(line: str, line_no: int, default_max_tokens: int) -> BatchItem:
     return BatchItem(item_id, obj.get("prompt"), obj.get("messages"), params, priority)
 
 
+def drop_torn_last_line(output: Path) -> None:
+    """Cut a last line that an interruption left without its newline, so appended results start clean."""
+    if not output.exists():
+        return
+    with open(output, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
 def read_done_ids(output: Path) -> set[str]:
     done = set()
     if output.exists():
@@ -89,6 +99,7 @@ def run_batch(config: EngineConfig, input_path: Path, output_path: Path, *, stri
 
     if not input_path.is_file():
         raise ValueError(f"{input_path}: no such input file")
+    drop_torn_last_line(output_path)
     done = read_done_ids(output_path)
     items, errors = [], 0
     for line_no, line in enumerate(input_path.read_text().splitlines(), start=1):

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from jserve.config import EngineConfig
 from jserve.engine.engine import LLMEngine
 from jserve.outputs import RequestOutput
-from jserve.sampling_params import SamplingParams
+from jserve.sampling_params import InvalidParameterError, SamplingParams
 
 PromptType = str | list[int] | dict
 
@@ -39,6 +39,9 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                   and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise InvalidParameterError("prompt", f"prompt must be a string, a list of token ids, a dict or a list "
+                                                  f"of those, got {type(prompts).__name__}")
         prompts = list(prompts)
         params = _per_prompt(sampling_params, len(prompts), "sampling_params")
         priorities = _per_prompt(priority, len(prompts), "priority") if priority is not None else [0] * len(prompts)

@@ -1,0 +1,146 @@
+"""`jserve generate` as a user runs it, and the clear errors a user gets for checkpoints we cannot load."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hf_models import load_hf
+from safetensors.torch import load_file, save_file
+
+from checkpoints.loading import load_model
+from jserve.cli import main
+from jserve.config import ModelLoadError
+from jserve.sampling_params import SamplingParams
+
+ENGINE_FLAGS = ["--no-warmup", "--compilation-cache-dir", "", "--max-model-len", "512",
+                "--kv-cache-memory-bytes", str(4 << 20), "--max-num-batched-tokens", "128", "--max-num-seqs", "16"]
+
+
+def write_jsonl(path, rows: list) -> None:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+
+
+def read_jsonl(path) -> dict[str, dict]:
+    return {r["id"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+def test_generate_writes_results_skips_bad_lines_and_resumes(tmp_path, hf_model_dir, llm_factory, capsys):
+    model_dir = hf_model_dir("llama")
+    prompts = ["hello world", "the quick brown fox"]
+    write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "a", "prompt": prompts[0], "temperature": 0, "max_tokens": 12, "ignore_eos": True},
+        {"id": "b", "prompt": prompts[1], "temperature": 0, "max_tokens": 7, "ignore_eos": True},
+        '{"id": "broken", "prompt": ',
+        {"id": "c", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "max_tokens": 5},
+        {"id": "d", "prompt": "x", "temperature": -1},
+    ])
+    argv = ["generate", "--model", str(model_dir), "--input", str(tmp_path / "in.jsonl"),
+            "--output", str(tmp_path / "out.jsonl"), *ENGINE_FLAGS]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "line 3: invalid JSON" in err and "line 5" in err and "temperature" in err
+    results = read_jsonl(tmp_path / "out.jsonl")
+    assert set(results) == {"a", "b", "c"}
+    offline = llm_factory(model_dir).generate(
+        prompts, [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (12, 7)], use_tqdm=False)
+    for key, expected in zip("ab", offline, strict=True):
+        assert results[key]["text"] == expected.outputs[0].text
+        assert results[key]["choices"][0]["token_ids"] == expected.outputs[0].token_ids
+        assert results[key]["usage"]["completion_tokens"] == len(expected.outputs[0].token_ids)
+
+    # An interrupted job: drop one result (and leave a torn last line); the rerun computes only what is missing.
+    lines = (tmp_path / "out.jsonl").read_text().splitlines()
+    kept = [line for line in lines if json.loads(line)["id"] != "b"]
+    (tmp_path / "out.jsonl").write_text("\n".join(kept) + '\n{"id": "b", "te')
+    assert main(argv) == 0
+    assert "2 already present" in capsys.readouterr().err
+    rerun = read_jsonl_tolerant(tmp_path / "out.jsonl")
+    assert set(rerun) == {"a", "b", "c"} and rerun["b"]["text"] == results["b"]["text"]
+
+
+def read_jsonl_tolerant(path) -> dict[str, dict]:
+    rows = {}
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        rows[row["id"]] = row
+    return rows
+
+
+def test_generate_strict_stops_at_the_first_malformed_line(tmp_path, hf_model_dir, capsys):
+    write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "hi"}, {"id": "b"}])
+    code = main(["generate", "--model", str(hf_model_dir("llama")), "--input", str(tmp_path / "in.jsonl"),
+                 "--output", str(tmp_path / "out.jsonl"), "--strict", *ENGINE_FLAGS])
+    assert code == 2
+    assert "line 2: needs exactly one of 'prompt' or 'messages'" in capsys.readouterr().err
+
+
+def test_generate_missing_input_file_is_a_clear_error(tmp_path, capsys):
+    code = main(["generate", "--input", str(tmp_path / "nope.jsonl"), "--output", str(tmp_path / "out.jsonl")])
+    assert code == 2
+    assert "no such input file" in capsys.readouterr().err
+
+
+@pytest.fixture
+def broken_checkpoints(tmp_path, hf_model_dir):
+    """Copies of a good checkpoint, each broken in one way a user might hit."""
+    good = hf_model_dir("llama")
+
+    def copy(name: str):
+        return shutil.copytree(good, tmp_path / name)
+
+    no_config = copy("no_config")
+    (no_config / "config.json").unlink()
+    unknown_type = copy("unknown_type")
+    config = json.loads((unknown_type / "config.json").read_text())
+    config.update(model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"])
+    (unknown_type / "config.json").write_text(json.dumps(config))
+    no_weights = copy("no_weights")
+    (no_weights / "model.safetensors").unlink()
+    missing_tensor = copy("missing_tensor")
+    tensors = load_file(missing_tensor / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, missing_tensor / "model.safetensors", metadata={"format": "pt"})
+    return {"no_config": (no_config, "no config.json"), "unknown_type": (unknown_type, "gpt_neox"),
+            "no_weights": (no_weights, "safetensors"),
+            "missing_tensor": (missing_tensor, "model.layers.1.mlp.down_proj.weight")}
+
+
+@pytest.mark.parametrize("case", ["no_config", "unknown_type", "no_weights", "missing_tensor"])
+def test_unloadable_checkpoint_raises_model_load_error(broken_checkpoints, case):
+    path, message = broken_checkpoints[case]
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(path)
+
+
+def test_cli_reports_unloadable_checkpoint_and_exits_nonzero(broken_checkpoints, tmp_path):
+    path, message = broken_checkpoints["missing_tensor"]
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    result = subprocess.run([sys.executable, "-m", "jserve", "generate", "--model", str(path), "--input",
+                             str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"), *ENGINE_FLAGS],
+                            capture_output=True, text=True, timeout=300, env={"JAX_PLATFORMS": "cpu",
+                                                                             "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 2
+    assert "jserve: error:" in result.stderr and message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_sharded_checkpoint_loads_the_same_weights(tmp_path, hf_model_dir):
+    import jax
+    from flax import nnx
+
+    single = hf_model_dir("llama")
+    load_hf(single).save_pretrained(tmp_path, max_shard_size="60KB")
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 2 and (tmp_path / "model.safetensors.index.json").exists()
+    a = jax.tree.leaves_with_path(nnx.to_pure_dict(load_model(single).state))
+    b = jax.tree.leaves_with_path(nnx.to_pure_dict(load_model(tmp_path).state))
+    assert [path for path, _ in a] == [path for path, _ in b]
+    for (path, x), (_, y) in zip(a, b, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))

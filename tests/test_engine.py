@@ -1,0 +1,252 @@
+"""The engine end to end: continuous batching, preemption, prefix caching and chunked prefill all give exactly
+the tokens a request gets alone, and the tokens transformers gives for the same weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hf_models import load_hf
+
+from jserve.sampling_params import SamplingParams
+
+NUM_REQUESTS = 64
+
+
+def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
+    """transformers' greedy continuation with its own KV cache (no EOS stop)."""
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+        tokens = [int(out.logits[0, -1].argmax())]
+        for _ in range(steps - 1):
+            out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+            tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def workload() -> list[tuple[list[int], int]]:
+    """64 (prompt, max_tokens) pairs: prompts of 1..300 tokens, outputs of 1..200 tokens."""
+    rng = np.random.default_rng(7)
+    return [(rng.integers(3, 500, int(rng.integers(1, 301))).tolist(), int(rng.integers(1, 201)))
+            for _ in range(NUM_REQUESTS)]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def run(llm, workload) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p, _ in workload], [greedy(m) for _, m in workload],
+                           use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def batched_tokens(hf_model_dir, llm_factory, workload) -> list[list[int]]:
+    llm = llm_factory(hf_model_dir("llama"), kv_cache_memory_bytes=16 << 20, max_num_seqs=32)
+    tokens = run(llm, workload)
+    assert llm.engine.scheduler.num_preemptions == 0  # the preemption test covers that path separately
+    return tokens
+
+
+def test_batched_requests_match_transformers(hf_model_dir, workload, batched_tokens):
+    hf = load_hf(hf_model_dir("llama"))
+    for (prompt, max_tokens), tokens in zip(workload, batched_tokens, strict=True):
+        assert tokens == hf_greedy(hf, prompt, max_tokens)
+
+
+def test_batched_requests_match_each_request_alone(hf_model_dir, llm_factory, workload, batched_tokens):
+    llm = llm_factory(hf_model_dir("llama"), kv_cache_memory_bytes=16 << 20, max_num_seqs=32)
+    for (prompt, max_tokens), tokens in zip(workload, batched_tokens, strict=True):
+        alone = llm.generate({"prompt_token_ids": prompt}, greedy(max_tokens), use_tqdm=False)
+        assert alone[0].outputs[0].token_ids == tokens
+
+
+def test_preemption_keeps_outputs_identical_and_frees_every_block(hf_model_dir, llm_factory, workload,
+                                                                   batched_tokens):
+    # 80 blocks of 16 tokens hold about three of the longest requests, so the 64 requests must preempt.
+    llm = llm_factory(hf_model_dir("llama"), kv_cache_memory_bytes=80 * 8 * 1024, max_num_seqs=32)
+    engine = llm.engine
+    assert run(llm, workload) == batched_tokens
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    engine.block_manager.check_invariants()
+
+
+def test_prefix_cache_computes_only_the_new_tokens(hf_model_dir, llm_factory):
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(3, 500, 512).tolist()
+    first, second = prefix + rng.integers(3, 500, 20).tolist(), prefix + rng.integers(3, 500, 37).tolist()
+    params = greedy(24)
+    cached = llm_factory(hf_model_dir("llama"), max_model_len=1024)
+    cached.generate({"prompt_token_ids": first}, params, use_tqdm=False)
+    before = cached.engine.stats.num_computed_prompt_tokens
+    out = cached.generate({"prompt_token_ids": second}, params, use_tqdm=False)[0]
+    assert cached.engine.stats.num_computed_prompt_tokens - before == len(second) - 512
+    assert out.num_cached_tokens == 512
+    uncached = llm_factory(hf_model_dir("llama"), max_model_len=1024, enable_prefix_caching=False)
+    reference = uncached.generate({"prompt_token_ids": second}, params, use_tqdm=False)[0]
+    assert reference.num_cached_tokens == 0
+    assert out.outputs[0].token_ids == reference.outputs[0].token_ids
+
+
+def test_chunked_prefill_matches_one_shot_prefill(hf_model_dir, llm_factory):
+    prompt = np.random.default_rng(5).integers(3, 500, 2000).tolist()
+    params = greedy(12)
+    settings = dict(max_model_len=2048, kv_cache_memory_bytes=8 << 20, enable_prefix_caching=False)
+    chunked = llm_factory(hf_model_dir("llama"), max_num_batched_tokens=256, **settings)
+    one_shot = llm_factory(hf_model_dir("llama"), max_num_batched_tokens=2048, **settings)
+    steps_before = chunked.engine.stats.num_steps
+    out = chunked.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    assert chunked.engine.stats.num_steps - steps_before >= 2000 // 256 + params.max_tokens - 1
+    assert out.outputs[0].token_ids == one_shot.generate({"prompt_token_ids": prompt}, params,
+                                                         use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_seeded_sampling_is_reproducible_across_batch_compositions(hf_model_dir, llm_factory):
+    llm = llm_factory(hf_model_dir("llama"))
+    rng = np.random.default_rng(11)
+    target = rng.integers(3, 500, 40).tolist()
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=30, ignore_eos=True)
+    alone = llm.generate({"prompt_token_ids": target}, seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = [rng.integers(3, 500, int(n)).tolist() for n in rng.integers(1, 200, 7)]
+    prompts = [{"prompt_token_ids": p} for p in others[:3] + [target] + others[3:]]
+    params = [SamplingParams(temperature=0.8, max_tokens=int(m), ignore_eos=True) for m in rng.integers(1, 60, 8)]
+    params[3] = seeded
+    in_batch = llm.generate(prompts, params, use_tqdm=False)[3].outputs[0].token_ids
+    assert in_batch == alone
+    other_seed = llm.generate({"prompt_token_ids": target}, SamplingParams(
+        temperature=1.0, top_p=0.9, top_k=50, seed=4321, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    assert other_seed[0].outputs[0].token_ids != alone
+
+
+def test_n_samples_share_the_prompt_and_differ(hf_model_dir, llm_factory):
+    llm = llm_factory(hf_model_dir("llama"))
+    prompt = np.random.default_rng(2).integers(3, 500, 64).tolist()
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=20,
+                                                                    ignore_eos=True), use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    again = llm.generate({"prompt_token_ids": prompt}, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=20,
+                                                                      ignore_eos=True), use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+
+
+def test_stop_strings_and_stop_tokens_end_generation(hf_model_dir, llm_factory):
+    llm = llm_factory(hf_model_dir("llama"))
+    tokenizer = llm.get_tokenizer()
+    prompt = np.random.default_rng(9).integers(3, 500, 30).tolist()
+    free = llm.generate({"prompt_token_ids": prompt}, greedy(40), use_tqdm=False)[0].outputs[0]
+    stop_token = free.token_ids[10]
+    by_token = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+        temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_token]), use_tqdm=False)[0].outputs[0]
+    first = free.token_ids.index(stop_token)
+    assert by_token.token_ids == free.token_ids[:first + 1]
+    assert (by_token.finish_reason, by_token.stop_reason) == ("stop", stop_token)
+    assert by_token.text == tokenizer.decode(free.token_ids[:first])
+    stop_text = free.text[len(free.text) // 2:][:3]
+    assert stop_text.strip(), "the greedy text should have visible characters to stop on"
+    by_string = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+        temperature=0, max_tokens=40, ignore_eos=True, stop=[stop_text]), use_tqdm=False)[0].outputs[0]
+    assert by_string.text == free.text[:free.text.index(stop_text)]
+    assert (by_string.finish_reason, by_string.stop_reason) == ("stop", stop_text)
+
+
+def test_logprobs_are_the_models_log_softmax(hf_model_dir, llm_factory):
+    model_dir = hf_model_dir("llama")
+    llm = llm_factory(model_dir)
+    prompt = np.random.default_rng(4).integers(3, 500, 12).tolist()
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True,
+                                                                    logprobs=5), use_tqdm=False)[0].outputs[0]
+    hf = load_hf(model_dir)
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1]
+    expected = torch.log_softmax(logits, -1).numpy()
+    for position, (token, entry) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        top5 = np.argsort(-expected[position])[:5]
+        assert set(entry) == {token, *top5.tolist()}
+        for t, lp in entry.items():
+            assert lp == pytest.approx(expected[position, t], abs=1e-4)
+
+
+@pytest.mark.parametrize("prompt, params, param, message", [
+    ([5] * 600, SamplingParams(), "prompt", "This model's maximum context length is 512 tokens. However, your "
+                                            "request has 600 input tokens."),
+    ([5] * 500, SamplingParams(max_tokens=50), "max_tokens", "maximum context length is 512 tokens"),
+    ([], SamplingParams(), "prompt", "empty"),
+    ("", SamplingParams(), "prompt", "empty"),
+    ([5, 10**6], SamplingParams(), "prompt", "token ids"),
+    (3.5, SamplingParams(), "prompt", "must be a string"),
+])
+def test_bad_requests_raise_value_error_naming_the_parameter(hf_model_dir, llm_factory, prompt, params, param,
+                                                             message):
+    llm = llm_factory(hf_model_dir("llama"))
+    with pytest.raises(ValueError, match=message) as info:
+        llm.generate(prompt if not isinstance(prompt, list) else {"prompt_token_ids": prompt}, params,
+                     use_tqdm=False)
+    assert info.value.param == param
+    assert not llm.engine.has_unfinished_requests()  # nothing half-registered
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(temperature=-0.1), "temperature"),
+    (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"), (dict(top_k=-3), "top_k"),
+])
+def test_bad_sampling_params_raise_value_error_naming_the_parameter(kwargs, param):
+    with pytest.raises(ValueError, match=param) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param
+
+
+def test_a_bad_prompt_in_a_batch_rejects_the_whole_call(hf_model_dir, llm_factory):
+    llm = llm_factory(hf_model_dir("llama"))
+    free_before = llm.engine.block_manager.num_free_blocks
+    with pytest.raises(ValueError):
+        llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": []}], greedy(4), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_free_blocks == free_before
+
+
+def test_kv_budget_too_small_for_one_request_fails_with_advice(hf_model_dir):
+    from jserve import LLM
+
+    with pytest.raises(ValueError, match="raise kv_cache_memory_bytes to at least"):
+        LLM(str(hf_model_dir("llama")), max_model_len=512, kv_cache_memory_bytes=64 << 10, warmup=False,
+            compilation_cache_dir="")
+
+
+def test_no_recompilation_after_warmup(hf_model_dir):
+    """A randomized 200-request workload (mixed lengths, sampling settings, aborts) compiles nothing new."""
+    import jax
+    from jax._src import dispatch  # the event name jax reports for each XLA compilation
+
+    from jserve import LLM
+
+    llm = LLM(str(hf_model_dir("llama")), max_model_len=256, kv_cache_memory_bytes=1 << 20,
+              max_num_batched_tokens=128, max_num_seqs=16, warmup=True, compilation_cache_dir="")
+    engine, rng = llm.engine, np.random.default_rng(0)
+    compiles = []
+    listener = lambda event, duration, **kw: compiles.append(event) if event == dispatch.BACKEND_COMPILE_EVENT \
+        else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        choices = [dict(temperature=0.0), dict(temperature=0.9, seed=1), dict(temperature=1.0, top_p=0.8),
+                   dict(temperature=0.7, top_k=20), dict(temperature=1.0, min_p=0.1, seed=3),
+                   dict(temperature=0.0, stop=["a", "e "])]
+        pending = list(range(200))
+        while pending or engine.has_unfinished_requests():
+            for _ in range(int(rng.integers(0, 6))):
+                if pending:
+                    i = pending.pop()
+                    prompt = rng.integers(3, 500, int(rng.integers(1, 200))).tolist()
+                    params = SamplingParams(max_tokens=int(rng.integers(1, 256 - len(prompt))),
+                                            **choices[i % len(choices)])
+                    engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+            if engine.requests and rng.random() < 0.1:
+                engine.abort_request(str(rng.choice(sorted(engine.requests))))
+            engine.step()
+    finally:
+        jax.monitoring.clear_event_listeners()
+    assert compiles == []
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
