@@ -250,3 +250,20 @@ def test_no_recompilation_after_warmup(hf_model_dir):
         jax.monitoring.clear_event_listeners()
     assert compiles == []
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_prompt_logprobs_match_transformers_across_prefill_chunks(hf_model_dir, llm_factory):
+    model_dir = hf_model_dir("llama")
+    llm = llm_factory(model_dir, max_num_batched_tokens=32)  # the 90-token prompt takes three chunks
+    prompt = np.random.default_rng(6).integers(3, 500, 90).tolist()
+    llm.generate({"prompt_token_ids": prompt}, greedy(2), use_tqdm=False)  # cache the prefix: it must be ignored
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3),
+                       use_tqdm=False)[0]
+    with torch.no_grad():
+        expected = torch.log_softmax(load_hf(model_dir)(torch.tensor([prompt])).logits[0], -1).numpy()
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for position in range(1, len(prompt)):
+        entry, row = out.prompt_logprobs[position], expected[position - 1]
+        assert set(entry) == {prompt[position], *np.argsort(-row)[:3].tolist()}
+        for token, lp in entry.items():
+            assert lp == pytest.approx(row[token], abs=1e-4)

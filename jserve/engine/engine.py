@@ -21,7 +21,7 @@ from checkpoints.loading import load_model, resolve_model_path
 from jserve.config import EngineConfig, ModelLoadError
 from jserve.engine.kv_cache import BlockManager
 from jserve.engine.runner import ModelRunner, kv_bytes_per_block
-from jserve.engine.sampler import build_metadata, sample, warmup_metadata
+from jserve.engine.sampler import build_metadata, sample, token_logprobs, warmup_metadata
 from jserve.engine.scheduler import Scheduler, SchedulerOutput
 from jserve.engine.sequence import Sequence
 from jserve.outputs import CompletionOutput, RequestOutput
@@ -42,6 +42,7 @@ class SeqStream:
     stop_matcher: StopStringMatcher
     text: str = ""
     logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass
@@ -63,9 +64,11 @@ class RequestState:
                                     finish_reason=s.seq.finish_reason, stop_reason=s.seq.stop_reason,
                                     logprobs=None if s.logprobs is None else list(s.logprobs))
                    for s in self.streams]
+        prompt_logprobs = self.streams[0].prompt_logprobs
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=self.prompt_token_ids, outputs=outputs, finished=self.finished,
-                             num_cached_tokens=self.streams[0].seq.num_cached_tokens, metrics=dict(self.metrics))
+                             num_cached_tokens=self.streams[0].seq.num_cached_tokens, metrics=dict(self.metrics),
+                             prompt_logprobs=None if prompt_logprobs is None else list(prompt_logprobs))
 
 
 @dataclass
@@ -224,8 +227,14 @@ class LLMEngine:
         plan: SchedulerOutput = self.scheduler.schedule()
         if not plan.scheduled:
             return []
-        batch = self.runner.prepare(plan.scheduled)
+        wants_prompt_logprobs = [self._wants_prompt_logprobs(c) for c in plan.scheduled]
+        batch = self.runner.prepare(plan.scheduled, all_logits=any(wants_prompt_logprobs))
         logits = self.runner.run(batch)
+        if any(wants_prompt_logprobs):
+            self._record_prompt_logprobs(plan, wants_prompt_logprobs, batch, logits)
+            last_rows = np.zeros(self.runner.seq_rows_for(len(batch.token_ids)), np.int32)
+            last_rows[:len(plan.scheduled)] = batch.query_start[1:len(plan.scheduled) + 1] - 1
+            logits = logits[last_rows]
         meta = build_metadata([c.seq for c in plan.scheduled], pad_to=logits.shape[0])
         sampled = sample(logits, meta)
         token_ids = np.asarray(sampled.token_ids)  # the one host round-trip per step
@@ -245,6 +254,36 @@ class LLMEngine:
             state.first_token_time = state.first_token_time or now
             changed[state.request_id] = state
         return [self._emit(state) for state in changed.values()]
+
+    @staticmethod
+    def _wants_prompt_logprobs(chunk) -> bool:
+        seq = chunk.seq
+        return seq.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens - 1
+
+    def _record_prompt_logprobs(self, plan: SchedulerOutput, wanted: list[bool], batch, logits) -> None:
+        """Logprobs of each prompt token given the tokens before it, from this step's all-token logits."""
+        next_ids = np.zeros(len(batch.token_ids), np.int32)
+        for row, chunk in enumerate(plan.scheduled):
+            if wanted[row]:
+                start, seq = batch.query_start[row], chunk.seq
+                tokens = seq.token_ids[seq.num_computed_tokens + 1: seq.num_computed_tokens + chunk.num_new_tokens + 1]
+                next_ids[start: start + len(tokens)] = tokens
+        chosen, top_ids, top_lps = (np.asarray(a) for a in token_logprobs(logits, next_ids))
+        for row, chunk in enumerate(plan.scheduled):
+            if not wanted[row]:
+                continue
+            seq, k = chunk.seq, chunk.seq.params.prompt_logprobs
+            stream = self.requests[seq.request_id].streams[seq.index]
+            if stream.prompt_logprobs is None:
+                stream.prompt_logprobs = [None] * seq.num_prompt_tokens  # the first token has no context
+            for i in range(chunk.num_new_tokens):
+                position = seq.num_computed_tokens + i + 1  # the prompt token this row's logits predict
+                if position >= seq.num_prompt_tokens:
+                    break
+                r = batch.query_start[row] + i
+                stream.prompt_logprobs[position] = {seq.token_ids[position]: float(chosen[r]),
+                                                    **dict(zip(top_ids[r, :k].tolist(), top_lps[r, :k].tolist(),
+                                                               strict=True))}
 
     def _count_prompt_tokens(self, plan: SchedulerOutput) -> None:
         for chunk in plan.scheduled:

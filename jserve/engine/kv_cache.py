@@ -73,7 +73,9 @@ class BlockManager:
     def allocate_prefix(self, seq: Sequence) -> None:
         """Give a waiting sequence the longest run of cached blocks matching its tokens."""
         assert not seq.block_table and seq.num_computed_tokens == 0, f"{seq} already holds blocks"
-        matched = self._match_prefix(seq) if self.enable_prefix_caching else []
+        # prompt_logprobs needs logits at every prompt position, so such a request computes its whole prompt.
+        wants_all = seq.params.prompt_logprobs is not None
+        matched = self._match_prefix(seq) if self.enable_prefix_caching and not wants_all else []
         for block_id in matched:
             self._take(block_id)
         seq.block_table = matched

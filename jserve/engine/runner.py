@@ -79,8 +79,11 @@ class ModelRunner:
     def seq_rows_for(self, num_tokens_bucket: int) -> int:
         return min(num_tokens_bucket, pick_bucket(pow2_buckets(1, self.max_seq_rows), self.max_seq_rows))
 
-    def prepare(self, chunks: Seq[ScheduledChunk]) -> StepBatch:
-        """Flatten the scheduled chunks into one padded ragged batch (host-side numpy, then one transfer)."""
+    def prepare(self, chunks: Seq[ScheduledChunk], all_logits: bool = False) -> StepBatch:
+        """Flatten the scheduled chunks into one padded ragged batch (host-side numpy, then one transfer).
+
+        With all_logits the step returns logits for every token (for prompt logprobs), not one row per sequence.
+        """
         num_tokens = sum(c.num_new_tokens for c in chunks)
         t_pad = pick_bucket(self.token_buckets, num_tokens)
         s_pad = self.seq_rows_for(t_pad)
@@ -112,6 +115,8 @@ class ModelRunner:
             query_start[row + 1] = offset
             logits_indices[row] = offset - 1
         query_start[len(chunks) + 1:] = offset
+        if all_logits:
+            logits_indices = np.arange(t_pad, dtype=np.int32)
         return StepBatch(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
                          token_seq=token_seq, page_table=page_table, seq_lens=seq_lens,
                          query_start=query_start, logits_indices=logits_indices)

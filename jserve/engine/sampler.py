@@ -290,6 +290,16 @@ def _top_logprobs(logits: jax.Array, lse: jax.Array, k: int) -> tuple[jax.Array,
     return ids.astype(jnp.int32), values - lse[:, None]
 
 
+@jax.jit
+def token_logprobs(logits: jax.Array, token_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Raw logprobs f32[T] of token_ids i32[T] under logits f32[T, V], and the top MAX_LOGPROBS per row."""
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    chosen = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0] - lse
+    top_ids, top_logprobs = _top_logprobs(logits, lse, MAX_LOGPROBS)
+    return chosen, top_ids, top_logprobs
+
+
 def warmup_metadata(rows: int) -> list[SamplingMetadata]:
     """Metadata for the common sampler variants (greedy; sampled; sampled with top-k/top-p), for warm-up.
 
