@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -108,16 +109,41 @@ def broken_checkpoints(tmp_path, hf_model_dir):
     tensors = load_file(missing_tensor / "model.safetensors")
     del tensors["model.layers.1.mlp.down_proj.weight"]
     save_file(tensors, missing_tensor / "model.safetensors", metadata={"format": "pt"})
-    return {"no_config": (no_config, "no config.json"), "unknown_type": (unknown_type, "gpt_neox"),
+    misshaped = copy("misshaped")
+    tensors = load_file(misshaped / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_proj.weight"] = tensors["model.layers.0.self_attn.k_proj.weight"][:-1]
+    save_file(tensors, misshaped / "model.safetensors", metadata={"format": "pt"})
+    unexpected = copy("unexpected")
+    tensors = load_file(unexpected / "model.safetensors")
+    tensors["model.layers.0.mystery.weight"] = tensors["model.norm.weight"].clone()
+    save_file(tensors, unexpected / "model.safetensors", metadata={"format": "pt"})
+    return {"no_config": (no_config, "no config.json"),
+            "unknown_type": (unknown_type, "gpt_neox.*supports llama, mistral, qwen2, qwen3"),
+            "misshaped": (misshaped, "model.safetensors: tensor model.layers.0.self_attn.k_proj.weight has shape"),
+            "unexpected": (unexpected, "model.layers.0.mystery.weight"),
             "no_weights": (no_weights, "safetensors"),
             "missing_tensor": (missing_tensor, "model.layers.1.mlp.down_proj.weight")}
 
 
-@pytest.mark.parametrize("case", ["no_config", "unknown_type", "no_weights", "missing_tensor"])
+CASES = ["no_config", "unknown_type", "no_weights", "missing_tensor", "misshaped", "unexpected"]
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_unloadable_checkpoint_raises_model_load_error(broken_checkpoints, case):
     path, message = broken_checkpoints[case]
     with pytest.raises(ModelLoadError, match=message):
         load_model(path)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_cli_exits_nonzero_with_the_loading_error(broken_checkpoints, case, tmp_path, capsys):
+    path, message = broken_checkpoints[case]
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    code = main(["generate", "--model", str(path), "--input", str(tmp_path / "in.jsonl"),
+                 "--output", str(tmp_path / "out.jsonl"), *ENGINE_FLAGS])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jserve: error:") and re.search(message, err)
 
 
 def test_cli_reports_unloadable_checkpoint_and_exits_nonzero(broken_checkpoints, tmp_path):
