@@ -124,10 +124,13 @@ def test_seeded_sampling_is_reproducible_across_batch_compositions(hf_model_dir,
 def test_n_samples_share_the_prompt_and_differ(hf_model_dir, llm_factory):
     llm = llm_factory(hf_model_dir("llama"))
     prompt = np.random.default_rng(2).integers(3, 500, 64).tolist()
+    before = llm.engine.stats.num_computed_prompt_tokens
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=20,
                                                                     ignore_eos=True), use_tqdm=False)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    # The samples share the prompt's full blocks: the siblings compute only the last, partial one (16 tokens).
+    assert llm.engine.stats.num_computed_prompt_tokens - before == 64 + 2 * 16
     again = llm.generate({"prompt_token_ids": prompt}, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=20,
                                                                       ignore_eos=True), use_tqdm=False)[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]

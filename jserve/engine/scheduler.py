@@ -157,6 +157,8 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self._sibling_prefilling(seq):
+                break  # wait one step: once the sibling's prompt is cached, this sample reuses its blocks
             bm.allocate_prefix(seq)  # cached blocks shrink the work, so look them up before sizing the chunk
             num_new = self._chunk(seq, budget)
             if num_new == 0 or not bm.allocate_slots(seq, num_new):
@@ -168,6 +170,13 @@ class Scheduler:
             out.scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
         return budget
+
+    def _sibling_prefilling(self, seq: Sequence) -> bool:
+        """An n > 1 sample whose sibling is still computing the shared prompt (only matters with prefix caching)."""
+        if seq.index == 0 or not self.block_manager.enable_prefix_caching or seq.num_computed_tokens:
+            return False
+        return any(s.request_id == seq.request_id and s.num_computed_tokens < s.num_prompt_tokens
+                   for s in self.running)
 
     @staticmethod
     def _scheduled(seq: Sequence, num_new: int) -> ScheduledSeq:
