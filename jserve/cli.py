@@ -14,6 +14,7 @@ from pathlib import Path
 
 from jserve.config import EngineConfig, ModelLoadError
 from jserve.sampling_params import SamplingParams
+from jserve.server.cli import add_serve_parser
 
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams) if f.name != "eos_token_ids"}
 
@@ -56,7 +57,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 # Each entry adds one subcommand; the modules import nothing heavy until their command runs.
-SUBCOMMAND_PARSERS = [add_generate_parser]
+SUBCOMMAND_PARSERS = [add_generate_parser, add_serve_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,77 @@
+"""The Starlette app factory: `build_app(config, settings)` gives an ASGI app that loads the engine in the
+background on start-up (so /health answers 503 meanwhile) and stops it on shut-down."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from jserve.config import EngineConfig
+from jserve.server import routes
+from jserve.server.http import RequestContextMiddleware, check_api_key, error_response
+from jserve.server.openapi import openapi_spec
+from jserve.server.protocol import APIError
+from jserve.server.state import ServerSettings, ServerState
+
+Handler = Callable[[Request, ServerState], Awaitable[Response]]
+
+
+def _endpoint(state: ServerState, handler: Handler, *, auth: bool) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        try:
+            if auth:
+                check_api_key(request, state.settings.api_key)
+            return await handler(request, state)
+        except APIError as e:
+            return error_response(e)
+
+    return endpoint
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    # Unknown routes (404) and wrong methods (405) get OpenAI-shaped bodies too.
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    message = exc.detail if isinstance(exc, HTTPException) else "internal server error"
+    return error_response(APIError(status, f"{message}: {request.method} {request.url.path}"[:300]))
+
+
+def build_app(config: EngineConfig | None = None, settings: ServerSettings | None = None, *,
+              on_load_error: Callable[[BaseException], None] | None = None) -> Starlette:
+    """An OpenAI-compatible app serving `config`'s model; `app.state.server` is its ServerState."""
+    state = ServerState(config or EngineConfig(), settings or ServerSettings(), on_load_error)
+    spec = openapi_spec()
+
+    async def openapi(request: Request, _: ServerState) -> Response:
+        return JSONResponse(spec)
+
+    table = [("/v1/completions", ["POST"], routes.create_completion, True),
+             ("/v1/chat/completions", ["POST"], routes.create_chat_completion, True),
+             ("/v1/models", ["GET"], routes.list_models, True),
+             ("/tokenize", ["POST"], routes.tokenize, True),
+             ("/detokenize", ["POST"], routes.detokenize, True),
+             ("/health", ["GET"], routes.health, False),
+             ("/metrics", ["GET"], routes.metrics, False),
+             ("/version", ["GET"], routes.version, False),
+             ("/openapi.json", ["GET"], openapi, False)]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        state.start_loading()
+        try:
+            yield
+        finally:
+            await state.shutdown()
+
+    app = Starlette(routes=[Route(path, _endpoint(state, handler, auth=auth), methods=methods)
+                            for path, methods, handler, auth in table],
+                    middleware=[Middleware(RequestContextMiddleware)],
+                    exception_handlers={HTTPException: _http_error}, lifespan=lifespan)
+    app.state.server = state
+    return app

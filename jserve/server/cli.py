@@ -1,0 +1,93 @@
+"""`jserve serve`: the OpenAI-compatible server on uvicorn.
+
+SIGTERM (or Ctrl-C) stops accepting connections, lets running requests finish for up to --shutdown-timeout
+seconds, aborts what is left, stops the engine and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+
+from jserve.server.settings import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, ServerSettings
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+EXIT_LOAD_FAILED = 2
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    from jserve.cli import add_engine_args
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible streaming server (the demo model without --model)")
+    group = serve.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize")
+    group.add_argument("--served-model-name", default=None,
+                       help="the model name clients use (default: --model, or jserve-demo)")
+    group.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
+                       help="sequences that may wait beyond the max_num_seqs running ones; more get 429")
+    group.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                       help="larger request bodies get 413")
+    group.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
+                       help="seconds running requests may take to finish after SIGTERM")
+    group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_engine_args(serve)
+    serve.set_defaults(run=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from jserve.cli import engine_config_from_args
+    from jserve.server.app import build_app
+
+    settings = ServerSettings(served_model_name=args.served_model_name, api_key=args.api_key,
+                              max_queued_requests=args.max_queued_requests,
+                              max_request_bytes=args.max_request_bytes)
+    config = engine_config_from_args(args)
+    logging.getLogger().setLevel(args.log_level.upper())
+    failed: list[BaseException] = []
+
+    def on_load_error(error: BaseException) -> None:
+        failed.append(error)
+        server.should_exit = True  # a server whose model cannot load would only ever answer 503
+
+    app = build_app(config, settings, on_load_error=on_load_error)
+    server = _server_class(uvicorn)(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           access_log=False, timeout_graceful_shutdown=args.shutdown_timeout,
+                                           log_config=None))
+    logger.info("jserve serving on http://%s:%d (model loads in the background; GET /health says when ready)",
+                args.host, args.port)
+    server.run()
+    if failed:
+        logger.error("jserve: the model failed to load: %s", failed[0])
+        return EXIT_LOAD_FAILED
+    return 0
+
+
+def _server_class(uvicorn):
+    class Server(uvicorn.Server):
+        """uvicorn re-raises SIGTERM after its graceful shutdown (so the process dies by the signal); a drained
+        shutdown is a success, so jserve exits 0 instead."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield  # signals reach only the main thread
+                return
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return Server

@@ -1,0 +1,101 @@
+"""Prometheus metrics named after vLLM's (prefix `jserve:` instead of `vllm:`), one registry per app.
+
+Engine-wide gauges and counters are read from the snapshot the engine thread publishes after every step, so
+a scrape never touches the engine itself; latency histograms are observed by the engine thread as outputs
+appear.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# vLLM's buckets, so dashboards port unchanged.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's state after its last step (replaced whole, so readers on other threads see one step)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+class _SnapshotCollector(Collector):
+    def __init__(self, snapshot: Callable[[], EngineSnapshot | None], model_name: str):
+        self._snapshot = snapshot
+        self._labels = {"model_name": model_name}
+
+    def _gauge(self, name: str, doc: str, value: float) -> Metric:
+        metric = GaugeMetricFamily(name, doc, labels=list(self._labels))
+        metric.add_metric(list(self._labels.values()), value)
+        return metric
+
+    def _counter(self, name: str, doc: str, value: float) -> Metric:
+        metric = CounterMetricFamily(name, doc, labels=list(self._labels))
+        metric.add_metric(list(self._labels.values()), value)
+        return metric
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._snapshot() or EngineSnapshot()  # zeros while the model loads
+        yield self._gauge("jserve:num_requests_running", "Sequences in the running batch.", s.num_running)
+        yield self._gauge("jserve:num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
+        yield self._gauge("jserve:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
+                          s.kv_cache_usage)
+        yield self._counter("jserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                            s.prefix_cache_queries)
+        yield self._counter("jserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                            s.prefix_cache_hits)
+        yield self._counter("jserve:num_preemptions", "Sequences preempted to free KV cache.", s.num_preemptions)
+        yield self._counter("jserve:prompt_tokens", "Prefill tokens computed.", s.prompt_tokens)
+        yield self._counter("jserve:generation_tokens", "Tokens generated.", s.generation_tokens)
+
+
+class ServerMetrics:
+    """Every metric of one server, in its own CollectorRegistry (so apps and tests never share state)."""
+
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot | None]):
+        self.registry = CollectorRegistry()
+        self.registry.register(_SnapshotCollector(snapshot, model_name))
+        labels = {"model_name": model_name}
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labelnames=list(labels), buckets=buckets,
+                             registry=self.registry).labels(**labels)
+
+        self.time_to_first_token = histogram("jserve:time_to_first_token_seconds",
+                                             "Time from admission to the first output token.", TTFT_BUCKETS)
+        self.inter_token_latency = histogram("jserve:inter_token_latency_seconds",
+                                             "Time between successive outputs of a request.", ITL_BUCKETS)
+        self.e2e_request_latency = histogram("jserve:e2e_request_latency_seconds",
+                                             "Time from admission to the last output token.", REQUEST_BUCKETS)
+        self.request_queue_time = histogram("jserve:request_queue_time_seconds",
+                                            "Time a request waited before it was first scheduled.",
+                                            REQUEST_BUCKETS)
+        self.request_success = Counter("jserve:request_success", "Finished requests by finish reason.",
+                                       labelnames=["model_name", "finished_reason"], registry=self.registry)
+        self._model_name = model_name
+
+    def request_finished(self, reason: str) -> None:
+        self.request_success.labels(model_name=self._model_name, finished_reason=reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,352 @@
+"""OpenAI request bodies: one JSON-schema table per route that both validates requests and feeds /openapi.json.
+
+Validation checks JSON types (and the static ranges the schema states); SamplingParams then checks the rest.
+Every failure is an APIError naming the parameter, so a bad request is a 400 and never reaches the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from jserve.sampling_params import MAX_LOGPROBS, InvalidParameterError, SamplingParams
+from jserve.tokenizer import normalize_messages
+
+# The most samples one request may ask for; each is a full sequence in the batch.
+MAX_N = 128
+# Python's own int() refuses longer literals; JSON numbers beyond this are rejected as invalid JSON anyway.
+INT64 = 2**63
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
+
+
+class APIError(Exception):
+    """An error that becomes OpenAI's body {"error": {message, type, param, code}} with an HTTP status."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+             500: "internal_error", 503: "service_unavailable"}
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code="invalid_value" if param else None)
+
+
+# ----- JSON parsing -----
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:32]} is out of range")
+    return value
+
+
+def parse_json(raw: bytes) -> dict:
+    """Decode a request body that must be a JSON object (strict UTF-8, no NaN/Infinity)."""
+    try:
+        text = raw.decode("utf-8")
+        body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    except UnicodeDecodeError as e:
+        raise bad_request(f"request body is not valid UTF-8: {e.reason} at byte {e.start}") from None
+    except json.JSONDecodeError as e:
+        raise bad_request(f"request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})") from None
+    except (ValueError, RecursionError) as e:  # NaN, int literals over Python's digit limit, deep nesting
+        raise bad_request(f"request body is not valid JSON: {str(e)[:200] or type(e).__name__}") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"request body must be a JSON object, got {_json_type(body)}")
+    return body
+
+
+# ----- a small JSON-schema checker (the subset the tables below use) -----
+
+_TYPES = {"null": lambda v: v is None, "boolean": lambda v: isinstance(v, bool),
+          "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+          "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          "string": lambda v: isinstance(v, str), "array": lambda v: isinstance(v, list),
+          "object": lambda v: isinstance(v, dict)}
+
+
+def _json_type(value: Any) -> str:
+    return next((name for name, ok in _TYPES.items() if name not in ("integer",) and ok(value)), "unknown")
+
+
+def _describe(schema: dict) -> str:
+    if "anyOf" in schema:
+        return " or ".join(_describe(s) for s in schema["anyOf"])
+    kind = schema.get("type", "value")
+    if kind == "array" and "items" in schema:
+        return f"an array of {_describe(schema['items'])}s"
+    return {"integer": "an integer", "array": "an array", "object": "an object", "null": "null"}.get(kind, f"a {kind}")
+
+
+def schema_errors(value: Any, schema: dict, where: str) -> str | None:
+    """The first way `value` breaks `schema`, as a message about `where`, or None when it conforms."""
+    if "anyOf" in schema:
+        errors = [schema_errors(value, option, where) for option in schema["anyOf"]]
+        if all(errors):
+            shape_ok = [e for e, opt in zip(errors, schema["anyOf"], strict=True) if _TYPES[opt["type"]](value)]
+            return shape_ok[0] if len(shape_ok) == 1 else f"{where} must be {_describe(schema)}"
+        return None
+    kind = schema["type"]
+    if not _TYPES[kind](value):
+        return f"{where} must be {_describe(schema)}, got {_json_type(value)}"
+    if kind in ("integer", "number"):
+        if "minimum" in schema and value < schema["minimum"]:
+            return f"{where} must be at least {schema['minimum']}, got {value}"
+        if "exclusiveMinimum" in schema and value <= schema["exclusiveMinimum"]:
+            return f"{where} must be greater than {schema['exclusiveMinimum']}, got {value}"
+        if "maximum" in schema and value > schema["maximum"]:
+            return f"{where} must be at most {schema['maximum']}, got {value}"
+    if kind == "string" and len(value) < schema.get("minLength", 0):
+        return f"{where} must not be empty"
+    if kind == "string" and len(value) > schema.get("maxLength", math.inf):
+        return f"{where} must be at most {schema['maxLength']} characters, got {len(value)}"
+    if kind == "array":
+        if len(value) < schema.get("minItems", 0):
+            return f"{where} must have at least {schema['minItems']} item(s)"
+        if len(value) > schema.get("maxItems", math.inf):
+            return f"{where} must have at most {schema['maxItems']} items, got {len(value)}"
+        for i, item in enumerate(value):
+            if (error := schema_errors(item, schema["items"], f"{where}[{i}]")) is not None:
+                return error
+    if kind == "object":
+        for key, sub in schema.get("properties", {}).items():
+            if key in value and (error := schema_errors(value[key], sub, f"{where}.{key}")) is not None:
+                return error
+        extra = schema.get("additionalProperties")
+        if isinstance(extra, dict):
+            for key, item in value.items():
+                if key not in schema.get("properties", {}) and \
+                        (error := schema_errors(item, extra, f"{where}[{key!r}]")) is not None:
+                    return error
+    return None
+
+
+def _nullable(schema: dict, description: str, **extra: Any) -> dict:
+    options = schema["anyOf"] if "anyOf" in schema else [schema]
+    return {"anyOf": [*options, {"type": "null"}], "description": description, **extra}
+
+
+def _int(description: str, **bounds: int) -> dict:
+    return _nullable({"type": "integer", "minimum": -INT64, "maximum": INT64 - 1, **bounds}, description)
+
+
+def _num(description: str, **bounds: float) -> dict:
+    return _nullable({"type": "number", **bounds}, description)
+
+
+def _bool(description: str) -> dict:
+    return _nullable({"type": "boolean"}, description)
+
+
+# Stop matching keeps every prefix of every stop string, so their size is bounded (quadratic in the length).
+MAX_STOP_STRINGS, MAX_STOP_LENGTH = 64, 512
+_STOP = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LENGTH}
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": INT64 - 1}, "minItems": 1}
+
+SAMPLING_FIELDS: dict[str, dict] = {
+    "model": _nullable({"type": "string"}, "The served model name (GET /v1/models); omitted means that model."),
+    "n": _int("How many completions to generate for each prompt.", minimum=1, maximum=MAX_N),
+    "temperature": _num("Sampling temperature; 0 is greedy.", minimum=0),
+    "top_p": _num("Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p.",
+                  exclusiveMinimum=0, maximum=1),
+    "stop": _nullable({"anyOf": [_STOP, {"type": "array", "items": _STOP, "maxItems": MAX_STOP_STRINGS}]},
+                      "Strings that end the completion; they are cut from the text."),
+    "seed": _int("Makes sampling reproducible whatever else shares the batch."),
+    "presence_penalty": _num("Penalty for tokens already present in the output.", minimum=-2, maximum=2),
+    "frequency_penalty": _num("Penalty scaled by how often a token already occurs in the output.",
+                              minimum=-2, maximum=2),
+    "logit_bias": _nullable({"type": "object", "additionalProperties": {"type": "number", "minimum": -100,
+                                                                        "maximum": 100}},
+                            "Map of token id (as a string) to a bias in [-100, 100] added to its logit."),
+    "stream": _bool("Send the output as Server-Sent Events while it is generated."),
+    "stream_options": _nullable({"type": "object", "properties": {"include_usage": _bool(
+        "Send a last chunk with the usage and empty choices.")}}, "Options for streaming."),
+    "user": _nullable({"type": "string"}, "An end-user id; accepted and ignored."),
+    "top_k": _int("Keep only the k most likely tokens; 0 or -1 disables it.", minimum=-1),
+    "min_p": _num("Drop tokens whose probability is below min_p times the most likely one's.", minimum=0, maximum=1),
+    "repetition_penalty": _num("Penalty (>1) or bonus (<1) for tokens in the prompt or output.",
+                               exclusiveMinimum=0, maximum=100),
+    "min_tokens": _int("Generate at least this many tokens before EOS or stop tokens may end the output.",
+                       minimum=0),
+    "ignore_eos": _bool("Keep generating past the end-of-sequence token."),
+    "stop_token_ids": _nullable({"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                            "maximum": INT64 - 1}, "maxItems": 1024},
+                                "Token ids that end the completion."),
+    "skip_special_tokens": _bool("Leave special tokens out of the text (default true)."),
+    "include_stop_str_in_output": _bool("Keep the matched stop string at the end of the text."),
+    "priority": _int("Scheduling priority: lower values are served first (default 0)."),
+}
+
+COMPLETION_FIELDS: dict[str, dict] = {
+    "prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                         _TOKEN_IDS, {"type": "array", "items": _TOKEN_IDS, "minItems": 1}],
+               "description": "A string, a list of strings, a list of token ids, or a list of token-id lists."},
+    "max_tokens": _int(f"The most tokens to generate (default {COMPLETION_DEFAULT_MAX_TOKENS}).", minimum=1),
+    "logprobs": _int("Return the log probabilities of this many most likely tokens at each position.",
+                     minimum=0, maximum=MAX_LOGPROBS),
+    "echo": _bool("Not supported: only false is accepted."),
+    "suffix": _nullable({"type": "string"}, "Not supported: only null or an empty string is accepted."),
+    "best_of": _int("Only null or n is accepted (every sample is returned).", minimum=1),
+    **SAMPLING_FIELDS,
+}
+
+_MESSAGE = {"type": "object", "properties": {"role": {"type": "string", "minLength": 1}},
+            "description": "An OpenAI chat message: role plus content (a string or a list of text parts)."}
+
+CHAT_FIELDS: dict[str, dict] = {
+    "messages": {"type": "array", "items": _MESSAGE, "minItems": 1, "description": "The conversation so far."},
+    "max_tokens": _int("Deprecated alias of max_completion_tokens.", minimum=1),
+    "max_completion_tokens": _int("The most tokens to generate (default: what the context has left).",
+                                  minimum=1),
+    "logprobs": _bool("Return the log probability of each output token."),
+    "top_logprobs": _int("With logprobs, also return this many most likely tokens at each position.",
+                         minimum=0, maximum=MAX_LOGPROBS),
+    "add_generation_prompt": _bool("End the rendered prompt with the assistant turn's header (default true)."),
+    **SAMPLING_FIELDS,
+}
+
+TOKENIZE_FIELDS: dict[str, dict] = {
+    "model": SAMPLING_FIELDS["model"],
+    "prompt": _nullable({"type": "string"}, "Text to tokenize (or give messages)."),
+    "messages": _nullable(CHAT_FIELDS["messages"], "Chat messages to render with the chat template and tokenize."),
+    "add_special_tokens": _bool("Add the tokenizer's special tokens to a prompt (default true)."),
+    "add_generation_prompt": CHAT_FIELDS["add_generation_prompt"],
+}
+
+DETOKENIZE_FIELDS: dict[str, dict] = {
+    "model": SAMPLING_FIELDS["model"],
+    "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": INT64 - 1},
+               "description": "Token ids to turn back into text."},
+}
+
+REQUIRED = {"completion": ["prompt"], "chat": ["messages"], "tokenize": [], "detokenize": ["tokens"]}
+
+
+def check_fields(body: dict, fields: dict[str, dict], required: list[str]) -> dict[str, Any]:
+    """The known, non-null fields of `body`, each checked against its schema; unknown fields are ignored."""
+    for name in required:
+        if body.get(name) is None:
+            raise bad_request(f"'{name}' is a required field", name)
+    values = {}
+    for name, schema in fields.items():
+        if body.get(name) is None:
+            continue
+        if (error := schema_errors(body[name], schema, name)) is not None:
+            raise bad_request(error, name)
+        values[name] = body[name]
+    return values
+
+
+# ----- typed requests -----
+
+@dataclass
+class GenerationRequest:
+    """What the completion and chat routes share once the body is checked."""
+
+    model: str | None
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    priority: int
+
+
+@dataclass
+class CompletionRequest(GenerationRequest):
+    prompts: list[str | list[int]]
+
+
+@dataclass
+class ChatRequest(GenerationRequest):
+    messages: list[dict]
+    add_generation_prompt: bool
+
+
+_PARAM_NAMES = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                "frequency_penalty", "seed", "min_tokens", "stop", "stop_token_ids", "ignore_eos",
+                "skip_special_tokens", "include_stop_str_in_output")
+
+
+def _sampling_params(values: dict[str, Any], *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    kwargs = {name: values[name] for name in _PARAM_NAMES if name in values}
+    if "logit_bias" in values:
+        kwargs["logit_bias"] = _logit_bias(values["logit_bias"])
+    try:
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+    except InvalidParameterError as e:
+        raise bad_request(str(e), e.param) from None
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key[:64]!r}", "logit_bias") from None
+        if not 0 <= token < INT64:
+            raise bad_request(f"logit_bias key {key[:64]} is not a valid token id", "logit_bias")
+        out[token] = value
+    return out
+
+
+def _common(values: dict[str, Any]) -> dict[str, Any]:
+    options = values.get("stream_options") or {}
+    stream = bool(values.get("stream", False))
+    if options and not stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    return dict(model=values.get("model"), stream=stream, include_usage=bool(options.get("include_usage")),
+                priority=values.get("priority", 0))
+
+
+def parse_completion(body: dict) -> CompletionRequest:
+    values = check_fields(body, COMPLETION_FIELDS, REQUIRED["completion"])
+    if values.get("echo"):
+        raise bad_request("echo is not supported", "echo")
+    if values.get("suffix"):
+        raise bad_request("suffix is not supported", "suffix")
+    if values.get("best_of") not in (None, values.get("n", 1)):
+        raise bad_request("best_of must equal n: every sample is returned", "best_of")
+    prompt = values["prompt"]
+    prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else list(prompt)
+    params = _sampling_params(values, max_tokens=values.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS),
+                              logprobs=values.get("logprobs"))
+    return CompletionRequest(params=params, prompts=prompts, **_common(values))
+
+
+def parse_chat(body: dict) -> ChatRequest:
+    values = check_fields(body, CHAT_FIELDS, REQUIRED["chat"])
+    try:
+        messages = normalize_messages(values["messages"])
+    except InvalidParameterError as e:
+        raise bad_request(str(e), e.param) from None
+    if "top_logprobs" in values and not values.get("logprobs"):
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    logprobs = values.get("top_logprobs", 0) if values.get("logprobs") else None
+    max_tokens = values.get("max_completion_tokens", values.get("max_tokens"))
+    params = _sampling_params(values, max_tokens=max_tokens, logprobs=logprobs)
+    return ChatRequest(params=params, messages=messages,
+                       add_generation_prompt=values.get("add_generation_prompt", True), **_common(values))
+
+
+def request_schema(fields: dict[str, dict], required: list[str]) -> dict:
+    """The JSON schema of a request body (for /openapi.json)."""
+    return {"type": "object", "properties": fields, "required": required, "additionalProperties": True}

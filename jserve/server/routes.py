@@ -1,0 +1,238 @@
+"""The route handlers: OpenAI completions and chat (streaming and not), models, tokenize/detokenize, health,
+metrics and version. Each handler gets the request and the ServerState; errors are raised as APIError."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from jserve import __version__
+from jserve.server import responses as R
+from jserve.server.async_engine import AsyncEngine, EngineDeadError, Generation, QueueFullError
+from jserve.server.http import EventStreamResponse, read_json, unless_disconnected
+from jserve.server.protocol import (
+    DETOKENIZE_FIELDS,
+    REQUIRED,
+    TOKENIZE_FIELDS,
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    GenerationRequest,
+    bad_request,
+    check_fields,
+    parse_chat,
+    parse_completion,
+)
+from jserve.server.state import ServerState
+from jserve.server.tokenizer_worker import TokenizerWorker
+
+logger = logging.getLogger(__name__)
+
+# Seconds a client is told to wait after a 429; the openai client honours Retry-After.
+RETRY_AFTER_SECONDS = 1
+
+
+# ----- admission -----
+
+@contextlib.contextmanager
+def _admission_errors() -> Iterator[None]:
+    try:
+        yield
+    except QueueFullError as e:
+        raise APIError(429, str(e), code="rate_limit_exceeded",
+                       headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+    except EngineDeadError as e:
+        raise APIError(503, str(e), code="engine_dead") from None
+    except ValueError as e:
+        raise bad_request(str(e), "n") from None
+
+
+def _precheck(engine: AsyncEngine, num_prompts: int, req: GenerationRequest) -> None:
+    """Refuse what cannot be admitted before spending time on tokenization."""
+    with _admission_errors():
+        engine.check_admissible(num_prompts, req.params.n)
+
+
+async def _admit(engine: AsyncEngine, request_id: str, prompts: list[list[int]],
+                 req: GenerationRequest) -> Generation:
+    """Admit and add the request: 429 when the server is full, 400 when the engine rejects it."""
+    with _admission_errors():
+        gen = engine.generate(request_id, prompts, req.params, req.priority)
+    try:
+        await gen.start()
+    except ValueError as e:
+        gen.close()
+        raise bad_request(str(e), getattr(e, "param", None)) from None
+    except EngineDeadError as e:
+        gen.close()
+        raise APIError(503, str(e), code="engine_dead") from None
+    except BaseException:
+        gen.close()
+        raise
+    return gen
+
+
+async def _token_texts(tokenizer: TokenizerWorker, deltas: list[R.ChoiceDelta]) -> dict[int, str]:
+    ids = {token for d in deltas for entry in d.logprobs for token in entry}
+    return await tokenizer.token_texts(ids) if ids else {}
+
+
+def _stream_error(error: Exception) -> bytes:
+    status = 503 if isinstance(error, EngineDeadError) else 500
+    return R.sse(APIError(status, str(error) or type(error).__name__).body())
+
+
+def _stream(gen: Generation, events: AsyncIterator[bytes]) -> EventStreamResponse:
+    async def guarded() -> AsyncIterator[bytes]:
+        try:
+            async for event in events:
+                yield event
+        except Exception as e:  # the stream has begun: report in-band, in OpenAI's shape
+            if not isinstance(e, EngineDeadError):
+                logger.exception("error while streaming %s", gen.request_ids[0])
+            yield _stream_error(e)
+        yield R.sse("[DONE]")
+
+    return EventStreamResponse(guarded(), on_close=gen.close)
+
+
+# ----- completions -----
+
+async def create_completion(request: Request, state: ServerState) -> Response:
+    engine, tokenizer = state.ready()
+    req = parse_completion(await read_json(request, state.settings.max_request_bytes))
+    state.check_model(req.model)
+    _precheck(engine, len(req.prompts), req)
+    prompts = [await tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
+    header = R.ResponseHeader(R.new_id("cmpl"), state.model_name)
+    gen = await _admit(engine, header.id, prompts, req)
+    if req.stream:
+        return _stream(gen, _completion_events(gen, req, header, tokenizer))
+    try:
+        body = await unless_disconnected(request, _completion_body(gen, req, header, tokenizer))
+    finally:
+        gen.close()
+    return JSONResponse(body)
+
+
+async def _completion_events(gen: Generation, req: CompletionRequest, header: R.ResponseHeader,
+                             tokenizer: TokenizerWorker) -> AsyncIterator[bytes]:
+    tracker, k = R.ChoiceTracker(req.params.n), req.params.logprobs
+    extra = {"usage": None} if req.include_usage else {}
+    async for prompt_index, output in gen:
+        deltas = tracker.update(prompt_index, output)
+        texts = await _token_texts(tokenizer, deltas) if k is not None else {}
+        for d in deltas:
+            choice = R.completion_choice(d, texts.__getitem__, k, tracker.choices[d.index])
+            yield R.sse(header.obj("text_completion", [choice], **extra))
+    if req.include_usage:
+        yield R.sse(header.obj("text_completion", [], usage=tracker.usage()))
+
+
+async def _completion_body(gen: Generation, req: CompletionRequest, header: R.ResponseHeader,
+                           tokenizer: TokenizerWorker) -> dict:
+    tracker, k, deltas = R.ChoiceTracker(req.params.n), req.params.logprobs, []
+    async for prompt_index, output in gen:
+        deltas += tracker.update(prompt_index, output)
+    merged = R.merge_deltas(deltas)
+    texts = await _token_texts(tokenizer, merged) if k is not None else {}
+    choices = [R.completion_choice(d, texts.__getitem__, k, R.ChoiceState()) for d in merged]
+    return header.obj("text_completion", choices, usage=tracker.usage())
+
+
+# ----- chat -----
+
+async def create_chat_completion(request: Request, state: ServerState) -> Response:
+    engine, tokenizer = state.ready()
+    req = parse_chat(await read_json(request, state.settings.max_request_bytes))
+    state.check_model(req.model)
+    _precheck(engine, 1, req)
+    prompt = await tokenizer.chat(req.messages, req.add_generation_prompt)
+    header = R.ResponseHeader(R.new_id("chatcmpl"), state.model_name)
+    gen = await _admit(engine, header.id, [prompt], req)
+    if req.stream:
+        return _stream(gen, _chat_events(gen, req, header, tokenizer))
+    try:
+        body = await unless_disconnected(request, _chat_body(gen, req, header, tokenizer))
+    finally:
+        gen.close()
+    return JSONResponse(body)
+
+
+async def _chat_events(gen: Generation, req: ChatRequest, header: R.ResponseHeader,
+                       tokenizer: TokenizerWorker) -> AsyncIterator[bytes]:
+    tracker, k = R.ChoiceTracker(req.params.n), req.params.logprobs
+    extra = {"usage": None} if req.include_usage else {}
+    async for prompt_index, output in gen:
+        deltas = tracker.update(prompt_index, output)
+        texts = await _token_texts(tokenizer, deltas) if k is not None else {}
+        for d in deltas:
+            for choice in R.chat_chunk_choices(d, texts.__getitem__, k):
+                yield R.sse(header.obj("chat.completion.chunk", [choice], **extra))
+    if req.include_usage:
+        yield R.sse(header.obj("chat.completion.chunk", [], usage=tracker.usage()))
+
+
+async def _chat_body(gen: Generation, req: ChatRequest, header: R.ResponseHeader,
+                     tokenizer: TokenizerWorker) -> dict:
+    tracker, k, deltas = R.ChoiceTracker(req.params.n), req.params.logprobs, []
+    async for prompt_index, output in gen:
+        deltas += tracker.update(prompt_index, output)
+    merged = R.merge_deltas(deltas)
+    texts = await _token_texts(tokenizer, merged) if k is not None else {}
+    choices = [R.chat_message_choice(d, texts.__getitem__, k) for d in merged]
+    return header.obj("chat.completion", choices, usage=tracker.usage())
+
+
+# ----- the rest of the API -----
+
+async def list_models(request: Request, state: ServerState) -> Response:
+    engine, _ = state.ready()
+    card = {"id": state.model_name, "object": "model", "created": int(engine.started_at), "owned_by": "jserve",
+            "root": str(engine.engine.model_dir), "max_model_len": engine.engine.max_model_len}
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def tokenize(request: Request, state: ServerState) -> Response:
+    engine, tokenizer = state.ready()
+    values = check_fields(await read_json(request, state.settings.max_request_bytes), TOKENIZE_FIELDS,
+                          REQUIRED["tokenize"])
+    state.check_model(values.get("model"))
+    if ("prompt" in values) == ("messages" in values):
+        raise bad_request("give exactly one of 'prompt' or 'messages'", "prompt")
+    if "prompt" in values:
+        tokens = await tokenizer.encode(values["prompt"], values.get("add_special_tokens", True))
+    else:
+        chat = parse_chat({"messages": values["messages"]})
+        tokens = await tokenizer.chat(chat.messages, values.get("add_generation_prompt", True))
+    return JSONResponse({"count": len(tokens), "max_model_len": engine.engine.max_model_len, "tokens": tokens})
+
+
+async def detokenize(request: Request, state: ServerState) -> Response:
+    _, tokenizer = state.ready()
+    values = check_fields(await read_json(request, state.settings.max_request_bytes), DETOKENIZE_FIELDS,
+                          REQUIRED["detokenize"])
+    state.check_model(values.get("model"))
+    return JSONResponse({"prompt": await tokenizer.decode(values["tokens"])})
+
+
+async def health(request: Request, state: ServerState) -> Response:
+    try:
+        state.ready()
+    except APIError as e:
+        return JSONResponse({"status": "unavailable", "reason": e.message}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(request: Request, state: ServerState) -> Response:
+    return Response(await asyncio.to_thread(state.metrics.render), media_type=CONTENT_TYPE_LATEST)
+
+
+async def version(request: Request, state: ServerState) -> Response:
+    return JSONResponse({"version": __version__})

@@ -1,0 +1,57 @@
+"""The server's own tokenizer, used on one worker thread: prompts are tokenized off the event loop and off
+the engine thread, and the engine's tokenizer (busy detokenizing on the engine thread) is never shared."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+from typing import TypeVar
+
+from jserve.server.protocol import bad_request
+from jserve.tokenizer import ChatTemplateError, Tokenizer
+
+T = TypeVar("T")
+
+
+class TokenizerWorker:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # ids at or above it are rejected before they reach the tokenizer
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jserve-tokenizer")
+        self._token_text = lru_cache(maxsize=1 << 16)(self._decode_one)
+
+    async def _call(self, fn: Callable[..., T], *args) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self._call(self.tokenizer.encode, text, add_special_tokens)
+
+    async def chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        try:
+            return await self._call(self.tokenizer.apply_chat_template, messages, add_generation_prompt)
+        except ChatTemplateError as e:
+            raise bad_request(str(e), "messages") from None
+        except Exception as e:  # a template may raise anything on messages it does not expect (jinja errors)
+            raise bad_request(f"the chat template cannot render these messages: {type(e).__name__}: "
+                              f"{str(e)[:300]}", "messages") from None
+
+    async def decode(self, ids: list[int]) -> str:
+        self.check_ids(ids, "tokens")
+        return await self._call(self.tokenizer.decode, ids)
+
+    async def token_texts(self, ids: set[int]) -> dict[int, str]:
+        """Each token's own text, for logprobs (cached: the same tokens come back all the time)."""
+        return await self._call(lambda: {i: self._token_text(i) for i in ids})
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def check_ids(self, ids: list[int], param: str) -> None:
+        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
