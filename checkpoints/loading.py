@@ -9,10 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, Sharding
 
-from checkpoints.safetensors_loader import load_state
+from checkpoints.safetensors_loader import ParamSource, load_state
 from jserve.config import ModelConfig, ModelLoadError
 from jserve.models import model_class
+from sharding import MODEL_AXIS, logical_sharding, shard_model_config
 
 
 @dataclass
@@ -40,18 +42,44 @@ def resolve_model_path(model: str) -> Path:
     raise ModelLoadError(f"{model}: no such directory")
 
 
-def load_model(model_dir: str | Path, dtype: str = "float32") -> LoadedModel:
+def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend: str = "reference",
+               mesh: Mesh | None = None) -> LoadedModel:
+    """attention_backend: a concrete backend (pallas_kernels.resolve_backend), baked into the graphdef.
+
+    With a mesh, the model is reshaped for its `model` axis (sharding.shard_model_config) and every parameter is
+    built shard by shard in the layout the rules table gives its logical axes: no device, and no host buffer,
+    ever holds a whole copy of a sharded weight.
+    """
     config = ModelConfig.from_pretrained(model_dir)
+    if mesh is not None:
+        config = shard_model_config(config, mesh.shape[MODEL_AXIS])
     param_dtype = jnp.dtype(dtype)
-    abstract = nnx.eval_shape(lambda: model_class(config)(config, param_dtype))
+    abstract = nnx.eval_shape(lambda: model_class(config)(config, param_dtype, attention_backend))
     graphdef, state = nnx.split(abstract)
     pure = nnx.to_pure_dict(state)
     shapes = {path: (leaf.shape, np.dtype(leaf.dtype)) for path, leaf in _flatten(pure)}
-    placed = load_state(model_dir, config, shapes, lambda path, array: jax.device_put(array))
+    axes = {tuple(path): var.get_metadata().get("logical_axes") for path, var in nnx.to_flat_state(state)}
+
+    def place(path: tuple, source: ParamSource) -> jax.Array:
+        if mesh is None:
+            return jax.device_put(source.read())
+        return place_sharded(source, logical_sharding(mesh, axes[path], source.shape))
+
+    placed = load_state(model_dir, config, shapes, place)
     for path, array in placed.items():
         _assign(pure, path, array)
     nnx.replace_by_pure_dict(state, pure)
     return LoadedModel(config=config, graphdef=graphdef, state=state)
+
+
+def place_sharded(source: ParamSource, sharding: Sharding) -> jax.Array:
+    """Build a global array shard by shard: each device's block is read from the memory map and sent before the
+    next is read. (jax.make_array_from_callback would first read every device's block, holding the whole
+    parameter on the host at once.) Only this process's devices are filled, so it works under jax.distributed.
+    """
+    shards = [jax.device_put(source.read(index), device)
+              for device, index in sharding.addressable_devices_indices_map(source.shape).items()]
+    return jax.make_array_from_single_device_arrays(source.shape, sharding, shards)
 
 
 def _flatten(tree: dict, prefix: tuple = ()):

@@ -22,9 +22,12 @@ _DTYPES = {
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
 }
 
-# A destination for one checkpoint tensor: the model-state path, and the row offset inside a fused weight
-# (q/k/v and gate/up are concatenated along their output axis), or None when the tensor fills it whole.
-Target = tuple[tuple, int | None]
+# A destination for one checkpoint tensor: the model-state path, and which part of a fused weight it is
+# ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), or None when the tensor fills the parameter whole.
+Target = tuple[tuple, str | None]
+
+# The parts of each fused weight, in row order within one shard's block.
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -74,9 +77,7 @@ def iter_tensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
 
 def llama_name_map(config: ModelConfig) -> Callable[[str], list[Target] | None]:
     """Map a Hugging Face Llama-family tensor name to where it lands in LlamaForCausalLM's state."""
-    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
-    fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", q), "v_proj": ("qkv_proj", q + kv),
-             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", inter)}
+    fused = {part: dest for dest, parts in FUSED_PARTS.items() for part in parts}
     layer_re = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
     norm_re = re.compile(r"model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight$")
     qk_norm_re = re.compile(r"model\.layers\.(\d+)\.self_attn\.(q_norm|k_norm)\.weight$")
@@ -97,58 +98,115 @@ def llama_name_map(config: ModelConfig) -> Callable[[str], list[Target] | None]:
         if m := layer_re.match(name):
             layer, block, proj, kind = int(m[1]), m[2], m[3], m[4]
             if proj in fused:
-                dest, offset = fused[proj]
-                return [(("layers", layer, block, dest, kind), offset)]
+                return [(("layers", layer, block, fused[proj], kind), proj)]
             return [(("layers", layer, block, proj, kind), None)]
         return None
 
     return target
 
 
+class ParamSource:
+    """Where one model parameter's values are in the memory-mapped checkpoint, and how to read any slice of it.
+
+    `read(index)` returns just the requested block (a shard) as a fresh array of the parameter's dtype, so a
+    sharded parameter is never assembled whole on the host (checkpoints.loading.place_sharded reads one device's
+    block at a time). Fused parameters gather their rows from several checkpoint tensors through a row map.
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.whole: np.ndarray | None = None
+        self.parts: dict[str, np.ndarray] = {}  # fused part name -> checkpoint tensor (memory-mapped)
+        self.row_map: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # see fused_row_map
+
+    def read(self, index: tuple = ()) -> np.ndarray:
+        index = tuple(index) + (slice(None),) * (len(self.shape) - len(tuple(index)))
+        if self.whole is not None:
+            return np.asarray(self.whole[index], dtype=self.dtype)
+        start, stop, step = index[0].indices(self.shape[0])
+        assert step == 1, index  # shards are contiguous blocks
+        rest = index[1:]
+        out = np.empty((stop - start, *(len(range(*s.indices(n))) for s, n in zip(rest, self.shape[1:], strict=True))),
+                       self.dtype)
+        for name, (dest, src) in self.row_map.items():
+            keep = (dest >= start) & (dest < stop)
+            if keep.any():
+                out[dest[keep] - start] = self.parts[name][src[keep]][(slice(None), *rest)]
+        return out
+
+
+def fused_row_map(config: ModelConfig, dest: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """For each part of a fused weight: (destination rows in the fused parameter, source rows in its tensor).
+
+    The fused rows are config.fused_shards blocks; block i holds part after part, each part's i-th slice of
+    rows, so a row split into fused_shards equal pieces gives each device its own heads (see
+    sharding.shard_model_config). Each checkpoint KV head is repeated config.kv_head_replicas times.
+    """
+    shards, d, reps = config.fused_shards, config.head_dim, config.kv_head_replicas
+    kv_src = (np.arange(config.kv_size) // d // reps) * d + np.arange(config.kv_size) % d
+    sources = {"q_proj": np.arange(config.q_size), "k_proj": kv_src, "v_proj": kv_src,
+               "gate_proj": np.arange(config.intermediate_size), "up_proj": np.arange(config.intermediate_size)}
+    parts = FUSED_PARTS[dest]
+    block = sum(len(sources[p]) for p in parts) // shards
+    row_map, offset = {}, 0
+    for part in parts:
+        src = sources[part]
+        per_shard = len(src) // shards
+        rows = np.arange(len(src))
+        row_map[part] = ((rows // per_shard) * block + offset + rows % per_shard, src)
+        offset += per_shard
+    return row_map
+
+
 def load_state(model_dir: str | Path, config: ModelConfig, shapes: dict[tuple, tuple[tuple[int, ...], np.dtype]],
-               place: Callable[[tuple, np.ndarray], object]) -> dict[tuple, object]:
+               place: Callable[[tuple, ParamSource], object]) -> dict[tuple, object]:
     """Fill every parameter of `shapes` ({path: (shape, dtype)}) from the checkpoint.
 
-    Each finished parameter is handed to `place` (which puts it on the device or mesh) as soon as it is
-    complete, so host memory holds at most one fused parameter in flight beyond the memory-mapped files.
+    First every tensor is located (headers only; the data stay memory-mapped), then each parameter is handed to
+    `place` (which builds the device or mesh array from `source.read`) one at a time, so host memory holds at
+    most one parameter's shards in flight beyond the memory-mapped files.
     Missing, unexpected and mis-shaped tensors raise ModelLoadError naming the tensor and file.
     """
     name_map = llama_name_map(config)
-    pending: dict[tuple, np.ndarray] = {}
-    rows_filled: dict[tuple, int] = {}
-    placed: dict[tuple, object] = {}
+    sources: dict[tuple, ParamSource] = {}
     for file in checkpoint_files(model_dir):
         for name, tensor in iter_tensors(file):
             targets = name_map(name)
             if targets is None:
                 raise ModelLoadError(f"{file}: unexpected tensor {name} for a {config.model_type} model")
-            for path, offset in targets:
+            for path, part in targets:
                 if path not in shapes:
                     raise ModelLoadError(f"{file}: unexpected tensor {name} (no parameter {'.'.join(map(str, path))} "
                                          f"in a {config.num_layers}-layer {config.model_type} model)")
                 shape, dtype = shapes[path]
-                if offset is None:
+                source = sources.setdefault(path, ParamSource(shape, dtype))
+                if part is None:
                     _check_shape(tensor.shape, shape, name, file)
-                    placed[path] = place(path, np.asarray(tensor, dtype=dtype))
-                    continue
-                expected = (_fused_rows(name, config), *shape[1:])
-                _check_shape(tensor.shape, expected, name, file)
-                buf = pending.setdefault(path, np.zeros(shape, dtype))
-                buf[offset: offset + tensor.shape[0]] = tensor
-                rows_filled[path] = rows_filled.get(path, 0) + tensor.shape[0]
-                if rows_filled[path] == shape[0]:
-                    placed[path] = place(path, pending.pop(path))
-    missing = [p for p in shapes if p not in placed]
+                    source.whole = tensor
+                else:
+                    _check_shape(tensor.shape, (_fused_rows(name, config), *shape[1:]), name, file)
+                    source.parts[part] = tensor
+    complete = {path for path, src in sources.items()
+                if src.whole is not None or len(src.parts) == len(FUSED_PARTS[path[-2]])}
+    missing = [p for p in shapes if p not in complete]
     if missing:
         names = ", ".join(_hf_names(p, config) for p in missing[:8])
         raise ModelLoadError(f"{model_dir}: checkpoint is missing tensor(s) {names}"
                              + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+    placed: dict[tuple, object] = {}
+    for path in shapes:
+        source = sources.pop(path)  # drop our reference once placed
+        if source.whole is None:
+            source.row_map = fused_row_map(config, path[-2])
+        placed[path] = place(path, source)
     return placed
 
 
 def _fused_rows(name: str, config: ModelConfig) -> int:
+    """Rows of one checkpoint tensor of a fused weight (before any KV-head replication)."""
     proj = name.rsplit(".", 2)[-2]
-    return {"q_proj": config.q_size, "k_proj": config.kv_size, "v_proj": config.kv_size,
+    kv_rows = config.kv_size // config.kv_head_replicas
+    return {"q_proj": config.q_size, "k_proj": kv_rows, "v_proj": kv_rows,
             "gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}[proj]
 
 

@@ -95,7 +95,7 @@ def result_record(item_id: str, output: RequestOutput) -> dict:
 
 def run_batch(config: EngineConfig, input_path: Path, output_path: Path, *, strict: bool = False,
               default_max_tokens: int = 128) -> int:
-    from jserve.engine.engine import LLMEngine
+    from jserve.engine.data_parallel import create_engine
 
     if not input_path.is_file():
         raise ValueError(f"{input_path}: no such input file")
@@ -115,7 +115,7 @@ def run_batch(config: EngineConfig, input_path: Path, output_path: Path, *, stri
             continue
         if item.id not in done:
             items.append(item)
-    engine = LLMEngine(config)
+    engine = create_engine(config)
     pending: dict[str, BatchItem] = {}
     for item in items:
         try:

@@ -12,6 +12,7 @@ import sys
 import typing
 from pathlib import Path
 
+from jserve.bench.cli import add_bench_parser
 from jserve.config import EngineConfig, ModelLoadError
 from jserve.sampling_params import SamplingParams
 from jserve.server.cli import add_serve_parser
@@ -57,7 +58,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 # Each entry adds one subcommand; the modules import nothing heavy until their command runs.
-SUBCOMMAND_PARSERS = [add_generate_parser, add_serve_parser]
+SUBCOMMAND_PARSERS = [add_generate_parser, add_serve_parser, add_bench_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas-interpret")  # see pallas_kernels/interface.py
 
 
 class ModelLoadError(ValueError):
@@ -52,6 +53,11 @@ class ModelConfig:
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Set by sharding.shard_model_config for tensor parallelism (1 = the checkpoint's own shape): the fused
+    # q|k|v and gate|up rows are stored as `fused_shards` blocks of whole heads, and each checkpoint KV head
+    # is repeated `kv_head_replicas` times (num_kv_heads counts the copies).
+    fused_shards: int = 1
+    kv_head_replicas: int = 1
 
     @property
     def q_size(self) -> int:
@@ -179,9 +185,15 @@ class EngineConfig:
       enable_chunked_prefill: split long prompts across steps so decodes keep flowing.
       compilation_cache_dir: JAX's persistent compilation cache; "" disables it.
       warmup: compile every step shape at start-up so serving never stalls on a compile.
-      attention_backend: "auto" | "reference" (later: "pallas", "pallas-interpret").
+      attention_backend: "auto" (the Pallas kernel on TPU/GPU, the reference on CPU) | "reference" (pure JAX) |
+        "pallas" (the kernel; needs a TPU or GPU) | "pallas-interpret" (the kernels interpreted, slow; for tests).
       tokenizer: tokenizer directory when it differs from `model`.
-      tensor_parallel_size: devices a model is split over (1 = no sharding).
+      tensor_parallel_size: devices a model is split over (1 = no sharding); the mesh's `model` axis.
+      data_parallel_size: independent model replicas (each on tensor_parallel_size devices, with its own KV cache
+        and scheduler) that requests are spread over; the mesh's `data` axis.
+      coordinator_address: HOST:PORT of process 0 for multi-host serving (jax.distributed); None = one process.
+      num_processes: processes in a multi-host run (one per host).
+      process_id: this process's rank in a multi-host run (0 runs the scheduler and the HTTP server).
     """
 
     model: str | None = None
@@ -200,19 +212,28 @@ class EngineConfig:
     attention_backend: str = "auto"
     tokenizer: str | None = None
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    coordinator_address: str | None = None
+    num_processes: int = 1
+    process_id: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
+                     "data_parallel_size", "num_processes"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        if not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"process_id must be in [0, num_processes={self.num_processes}), got {self.process_id!r}")
+        if self.num_processes > 1 and not self.coordinator_address:
+            raise ValueError("num_processes > 1 needs coordinator_address (HOST:PORT of process 0)")
         if not 0 < self.kv_cache_fraction <= 1:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction!r}")
-        if self.attention_backend not in ("auto", "reference"):
-            raise ValueError(f"attention_backend must be 'auto' or 'reference', got {self.attention_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -8,7 +8,7 @@ from collections.abc import Sequence as Seq
 from tqdm.auto import tqdm
 
 from jserve.config import EngineConfig
-from jserve.engine.engine import LLMEngine
+from jserve.engine.data_parallel import create_engine
 from jserve.outputs import RequestOutput
 from jserve.sampling_params import InvalidParameterError, SamplingParams
 
@@ -26,7 +26,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "float32", seed: int = 0, **engine_args):
-        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, seed=seed, **engine_args))
+        self.engine = create_engine(EngineConfig(model=model, dtype=dtype, seed=seed, **engine_args))
         self._request_ids = itertools.count()
 
     def get_tokenizer(self):

@@ -9,7 +9,11 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 from hf_models import build_model, save_tokenizer  # noqa: E402
+
+# The reference models are tiny: one torch thread is as fast, and it cannot stall behind a busy second core.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

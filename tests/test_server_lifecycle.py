@@ -86,15 +86,15 @@ def test_engine_failure_mid_stream_is_reported_in_band(tiny_server, monkeypatch)
 
 
 def test_health_is_503_while_the_model_loads(model_dir, monkeypatch):
-    import jserve.engine.engine as engine_module
+    import jserve.engine.data_parallel as engine_module
 
-    release, real_engine = threading.Event(), engine_module.LLMEngine
+    release, real_engine = threading.Event(), engine_module.create_engine
 
     def slow_engine(config):
         release.wait(60)
         return real_engine(config)
 
-    monkeypatch.setattr(engine_module, "LLMEngine", slow_engine)
+    monkeypatch.setattr(engine_module, "create_engine", slow_engine)
     srv = ServerThread(EngineConfig(model=str(model_dir), **TEST_ENGINE_ARGS), ServerSettings())
     srv.thread.start()
     try:

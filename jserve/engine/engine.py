@@ -27,6 +27,8 @@ from jserve.engine.sequence import Sequence
 from jserve.outputs import CompletionOutput, RequestOutput
 from jserve.sampling_params import InvalidParameterError, SamplingParams
 from jserve.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer, load_tokenizer
+from pallas_kernels import resolve_backend
+from sharding import distributed, make_mesh
 
 logger = logging.getLogger(__name__)
 
@@ -79,21 +81,34 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, devices: list[jax.Device] | None = None):
+        """devices: the devices of this engine's [1, tensor_parallel_size] mesh (a data-parallel replica's share);
+        None: the first tensor_parallel_size devices, or no mesh at all when tensor_parallel_size is 1."""
+        if config.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 needs jserve.engine.data_parallel.create_engine (one LLMEngine "
+                             "per replica)")
         self.config = config
+        distributed.initialize(config)  # multi-host: join the other processes before touching a device
         _enable_compilation_cache(config.compilation_cache_dir)
         model_dir = resolve_model_path(config.model) if config.model else DEMO_MODEL_DIR
         self.model_dir = model_dir
         self.tokenizer: Tokenizer = load_tokenizer(str(config.tokenizer or model_dir))
-        model = load_model(model_dir, config.dtype)
+        self.mesh = None if devices is None and config.tensor_parallel_size == 1 and config.num_processes == 1 \
+            else make_mesh(config.tensor_parallel_size, 1, devices)
+        if config.num_processes > 1 and self.mesh.size != jax.device_count():
+            raise ValueError(f"multi-host: tensor_parallel_size must cover every process's devices "
+                             f"({jax.device_count()} in all), got {config.tensor_parallel_size}")
+        model = load_model(model_dir, config.dtype, resolve_backend(config.attention_backend), mesh=self.mesh)
         self.model_config = model.config
         self.max_model_len = self._max_model_len()
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
-        self.runner = ModelRunner(model, dtype=config.dtype, num_blocks=num_blocks, block_size=config.block_size,
+        runner_class = ModelRunner if config.num_processes == 1 else distributed.MultiHostRunner
+        self.runner = runner_class(model, dtype=config.dtype, num_blocks=num_blocks, block_size=config.block_size,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len)
+                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+                                  mesh=self.mesh)
         self.eos_token_ids = self._eos_token_ids()
         self.requests: dict[str, RequestState] = {}
         self.stats = EngineStats()
@@ -112,9 +127,10 @@ class LLMEngine:
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
-        per_block = kv_bytes_per_block(self.model_config, cfg.block_size, cfg.dtype)
+        # The budget is per device: tensor parallelism splits each block's KV heads over the model axis.
+        per_block = kv_bytes_per_block(self.model_config, cfg.block_size, cfg.dtype) // cfg.tensor_parallel_size
         budget = cfg.kv_cache_memory_bytes or _device_kv_budget(cfg.kv_cache_fraction) or DEFAULT_KV_CACHE_BYTES
-        num_blocks = budget // per_block
+        num_blocks = distributed.agree_on_min(budget // per_block)  # multi-host: one cache shape on every host
         blocks_per_request = math.ceil(self.max_model_len / cfg.block_size)
         if num_blocks < blocks_per_request:
             raise ValueError(
@@ -340,7 +356,7 @@ def _logprob_rows(sampled) -> list[tuple[float, list[int], list[float]]]:
 
 
 def _device_kv_budget(fraction: float) -> int | None:
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
     return int((limit - stats.get("bytes_in_use", 0)) * fraction) if limit else None
 

@@ -15,10 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from checkpoints.loading import LoadedModel
 from jserve.engine.sequence import Sequence
 from jserve.models.batch import KVCache, StepBatch
+from pallas_kernels.reference import kv_storage_dtype
+from sharding import KV_CACHE_AXES, logical_sharding, replicated
 
 logger = logging.getLogger(__name__)
 
@@ -55,26 +58,44 @@ def kv_bytes_per_block(config, block_size: int, dtype: str) -> int:
 
 class ModelRunner:
     def __init__(self, model: LoadedModel, *, dtype: str, num_blocks: int, block_size: int,
-                 max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int):
+                 max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, mesh: Mesh | None = None):
+        """mesh: the [data=1, model] mesh the model was loaded onto (None: one device, no sharding)."""
         self.config = model.config
         self.graphdef = model.graphdef
         self.state = model.state
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_slots = num_blocks * block_size
+        self.mesh = mesh
         cfg = self.config
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_cache = KVCache(k=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
-                                v=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)])
+        storage = kv_storage_dtype(dtype, jax.default_backend())
+        if mesh is None:
+            self.kv_cache = KVCache(k=[jnp.zeros(shape, storage) for _ in range(cfg.num_layers)],
+                                    v=[jnp.zeros(shape, storage) for _ in range(cfg.num_layers)])
+            self._step = jax.jit(self._forward, donate_argnums=(1,))
+        else:
+            # Each device allocates only its own KV heads (never the whole cache on one device).
+            zeros = jax.jit(lambda: jnp.zeros(shape, storage),
+                            out_shardings=logical_sharding(mesh, KV_CACHE_AXES, shape))
+            self.kv_cache = KVCache(k=[zeros() for _ in range(cfg.num_layers)],
+                                    v=[zeros() for _ in range(cfg.num_layers)])
+            # The cache keeps its layout across steps and logits come back whole (the sampler runs unsharded);
+            # parameters keep the shardings they were loaded with, and GSPMD propagates them through the step.
+            cache_shardings = jax.tree.map(lambda a: a.sharding, self.kv_cache)
+            self._step = jax.jit(self._forward, donate_argnums=(1,),
+                                 out_shardings=(cache_shardings, replicated(mesh)))
         # Decode batches are padded to at least 4 rows: XLA CPU matmuls with M = 1 are ~10x slower.
         self.token_buckets = pow2_buckets(min(8, max_num_batched_tokens), max_num_batched_tokens)
         self.max_seq_rows = min(max_num_seqs, max_num_batched_tokens)
         self.page_buckets = pow2_buckets(1, math.ceil(max_model_len / block_size))
-        self._step = jax.jit(self._forward, donate_argnums=(1,))
 
     def _forward(self, state: nnx.State, kv_cache: KVCache, batch: StepBatch) -> tuple[KVCache, jax.Array]:
         model = nnx.merge(self.graphdef, state)
-        return model(kv_cache, batch)
+        if self.mesh is None:
+            return model(kv_cache, batch)
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # kernels split over heads (sharding/kernels.py)
+            return model(kv_cache, batch)
 
     def seq_rows_for(self, num_tokens_bucket: int) -> int:
         return min(num_tokens_bucket, pick_bucket(pow2_buckets(1, self.max_seq_rows), self.max_seq_rows))

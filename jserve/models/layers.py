@@ -29,6 +29,29 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
                                preferred_element_type=jnp.float32)
 
 
+def embed_lookup(table: jax.Array, token_ids: jax.Array) -> jax.Array:
+    """Rows of the embedding table as float32. A bfloat16 table is gathered as uint16 bits: XLA CPU would
+    otherwise convert the whole table to float32 on every step."""
+    if table.dtype != jnp.bfloat16:
+        return table[token_ids].astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(table, jnp.uint16)[token_ids]
+    return jax.lax.bitcast_convert_type(bits, jnp.bfloat16).astype(jnp.float32)
+
+
+def split_fused(y: jax.Array, sizes: tuple[int, ...], blocks: int) -> list[jax.Array]:
+    """Split the output of a fused projection into its parts (e.g. q, k, v).
+
+    The fused rows are `blocks` equal row blocks, each holding its share of every part in order
+    ([q_0 | k_0 | v_0 | q_1 | k_1 | v_1 ...]): with tensor parallelism each block is one device's own heads (see
+    sharding.shard_model_config). One block is the plain [q | k | v] layout, split exactly as before.
+    """
+    if blocks == 1:
+        return jnp.split(y, np.cumsum(sizes)[:-1].tolist(), axis=-1)
+    lead = y.shape[:-1]
+    parts = jnp.split(y.reshape(*lead, blocks, -1), np.cumsum([s // blocks for s in sizes])[:-1].tolist(), axis=-1)
+    return [p.reshape(*lead, size) for p, size in zip(parts, sizes, strict=True)]
+
+
 class Linear(nnx.Module):
     def __init__(self, in_features: int, out_features: int, *, dtype: jnp.dtype, axes: tuple[str, str],
                  bias: bool = False):

@@ -13,13 +13,14 @@ from flax import nnx
 
 from jserve.config import ModelConfig
 from jserve.models.batch import KVCache, StepBatch
-from jserve.models.layers import Linear, RMSNorm, apply_rope, param, rope_inv_freq
-from pallas_kernels import ragged_paged_attention_ref, write_kv_ref
+from jserve.models.layers import Linear, RMSNorm, apply_rope, embed_lookup, param, rope_inv_freq, split_fused
+from pallas_kernels import ragged_paged_attention, write_kv
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: ModelConfig, dtype: jnp.dtype):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, attention_backend: str = "reference"):
         self.config = config
+        self.attention_backend = attention_backend  # a static str in the graphdef: picks the kernel at trace time
         qkv_out = config.q_size + 2 * config.kv_size
         self.qkv_proj = Linear(config.hidden_size, qkv_out, dtype=dtype, axes=("qkv", "embed"), bias=config.qkv_bias)
         self.o_proj = Linear(config.q_size, config.hidden_size, dtype=dtype, axes=("embed", "heads"),
@@ -34,8 +35,7 @@ class Attention(nnx.Module):
                  inv_freq) -> tuple[jax.Array, jax.Array, jax.Array]:
         cfg = self.config
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
-        q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+        q, k, v = split_fused(self.qkv_proj(x), (cfg.q_size, cfg.kv_size, cfg.kv_size), cfg.fused_shards)
         q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
         k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -43,29 +43,31 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, batch.positions, inv_freq)
         k = apply_rope(k, batch.positions, inv_freq)
-        k_pages, v_pages = write_kv_ref(k_pages, v_pages, k, v, batch.slot_mapping)
-        out = ragged_paged_attention_ref(q, k_pages, v_pages, batch.page_table, batch.token_seq, batch.positions,
-                                         scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window)
+        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, batch.slot_mapping)
+        out = ragged_paged_attention(q, k_pages, v_pages, batch.page_table, batch.query_start, batch.seq_lens,
+                                     scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window,
+                                     backend=self.attention_backend)
         return self.o_proj(out.reshape(num_tokens, cfg.q_size)), k_pages, v_pages
 
 
 class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, dtype: jnp.dtype):
         self.intermediate_size = config.intermediate_size
+        self.fused_shards = config.fused_shards  # [gate | up] row blocks (see split_fused)
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, dtype=dtype,
                                    axes=("mlp", "embed"), bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, dtype=dtype,
                                 axes=("embed", "mlp"), bias=config.mlp_bias)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = jnp.split(self.gate_up_proj(x), [self.intermediate_size], axis=-1)
+        gate, up = split_fused(self.gate_up_proj(x), (self.intermediate_size,) * 2, self.fused_shards)
         return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, dtype: jnp.dtype):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, attention_backend: str = "reference"):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, dtype)
+        self.self_attn = Attention(config, dtype, attention_backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, dtype)
 
@@ -79,18 +81,18 @@ class DecoderLayer(nnx.Module):
 class LlamaForCausalLM(nnx.Module):
     """forward(kv_cache, batch) -> (kv_cache, logits[S, V]) over a ragged batch and a paged KV cache."""
 
-    def __init__(self, config: ModelConfig, dtype: jnp.dtype = jnp.float32):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype = jnp.float32, attention_backend: str = "reference"):
         self.config = config
         self.embed_tokens = nnx.Param(jnp.zeros((config.vocab_size, config.hidden_size), dtype),
                                       logical_axes=("vocab", "embed"))
-        self.layers = nnx.List([DecoderLayer(config, dtype) for _ in range(config.num_layers)])
+        self.layers = nnx.List([DecoderLayer(config, dtype, attention_backend) for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else param(
             (config.vocab_size, config.hidden_size), dtype, ("vocab", "embed"))
 
     def __call__(self, kv_cache: KVCache, batch: StepBatch) -> tuple[KVCache, jax.Array]:
         inv_freq = rope_inv_freq(self.config)
-        x = self.embed_tokens[...][batch.token_ids].astype(jnp.float32)
+        x = embed_lookup(self.embed_tokens[...], batch.token_ids)
         k_cache, v_cache = list(kv_cache.k), list(kv_cache.v)
         for i, layer in enumerate(self.layers):
             x, k_cache[i], v_cache[i] = layer(x, k_cache[i], v_cache[i], batch, inv_freq)

@@ -54,6 +54,11 @@ def run_serve(args: argparse.Namespace) -> int:
                               max_request_bytes=args.max_request_bytes)
     config = engine_config_from_args(args)
     logging.getLogger().setLevel(args.log_level.upper())
+    if config.process_id > 0:  # multi-host follower: no HTTP server, only process 0's steps (sharding/distributed.py)
+        from sharding.distributed import run_follower
+
+        run_follower(config)
+        return 0
     failed: list[BaseException] = []
 
     def on_load_error(error: BaseException) -> None:

@@ -36,10 +36,10 @@ class ServerState:
 
     async def _load(self) -> None:
         try:
-            from jserve.engine.engine import LLMEngine
+            from jserve.engine.data_parallel import create_engine
             from jserve.tokenizer import load_tokenizer
 
-            engine = await asyncio.to_thread(LLMEngine, self.config)
+            engine = await asyncio.to_thread(create_engine, self.config)
             tokenizer = await asyncio.to_thread(load_tokenizer, str(self.config.tokenizer or engine.model_dir))
             vocab = max(engine.model_config.vocab_size, engine.tokenizer.vocab_size)
             self.tokenizer = TokenizerWorker(tokenizer, vocab)

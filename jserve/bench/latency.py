@@ -1,0 +1,90 @@
+"""`jserve bench latency`: batch-1 prefill and decode speed, printed beside the memory-bandwidth roofline.
+
+Each iteration runs one request with a fresh random prompt (so the prefix cache cannot help) of --input-len
+tokens and --output-len greedy tokens, EOS ignored. Prefill speed is input tokens / time to the first token;
+decode speed is the remaining tokens / the time after the first token. Medians over --num-iters are reported,
+after --num-iters-warmup untimed iterations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from argparse import Namespace
+from pathlib import Path
+
+import numpy as np
+
+from jserve.bench.datasets import ordinary_token_ids, random_prompt
+from jserve.bench.roofline import DTYPE_BYTES, decode_bytes_per_token, stream_bandwidth, weight_params_read_per_token
+
+
+def time_request(engine, request_id: str, prompt: list[int], output_len: int) -> tuple[float, float]:
+    """(time to first token, time from first to last token) of one request run alone."""
+    from jserve.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+    first = None
+    while True:
+        outputs = [o for o in engine.step() if o.request_id == request_id]
+        now = time.perf_counter()
+        if outputs and first is None and outputs[-1].outputs[0].token_ids:
+            first = now
+        if outputs and outputs[-1].finished:
+            return first - start, now - first
+
+
+def measure(args: Namespace) -> dict:
+    from jserve.cli import engine_config_from_args
+    from jserve.llm import LLM
+
+    llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
+    engine = llm.engine
+    rng = np.random.default_rng(args.seed)
+    vocab = ordinary_token_ids(engine.tokenizer, engine.tokenizer.special_token_ids)
+    ttfts, decodes = [], []
+    for i in range(args.num_iters_warmup + args.num_iters):
+        ttft, decode = time_request(engine, f"latency-{i}", random_prompt(rng, vocab, args.input_len),
+                                    args.output_len)
+        if i >= args.num_iters_warmup:
+            ttfts.append(ttft)
+            decodes.append(decode)
+    ttft, decode = statistics.median(ttfts), statistics.median(decodes)
+    return {"ttft_s": ttft, "decode_s": decode, "prefill_tokens_per_s": args.input_len / ttft,
+            "decode_tokens_per_s": (args.output_len - 1) / decode if args.output_len > 1 else float("nan"),
+            "model_config": engine.model_config}
+
+
+def roofline(cfg, dtype: str, input_len: int, output_len: int) -> dict:
+    context = input_len + output_len / 2  # the mean context a decode step attends over
+    bandwidth = stream_bandwidth()
+    per_token = decode_bytes_per_token(cfg, dtype, context)
+    return {"stream_bandwidth_gb_s": bandwidth / 1e9, "weight_bytes_per_token": weight_params_read_per_token(cfg)
+            * DTYPE_BYTES[dtype], "bytes_per_decode_token": per_token, "mean_context": context,
+            "roofline_decode_tokens_per_s": bandwidth / per_token}
+
+
+def run_latency(args: Namespace) -> int:
+    if args.output_len < 2:
+        raise ValueError("--output-len must be at least 2 to time decoding")
+    result = measure(args)
+    cfg = result.pop("model_config")
+    report = {"model": args.model, "dtype": args.dtype, "input_len": args.input_len, "output_len": args.output_len,
+              "num_iters": args.num_iters, **result, **roofline(cfg, args.dtype, args.input_len, args.output_len)}
+    report["decode_fraction_of_roofline"] = report["decode_tokens_per_s"] / report["roofline_decode_tokens_per_s"]
+    print(f"Prefill: {report['prefill_tokens_per_s']:.1f} tokens/s (TTFT {report['ttft_s'] * 1000:.1f} ms for "
+          f"{args.input_len} tokens)")
+    print(f"Decode:  {report['decode_tokens_per_s']:.1f} tokens/s at batch 1 "
+          f"({report['decode_s'] / (args.output_len - 1) * 1000:.2f} ms/token)")
+    print(f"Roofline: {report['roofline_decode_tokens_per_s']:.1f} tokens/s = "
+          f"{report['stream_bandwidth_gb_s']:.1f} GB/s stream bandwidth / "
+          f"{report['bytes_per_decode_token'] / 1e6:.1f} MB per token (weights "
+          f"{report['weight_bytes_per_token'] / 1e6:.1f} MB + KV at {report['mean_context']:.0f} tokens of context); "
+          f"decode reaches {report['decode_fraction_of_roofline']:.0%} of it")
+    if args.result_json:
+        Path(args.result_json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0

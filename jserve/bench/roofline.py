@@ -1,0 +1,46 @@
+"""The memory-bandwidth bound of batch-1 decode: every weight and the whole KV context are read once per token.
+
+bytes per token / stream bandwidth is the least time one decode step can take, so bandwidth / bytes per token is
+the most tokens per second any implementation can reach at batch 1.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from jserve.config import ModelConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def weight_params_read_per_token(cfg: ModelConfig) -> int:
+    """Parameters a decode step reads: every layer, the final norm, the LM head, and one embedding row."""
+    hidden, inter, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter + 2 * hidden
+    layer += (q + 2 * kv) * cfg.qkv_bias + hidden * cfg.o_bias + (2 * inter + hidden) * cfg.mlp_bias
+    layer += 2 * cfg.head_dim * cfg.qk_norm
+    return cfg.num_layers * layer + hidden + cfg.vocab_size * hidden + hidden
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: str, context_len: float) -> float:
+    """KV cache read by one decode step attending over context_len tokens (keys and values, all layers)."""
+    return 2 * cfg.num_layers * cfg.kv_size * DTYPE_BYTES[dtype] * context_len
+
+
+def decode_bytes_per_token(cfg: ModelConfig, dtype: str, context_len: float) -> float:
+    return weight_params_read_per_token(cfg) * DTYPE_BYTES[dtype] + kv_bytes_per_token(cfg, dtype, context_len)
+
+
+def stream_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes/s of a large numpy copy, counted as STREAM does (bytes read + bytes written), best of `repeats`."""
+    src = np.ones(nbytes // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # touch every page first so the timed copies do not pay for page faults
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.nbytes / best

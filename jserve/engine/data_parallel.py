@@ -1,0 +1,101 @@
+"""Data parallelism: data_parallel_size independent engines, one per row of the [data, model] mesh.
+
+Each replica holds the whole model (split over its own tensor_parallel_size devices), its own KV cache, block
+manager and scheduler, so replicas never exchange anything during a step. This front spreads requests over them
+(fewest unfinished requests first) and steps them together on worker threads: JAX releases the GIL while a
+step runs, so the replicas' device work overlaps. It offers the LLMEngine methods the LLM API and the server use.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from jserve.config import EngineConfig
+from jserve.engine.engine import EngineStats, LLMEngine
+from jserve.outputs import RequestOutput
+from sharding import make_mesh, replica_meshes
+
+
+def create_engine(config: EngineConfig) -> LLMEngine | DataParallelEngine:
+    """The engine a config asks for: one LLMEngine, or a data-parallel front over several."""
+    return DataParallelEngine(config) if config.data_parallel_size > 1 else LLMEngine(config)
+
+
+class DataParallelEngine:
+    def __init__(self, config: EngineConfig):
+        if config.num_processes > 1:
+            raise ValueError("data_parallel_size > 1 is not supported across processes yet; use one process per "
+                             "replica or tensor_parallel_size over all devices")
+        self.config = config
+        mesh = make_mesh(config.tensor_parallel_size, config.data_parallel_size)
+        # Unseeded requests draw their seeds from the engine's generator: give each replica its own stream.
+        self.replicas = [LLMEngine(config.replace(seed=config.seed + i, data_parallel_size=1),
+                                   devices=list(m.devices.flat))
+                         for i, m in enumerate(replica_meshes(mesh))]
+        first = self.replicas[0]
+        self.tokenizer, self.model_config, self.model_dir = first.tokenizer, first.model_config, first.model_dir
+        self.max_model_len = first.max_model_len
+        self._owner: dict[str, LLMEngine] = {}
+        self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="jserve-dp")
+
+    @property
+    def block_manager(self) -> PooledView:
+        return PooledView([e.block_manager for e in self.replicas])
+
+    @property
+    def scheduler(self) -> PooledView:
+        return PooledView([e.scheduler for e in self.replicas])
+
+    @property
+    def requests(self) -> dict:
+        return {rid: state for engine in self.replicas for rid, state in engine.requests.items()}
+
+    @property
+    def stats(self) -> EngineStats:
+        totals = EngineStats()
+        for engine in self.replicas:
+            for name in vars(totals):
+                setattr(totals, name, getattr(totals, name) + getattr(engine.stats, name))
+        return totals
+
+    def add_request(self, request_id: str, prompt, params=None, **kwargs) -> None:
+        if request_id in self._owner:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        engine = min(self.replicas, key=lambda e: len(e.requests))  # first of the least loaded
+        engine.add_request(request_id, prompt, params, **kwargs)
+        self._owner[request_id] = engine
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        engine = self._owner.pop(request_id, None)
+        return None if engine is None else engine.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return any(e.has_unfinished_requests() for e in self.replicas)
+
+    def step(self) -> list[RequestOutput]:
+        busy = [e for e in self.replicas if e.has_unfinished_requests()]
+        if len(busy) <= 1:
+            outputs = busy[0].step() if busy else []
+        else:
+            outputs = [out for outs in self._pool.map(LLMEngine.step, busy) for out in outs]
+        for out in outputs:
+            if out.finished:
+                self._owner.pop(out.request_id, None)
+        return outputs
+
+    def warmup(self) -> None:
+        list(self._pool.map(LLMEngine.warmup, self.replicas))
+
+
+class PooledView:
+    """The replicas' block managers or schedulers seen as one, for metrics: counters add up."""
+
+    def __init__(self, parts: list):
+        self._parts = parts
+
+    def __getattr__(self, name: str):
+        return sum(getattr(part, name) for part in self._parts)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks

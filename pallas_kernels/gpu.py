@@ -1,0 +1,115 @@
+"""Ragged paged attention for GPUs: a Pallas kernel for the Triton backend (see docs/kernels.md).
+
+One program per (query block, KV head). The block's queries for the whole GQA group sit in one [M, D] tile
+(M = group_pad * block_q rows, see blocks.py) so each K/V page is read from HBM once per block and serves every
+query head that shares it. The program walks the sequence's pages through the page table, `pages_per_step`
+pages per step gathered into one [pages_per_step * B, D] tile, with an online softmax in float32; Triton
+software-pipelines the loads of step i + 1 under the math of step i (num_stages).
+
+K/V stay in the engine's layout [N, B, Hkv, D]: a page of one head is B rows of D contiguous elements (256 bytes
+at D = 128 in bf16), strided by Hkv * D, which coalesces into full 128-byte transactions.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.blocks import block_metadata, pack_q, unpack_out
+
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked tile must not make NaNs
+# f32 inputs would default to TF32 tensor-core math on Ampere and later (~1e-3 error); HIGHEST keeps IEEE f32,
+# and bf16 inputs still take the bf16 tensor-core path.
+_PRECISION = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _attend_page(q, k, v, carry, key_pos0, row_pos, *, scale, soft_cap, sliding_window):
+    """One online-softmax step of the [M, D] query tile against one [B, D] page of keys and values."""
+    acc, m_prev, l_prev = carry
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_PRECISION,
+                        preferred_element_type=jnp.float32) * scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    key_pos = key_pos0 + jnp.arange(k.shape[0], dtype=jnp.int32)
+    mask = key_pos[None, :] <= row_pos[:, None]
+    if sliding_window is not None:
+        mask &= key_pos[None, :] > row_pos[:, None] - sliding_window
+    s = jnp.where(mask, s, MASK_VALUE)
+    m_next = jnp.maximum(m_prev, s.max(axis=1))
+    p = jnp.exp(s - m_next[:, None])
+    correction = jnp.exp(m_prev - m_next)
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_PRECISION,
+                         preferred_element_type=jnp.float32)
+    return acc * correction[:, None] + pv, m_next, l_prev * correction + p.sum(axis=1)
+
+
+def _kernel(seq_ref, q_pos_ref, kv_end_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, *,
+            scale: float, block_q: int, pages_per_step: int, sliding_window: int | None, soft_cap: float | None):
+    b, h = pl.program_id(0), pl.program_id(1)
+    seq, q_pos, kv_end = seq_ref[b], q_pos_ref[b], kv_end_ref[b]
+    page_size = k_ref.shape[1]
+    q = q_ref[...]
+    rows, head_dim = q.shape
+    row_pos = q_pos + jnp.arange(rows, dtype=jnp.int32) % block_q
+    first_page = 0 if sliding_window is None else jnp.maximum(q_pos - sliding_window + 1, 0) // page_size
+    last_page = (kv_end + page_size - 1) // page_size
+    num_steps = (last_page - first_page + pages_per_step - 1) // pages_per_step
+    attend = functools.partial(_attend_page, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    block_k = pages_per_step * page_size
+
+    def body(i, carry):
+        first = first_page + i * pages_per_step
+        # Past the last page, re-read it: the load stays in bounds with finite data, and the mask drops it.
+        js = jnp.minimum(first + jnp.arange(pages_per_step, dtype=jnp.int32), last_page - 1)
+        pages = page_table_ref[seq, js]
+        k = k_ref[pages, :, h, :].reshape(block_k, head_dim)  # a gather of whole pages: one [block_k, D] tile
+        v = v_ref[pages, :, h, :].reshape(block_k, head_dim)
+        return attend(q, k, v, carry, first * page_size, row_pos)
+
+    init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), MASK_VALUE, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    acc, _, denom = lax.fori_loop(0, num_steps, body, init)
+    o_ref[...] = acc / jnp.where(denom == 0, 1.0, denom)[:, None]  # padding blocks (no keys) write zeros
+
+
+def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+                               query_start: jax.Array, seq_lens: jax.Array, *, scale: float,
+                               sliding_window: int | None = None, soft_cap: float | None = None,
+                               block_q: int = 16, pages_per_step: int = 4, num_warps: int = 4, num_stages: int = 2,
+                               interpret: bool = False) -> jax.Array:
+    """Triton-backend kernel with the interface of `ragged_paged_attention` (spec in pallas_kernels/interface.py).
+
+    block_q: query tokens per block (a power of two; raised so the tile has >= 16 rows, tl.dot's minimum).
+    pages_per_step: pages gathered per loop step; their pages_per_step * page_size keys are the N of the QK^T
+    tile (a power of two), 64-128 keeps the tensor cores fed while the registers hold [M, N] scores.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_pages.shape[2]
+    group_pad = _next_pow2(num_heads // num_kv_heads)  # Triton tiles need power-of-two extents
+    block_q = max(block_q, 16 // group_pad)  # tl.dot needs M >= 16
+    meta = block_metadata(query_start, seq_lens, num_tokens, block_q)
+    q_packed = pack_q(q.astype(k_pages.dtype), meta, num_kv_heads, block_q, group_pad)
+    nb, _, rows, _ = q_packed.shape
+    tile = pl.BlockSpec((None, None, rows, head_dim), lambda b, h: (b, h, 0, 0))
+    whole = pl.no_block_spec
+    out = pl.pallas_call(
+        functools.partial(_kernel, scale=scale, block_q=block_q, pages_per_step=pages_per_step,
+                          sliding_window=sliding_window, soft_cap=soft_cap),
+        grid=(nb, num_kv_heads),
+        in_specs=[whole, whole, whole, whole, tile, whole, whole],
+        out_specs=tile,
+        out_shape=jax.ShapeDtypeStruct(q_packed.shape, jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention_triton",
+    )(meta.seq, meta.q_pos, meta.kv_end, page_table, q_packed, k_pages, v_pages)
+    return unpack_out(out, query_start, num_tokens, num_heads, block_q)

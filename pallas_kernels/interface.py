@@ -1,0 +1,108 @@
+"""The one attention interface the models call, and the choice of backend behind it.
+
+Spec of `ragged_paged_attention` (every backend computes exactly this; the reference defines it):
+
+  q            [T, H, D]       float32 or bfloat16. Queries of every scheduled token, flattened over sequences in
+                               row order: sequence s owns tokens query_start[s] .. query_start[s+1]-1.
+  k_pages      [N, B, Hkv, D]  one layer's key cache, same dtype as v_pages: N pages of B token slots. A token's
+  v_pages                      K/V sit at page page_table[s, pos // B], slot pos % B. Token-major pages keep each
+                               token's K/V for all heads contiguous, so the per-token write (write_kv) is one
+                               contiguous row, and a page is one contiguous block for whole-page DMAs.
+  page_table   [S, P] int32    page ids of each sequence's logical blocks; entries past a sequence's length may be
+                               any valid page id (they are never read).
+  query_start  [S + 1] int32   non-decreasing; rows past the real sequences repeat the total (zero new tokens).
+                               Tokens at or after query_start[S] are padding.
+  seq_lens     [S] int32       KV length of each sequence after this step, new tokens included (their K/V are
+                               already written). Sequence s's new tokens are its last q_len = query_start[s+1] -
+                               query_start[s] positions: seq_lens[s] - q_len .. seq_lens[s] - 1.
+  scale        float           multiplies q.k (usually D ** -0.5).
+  sliding_window int | None    a token at position p sees keys p - window + 1 .. p (Mistral's convention).
+  soft_cap     float | None    scaled logits s become soft_cap * tanh(s / soft_cap) (Gemma 2's convention).
+  returns      [T, H, D] float32; rows of padding tokens are unspecified (the kernels write zeros).
+
+Each token attends causally to keys 0..its position of its own sequence (so a prefill chunk is causal within
+itself and sees the cached prefix), with query head j reading KV head j // (H // Hkv) (GQA). Prefill chunks and
+decodes mix freely in one call. The KV layout is one thing for every backend; docs/kernels.md says why it suits
+both the TPU DMAs and the Triton loads.
+
+Backends: "reference" (pure JAX; also the fast path on CPU), "pallas" (the kernel for the current platform:
+Mosaic on TPU, Triton on GPU), "pallas-interpret" (the Mosaic kernel run by the Pallas interpreter on any
+platform), and "pallas-interpret-tpu" / "pallas-interpret-gpu" to interpret one kernel in particular.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gpu import ragged_paged_attention_gpu
+from pallas_kernels.reference import from_stored, ragged_paged_attention_ref, write_kv_ref
+from pallas_kernels.tpu import ragged_paged_attention_tpu
+from sharding.kernels import model_parallel_mesh, shard_over_heads
+
+ENGINE_BACKENDS = ("auto", "reference", "pallas", "pallas-interpret")
+BACKENDS = ("reference", "pallas", "pallas-interpret", "pallas-interpret-tpu", "pallas-interpret-gpu")
+_KERNEL_PLATFORMS = ("tpu", "gpu")
+
+
+def resolve_backend(backend: str, platform: str | None = None) -> str:
+    """Turn an engine setting into a concrete backend: "auto" is the kernel on TPU/GPU and the reference on CPU."""
+    platform = platform or jax.default_backend()
+    if backend not in ENGINE_BACKENDS and backend not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {ENGINE_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "pallas" if platform in _KERNEL_PLATFORMS else "reference"
+    if backend == "pallas" and platform not in _KERNEL_PLATFORMS:
+        raise ValueError(f"attention_backend 'pallas' needs a TPU or GPU (platform is {platform!r}); "
+                         "use 'pallas-interpret' to run the kernels on the CPU, or 'reference'")
+    return backend
+
+
+def token_positions(query_start: jax.Array, seq_lens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """(token_seq, positions) [T] from the ragged metadata; padding tokens get row 0, position 0."""
+    num_seqs = seq_lens.shape[0]
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(query_start[1:], t, side="right"), num_seqs - 1).astype(jnp.int32)
+    pos = seq_lens[seq] - (query_start[seq + 1] - query_start[seq]) + (t - query_start[seq])
+    real = t < query_start[num_seqs]
+    return jnp.where(real, seq, 0), jnp.where(real, pos, 0)
+
+
+def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+                           query_start: jax.Array, seq_lens: jax.Array, *, scale: float,
+                           sliding_window: int | None = None, soft_cap: float | None = None,
+                           backend: str = "reference") -> jax.Array:
+    """Attention of every token over its own sequence's paged KV; the spec is in this module's docstring."""
+    kwargs = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if backend == "reference":
+        token_seq, positions = token_positions(query_start, seq_lens, q.shape[0])
+        return ragged_paged_attention_ref(q, k_pages, v_pages, page_table, token_seq, positions, **kwargs)
+    if model_parallel_mesh() is not None:  # tensor parallelism: each device runs the kernel on its own heads
+        attention = functools.partial(ragged_paged_attention, backend=backend, **kwargs)
+        return shard_over_heads(attention, q, k_pages, v_pages, page_table, query_start, seq_lens)
+    # The kernels read values; a CPU cache stores bfloat16 as uint16 bits (see kv_storage_dtype).
+    args = (q, from_stored(k_pages), from_stored(v_pages), page_table, query_start, seq_lens)
+    if backend == "pallas":
+        # Chosen by the platform being lowered for, not the host's: jax.export from a CPU host for tpu or cuda
+        # gets that platform's kernel (and lowering for CPU fails: there is no branch for it).
+        return jax.lax.platform_dependent(*args, tpu=functools.partial(ragged_paged_attention_tpu, **kwargs),
+                                          cuda=functools.partial(ragged_paged_attention_gpu, **kwargs),
+                                          rocm=functools.partial(ragged_paged_attention_gpu, **kwargs))
+    if backend in ("pallas-interpret", "pallas-interpret-tpu"):
+        return ragged_paged_attention_tpu(*args, **kwargs, interpret=True)
+    if backend == "pallas-interpret-gpu":
+        return ragged_paged_attention_gpu(*args, **kwargs, interpret=True)
+    raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+
+
+def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
+             slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Write new K/V [T, Hkv, D] into flat slots (page * B + offset); slot N * B (padding) is dropped.
+
+    Every backend uses this XLA scatter: inside the jitted step the caches are donated, so XLA updates them in
+    place (no copy of the cache), and it fuses with the K/V projection. A kernel would save nothing: the write
+    moves T * Hkv * D elements, far less than attention reads.
+    """
+    return write_kv_ref(k_pages, v_pages, k, v, slot_mapping)

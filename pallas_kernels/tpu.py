@@ -1,0 +1,153 @@
+"""Ragged paged attention for TPUs: a Pallas Mosaic kernel (see docs/kernels.md).
+
+One grid step per (KV head, query block). The page table and the block work list are scalar-prefetched into
+SMEM, so the kernel knows which pages to fetch before any vector work starts. K/V stay in HBM (memory_space ANY)
+in the engine's layout [N, B, Hkv, D]; the kernel copies the pages it needs into VMEM with async DMAs, `pages_per_chunk`
+pages per chunk, double buffered: chunk c + 1 is in flight while chunk c is multiplied. The DMA also does the
+head de-interleave: it copies the strided [B, D] slab of one KV head of a page into a dense [chunk, D] VMEM
+buffer, so the MXU sees plain 2-D tiles and no strided vector loads are needed. Softmax is online, in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.blocks import block_metadata, pack_q, unpack_out
+
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked chunk must not make NaNs
+
+
+def _precision(dtype) -> tuple | None:
+    # f32 caches get full-precision MXU passes (not one bf16 pass); bf16 needs no precision attribute.
+    return (lax.Precision.HIGHEST, lax.Precision.HIGHEST) if dtype == jnp.float32 else None
+
+
+def _chunk_copies(k_hbm, v_hbm, k_buf, v_buf, sems, page_table_ref, *, row, h, first_page, last_page, chunk,
+                  slot, pages_per_chunk, pages_per_seq):
+    """The DMA descriptors that bring KV chunk `chunk` of head h into buffer `slot` (start, then wait, each)."""
+    page_size = k_hbm.shape[1]
+    copies = []
+    for i in range(pages_per_chunk):
+        # Past the sequence's last page, re-read that page: the copy stays valid (finite data) and is masked.
+        j = jnp.minimum(first_page + chunk * pages_per_chunk + i, last_page - 1)
+        page = page_table_ref[row * pages_per_seq + j]
+        dst = pl.ds(i * page_size, page_size)
+        copies.append(pltpu.make_async_copy(k_hbm.at[page, :, h, :], k_buf.at[slot, dst, :], sems.at[0, slot]))
+        copies.append(pltpu.make_async_copy(v_hbm.at[page, :, h, :], v_buf.at[slot, dst, :], sems.at[1, slot]))
+    return copies
+
+
+def _attend_chunk(q, k, v, carry, key_pos0, row_pos, *, scale, soft_cap, sliding_window):
+    """One online-softmax step of the [M, D] query tile against a [C, D] chunk of keys and values."""
+    acc, m_prev, l_prev = carry
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_precision(k.dtype),
+                        preferred_element_type=jnp.float32) * scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    key_pos = key_pos0 + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+    mask = key_pos <= row_pos
+    if sliding_window is not None:
+        mask &= key_pos > row_pos - sliding_window
+    s = jnp.where(mask, s, MASK_VALUE)
+    m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+    p = jnp.exp(s - m_next)
+    correction = jnp.exp(m_prev - m_next)
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_precision(v.dtype),
+                         preferred_element_type=jnp.float32)
+    return acc * correction + pv, m_next, l_prev * correction + p.sum(axis=1, keepdims=True)
+
+
+def _kernel(seq_ref, q_pos_ref, kv_end_ref, page_table_ref,  # scalar prefetch (SMEM)
+            q_ref, k_hbm, v_hbm,  # inputs: q tile in VMEM, caches in HBM
+            o_ref,  # output tile
+            k_buf, v_buf, sems,  # scratch: [2, C, D] double buffers and their DMA semaphores
+            *, scale: float, block_q: int, pages_per_chunk: int, pages_per_seq: int,
+            sliding_window: int | None, soft_cap: float | None):
+    h, b = pl.program_id(0), pl.program_id(1)
+    row, q_pos, kv_end = seq_ref[b], q_pos_ref[b], kv_end_ref[b]
+    page_size = k_hbm.shape[1]
+    # lax.div/rem (truncating) rather than // and %: operands are non-negative, and floor division lowers
+    # through sign(), whose Mosaic rule needs to know the TPU generation.
+    first_page = 0 if sliding_window is None else lax.div(jnp.maximum(q_pos - sliding_window + 1, 0), page_size)
+    last_page = lax.div(kv_end + page_size - 1, page_size)
+    num_chunks = lax.div(last_page - first_page + pages_per_chunk - 1, pages_per_chunk)
+    copies = functools.partial(_chunk_copies, k_hbm, v_hbm, k_buf, v_buf, sems, page_table_ref, row=row, h=h,
+                               first_page=first_page, last_page=last_page, pages_per_chunk=pages_per_chunk,
+                               pages_per_seq=pages_per_seq)
+    q = q_ref[...]
+    rows, head_dim = q.shape
+    chunk_len = k_buf.shape[1]
+    # Row r holds token r % block_q of the block (rows are head-major); block_q is a power of two.
+    row_pos = q_pos + (lax.broadcasted_iota(jnp.int32, (rows, chunk_len), 0) & (block_q - 1))
+    attend = functools.partial(_attend_chunk, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+
+    @pl.when(num_chunks > 0)
+    def _():
+        for copy in copies(chunk=0, slot=0):
+            copy.start()
+
+    def body(c, carry):
+        slot = lax.rem(c, 2)
+
+        @pl.when(c + 1 < num_chunks)
+        def _():
+            for copy in copies(chunk=c + 1, slot=1 - slot):
+                copy.start()
+
+        for copy in copies(chunk=c, slot=slot):
+            copy.wait()
+        key_pos0 = (first_page + c * pages_per_chunk) * page_size
+        return attend(q, k_buf[slot], v_buf[slot], carry, key_pos0, row_pos)
+
+    init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows, 1), MASK_VALUE, jnp.float32),
+            jnp.zeros((rows, 1), jnp.float32))
+    acc, _, denom = lax.fori_loop(0, num_chunks, body, init)
+    o_ref[...] = acc / jnp.where(denom == 0, 1.0, denom)  # padding blocks (no keys) write zeros
+
+
+def ragged_paged_attention_tpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+                               query_start: jax.Array, seq_lens: jax.Array, *, scale: float,
+                               sliding_window: int | None = None, soft_cap: float | None = None,
+                               block_q: int = 16, pages_per_chunk: int = 8, interpret: bool = False) -> jax.Array:
+    """Mosaic kernel with the interface of `ragged_paged_attention` (see pallas_kernels/__init__.py).
+
+    block_q: query tokens per block, a power of two; group * block_q rows should be a multiple of 16 (bf16
+    sublane tiling). pages_per_chunk: pages per DMA chunk; the chunk (pages_per_chunk * page_size keys) is the
+    N of the QK^T matmul, so 128+ keys keep the MXU busy, and each buffer costs chunk * D * itemsize of VMEM.
+    """
+    assert block_q & (block_q - 1) == 0, "block_q must be a power of two"
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, page_size = k_pages.shape[2], k_pages.shape[1]
+    num_seqs, pages_per_seq = page_table.shape
+    pages_per_chunk = min(pages_per_chunk, pages_per_seq)
+    meta = block_metadata(query_start, seq_lens, num_tokens, block_q)
+    q_packed = pack_q(q.astype(k_pages.dtype), meta, num_kv_heads, block_q, num_heads // num_kv_heads)
+    nb, _, rows, _ = q_packed.shape
+    tile = pl.BlockSpec((None, None, rows, head_dim), lambda h, b, *_: (b, h, 0, 0))
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    chunk_len = pages_per_chunk * page_size
+    kernel = functools.partial(_kernel, scale=scale, block_q=block_q, pages_per_chunk=pages_per_chunk,
+                               pages_per_seq=pages_per_seq, sliding_window=sliding_window, soft_cap=soft_cap)
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(num_kv_heads, nb),
+            in_specs=[tile, hbm, hbm],
+            out_specs=tile,
+            scratch_shapes=[pltpu.VMEM((2, chunk_len, head_dim), k_pages.dtype),
+                            pltpu.VMEM((2, chunk_len, head_dim), v_pages.dtype),
+                            pltpu.SemaphoreType.DMA((2, 2))],
+        ),
+        out_shape=jax.ShapeDtypeStruct((nb, num_kv_heads, rows, head_dim), jnp.float32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interpret,
+        name="ragged_paged_attention_mosaic",
+    )(meta.seq, meta.q_pos, meta.kv_end, page_table.reshape(-1), q_packed, k_pages, v_pages)
+    return unpack_out(out, query_start, num_tokens, num_heads, block_q)

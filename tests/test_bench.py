@@ -1,0 +1,424 @@
+"""The benchmark harness: metrics against hand-computed values, arrivals, datasets, and the three commands run
+end to end on tiny settings (bench serve against an in-process fake server and the real jserve server)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from argparse import Namespace
+
+import numpy as np
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from checkpoints import DEMO_MODEL_DIR
+from jserve.bench.arrivals import arrival_gaps, arrival_offsets
+from jserve.bench.datasets import (
+    MIXED_OUTPUT_RANGE,
+    MIXED_PROMPT_RANGE,
+    SampleRequest,
+    build_requests,
+    for_server,
+    mixed_requests,
+    ordinary_token_ids,
+    prefix_repetition_requests,
+    random_requests,
+    sharegpt_requests,
+)
+from jserve.bench.metrics import (
+    RequestResult,
+    compute_metrics,
+    output_tokens_over_time,
+    parse_goodput,
+    summarize,
+)
+from jserve.bench.roofline import decode_bytes_per_token, kv_bytes_per_token, weight_params_read_per_token
+from jserve.bench.throughput import static_batches
+from jserve.cli import main
+from jserve.config import ModelConfig
+
+# ----- metrics -----
+
+
+def synthetic_results() -> list[RequestResult]:
+    five_tokens = RequestResult(prompt_len=10, success=True, output_tokens=5, ttft=0.1, latency=0.5,
+                                itl=[0.1, 0.1, 0.1, 0.1])
+    one_token = RequestResult(prompt_len=20, success=True, output_tokens=1, ttft=0.2, latency=0.2)
+    failed = RequestResult(prompt_len=30, error="HTTP 500")
+    return [five_tokens, one_token, failed]
+
+
+def test_metrics_from_synthetic_timings():
+    m = compute_metrics(synthetic_results(), duration_s=2.0)
+    assert (m["completed"], m["failed"]) == (2, 1)
+    assert (m["total_input_tokens"], m["total_output_tokens"]) == (30, 6)  # the failed request counts for nothing
+    assert m["request_throughput"] == pytest.approx(1.0)
+    assert m["output_throughput"] == pytest.approx(3.0)
+    assert m["total_token_throughput"] == pytest.approx(18.0)
+    assert m["mean_ttft_ms"] == pytest.approx(150.0)
+    assert m["p90_ttft_ms"] == pytest.approx(190.0)  # linear interpolation between 100 and 200
+    # TPOT = (500 - 100) / (5 - 1) for the 5-token request; a 1-token request has none.
+    assert m["mean_tpot_ms"] == pytest.approx(100.0) and m["p99_tpot_ms"] == pytest.approx(100.0)
+    assert m["mean_itl_ms"] == pytest.approx(100.0)
+    assert m["median_e2el_ms"] == pytest.approx(350.0)
+    assert "request_goodput" not in m
+
+
+def test_summarize_percentiles():
+    stats = summarize([0.004, 0.001, 0.003, 0.002])
+    assert stats["mean"] == pytest.approx(2.5) and stats["median"] == pytest.approx(2.5)
+    assert stats["p90"] == pytest.approx(3.7) and stats["p99"] == pytest.approx(3.97)
+    assert summarize([])["p99"] == 0.0
+
+
+def test_goodput_counts_requests_meeting_every_slo():
+    results = synthetic_results()
+    assert compute_metrics(results, 2.0, parse_goodput(["ttft:150"]))["request_goodput"] == pytest.approx(0.5)
+    # The 1-token request has no TPOT and passes a TPOT SLO; the 5-token one (100 ms) fails 50 ms.
+    assert compute_metrics(results, 2.0, parse_goodput(["tpot:50"]))["request_goodput"] == pytest.approx(0.5)
+    both = parse_goodput(["ttft:1000", "tpot:100", "e2el:500"])
+    assert compute_metrics(results, 2.0, both)["request_goodput"] == pytest.approx(1.0)
+    assert compute_metrics(results, 2.0, parse_goodput(["e2el:199"]))["request_goodput"] == 0.0
+
+
+@pytest.mark.parametrize("bad", ["ttft", "latency:5", "ttft:x", "tpot:0"])
+def test_goodput_rejects_malformed_slos(bad):
+    with pytest.raises(ValueError):
+        parse_goodput([bad])
+
+
+def test_output_tokens_over_time_spreads_tokens_over_chunks():
+    r = RequestResult(prompt_len=1, success=True, output_tokens=8, chunk_times=[10.1, 10.5, 11.2, 12.9])
+    assert output_tokens_over_time([r], start=10.0).tolist() == [4.0, 2.0, 2.0]
+
+
+# ----- arrivals -----
+
+
+def test_poisson_arrivals_have_the_requested_rate():
+    gaps = arrival_gaps(np.random.default_rng(0), 20000, request_rate=4.0)
+    assert gaps.mean() == pytest.approx(0.25, rel=0.03)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.05)  # exponential gaps: CV 1
+
+
+def test_burstiness_keeps_the_rate_and_changes_the_spread():
+    regular = arrival_gaps(np.random.default_rng(0), 20000, request_rate=2.0, burstiness=4.0)
+    assert regular.mean() == pytest.approx(0.5, rel=0.03)
+    assert regular.std() / regular.mean() == pytest.approx(0.5, rel=0.05)  # gamma shape k: CV 1 / sqrt(k)
+
+
+def test_infinite_rate_sends_everything_at_once_and_offsets_start_at_zero():
+    assert arrival_offsets(np.random.default_rng(0), 5, float("inf")).tolist() == [0.0] * 5
+    offsets = arrival_offsets(np.random.default_rng(0), 50, 10.0)
+    assert offsets[0] == 0.0 and np.all(np.diff(offsets) >= 0)
+    with pytest.raises(ValueError):
+        arrival_gaps(np.random.default_rng(0), 3, 0.0)
+
+
+# ----- datasets -----
+
+
+class WordTokenizer:
+    """Whitespace 'tokenizer': a token is a word; ids are words that are numbers."""
+
+    vocab_size = 1000
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [int(w) if w.isdigit() else 7 for w in text.split()]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return " ".join(str(i) for i in ids)
+
+
+def test_random_lengths_follow_the_range_ratio():
+    vocab = ordinary_token_ids(WordTokenizer(), special_ids=[0, 1, 2])
+    exact = random_requests(np.random.default_rng(0), vocab, 20, input_len=64, output_len=16)
+    assert {r.prompt_len for r in exact} == {64} and {r.output_len for r in exact} == {16}
+    spread = random_requests(np.random.default_rng(0), vocab, 500, 100, 40, range_ratio=0.5)
+    prompts = np.array([r.prompt_len for r in spread])
+    assert prompts.min() >= 50 and prompts.max() <= 150 and abs(prompts.mean() - 100) < 5
+    assert all(20 <= r.output_len <= 60 for r in spread)
+    assert not {0, 1, 2} & {t for r in spread for t in r.prompt_token_ids}  # special tokens never appear
+
+
+def test_mixed_workload_lengths_stay_in_range_and_are_reproducible():
+    vocab = np.arange(100)
+    requests = mixed_requests(np.random.default_rng(1), vocab, 256)
+    prompts = [r.prompt_len for r in requests]
+    outputs = [r.output_len for r in requests]
+    assert MIXED_PROMPT_RANGE[0] <= min(prompts) and max(prompts) <= MIXED_PROMPT_RANGE[1]
+    assert MIXED_OUTPUT_RANGE[0] <= min(outputs) and max(outputs) <= MIXED_OUTPUT_RANGE[1]
+    assert np.median(prompts) < np.mean(prompts)  # log-uniform: many short prompts, a long tail
+    again = mixed_requests(np.random.default_rng(1), vocab, 256)
+    assert [r.prompt_token_ids for r in again] == [r.prompt_token_ids for r in requests]
+
+
+def test_prefix_repetition_shares_prefixes():
+    requests = prefix_repetition_requests(np.random.default_rng(0), np.arange(1000), 12, prefix_len=32,
+                                          suffix_len=8, num_prefixes=3, output_len=5)
+    assert {r.prompt_len for r in requests} == {40} and {r.output_len for r in requests} == {5}
+    assert len({tuple(r.prompt_token_ids[:32]) for r in requests}) == 3
+
+
+def test_sharegpt_file_gives_prompts_and_answer_lengths(tmp_path):
+    conversation = lambda q, a: {"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
+    data = [conversation("a b c d e", "w x y z v u"), conversation("short", "too short to time"),
+            {"conversations": []}, conversation("one two three four", "1 2 3 4 5")]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    requests = sharegpt_requests(np.random.default_rng(0), WordTokenizer(), path, 2)
+    assert sorted((r.prompt_len, r.output_len) for r in requests) == [(4, 5), (5, 6)]
+    with pytest.raises(ValueError, match="only 2 usable"):
+        sharegpt_requests(np.random.default_rng(0), WordTokenizer(), path, 3)
+
+
+def test_build_requests_and_server_prompts():
+    args = Namespace(dataset="random", seed=3, num_prompts=4, random_input_len=6, random_output_len=2,
+                     random_range_ratio=0.0, dataset_path=None)
+    requests = build_requests(args, WordTokenizer())
+    served = for_server(requests, WordTokenizer(), np.random.default_rng(0), np.arange(1000))
+    assert [r.prompt_token_ids for r in served] == [r.prompt_token_ids for r in requests]
+    assert all(r.prompt == " ".join(map(str, r.prompt_token_ids)) for r in served)
+    with pytest.raises(ValueError, match="--dataset-path"):
+        build_requests(Namespace(dataset="sharegpt", seed=0, dataset_path=None), WordTokenizer())
+
+
+class PairTokenizer:
+    """Digits, two to a token: decoding single-digit ids and encoding again merges neighbours."""
+
+    vocab_size = 100
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [int(text[i:i + 2]) for i in range(0, len(text), 2)]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(str(i) for i in ids)
+
+
+def test_server_prompts_are_fitted_to_the_requested_length():
+    rng = np.random.default_rng(0)
+    request = SampleRequest(rng.integers(1, 10, size=12).tolist(), 3)  # 12 digits re-encode to only 6 tokens
+    (served,) = for_server([request], PairTokenizer(), rng, np.arange(1, 10))
+    assert served.prompt_len == 12 and PairTokenizer().encode(served.prompt) == served.prompt_token_ids
+    given = SampleRequest([1], 3, prompt="123456")  # a dataset's own text is sent as it is
+    assert for_server([given], PairTokenizer(), rng, np.arange(1, 10))[0].prompt_token_ids == [12, 34, 56]
+
+
+# ----- roofline and static batches -----
+
+SMOLLM_135M = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                          num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, tie_word_embeddings=True)
+
+
+def test_roofline_bytes_for_the_135m_shape():
+    # 134,515,008 parameters (transformers' count for this shape) + the one embedding row a token looks up.
+    assert weight_params_read_per_token(SMOLLM_135M) == 134_515_008 + 576
+    assert kv_bytes_per_token(SMOLLM_135M, "float32", 100) == 2 * 30 * 192 * 4 * 100
+    assert decode_bytes_per_token(SMOLLM_135M, "bfloat16", 0) == (134_515_008 + 576) * 2
+
+
+def test_static_batches_sort_longest_first():
+    requests = [SampleRequest([1] * p, o) for p, o in [(5, 3), (2, 9), (7, 3), (1, 1), (4, 6)]]
+    batches = static_batches(requests, 2, sort=True)
+    assert [[(r.prompt_len, r.output_len) for r in b] for b in batches] == [[(2, 9), (4, 6)], [(7, 3), (5, 3)],
+                                                                            [(1, 1)]]
+    assert [len(b) for b in static_batches(requests, 2, sort=False)] == [2, 2, 1]
+
+
+# ----- offline commands on a tiny model -----
+
+TINY_ENGINE_FLAGS = ["--no-warmup", "--compilation-cache-dir", "", "--max-model-len", "256",
+                     "--kv-cache-memory-bytes", str(4 << 20), "--max-num-batched-tokens", "64", "--max-num-seqs", "8"]
+
+
+def test_bench_throughput_jserve_and_hf_run_the_same_requests(hf_model_dir, tmp_path):
+    model = str(hf_model_dir("llama"))
+    dataset = ["--dataset", "random", "--num-prompts", "5", "--random-input-len", "12", "--random-output-len", "6",
+               "--random-range-ratio", "0.5", "--disable-tqdm"]
+    reports = {}
+    for backend, extra in [("jserve", TINY_ENGINE_FLAGS), ("hf", ["--hf-batch-size", "2"])]:
+        out = tmp_path / f"{backend}.json"
+        assert main(["bench", "throughput", "--backend", backend, "--model", model, *dataset, *extra,
+                     "--result-json", str(out)]) == 0
+        reports[backend] = json.loads(out.read_text())
+    jserve, hf = reports["jserve"], reports["hf"]
+    assert jserve["num_requests"] == hf["num_requests"] == 5
+    assert jserve["prompt_tokens"] == hf["prompt_tokens"]
+    assert jserve["output_tokens"] == hf["output_tokens"]  # every request generated exactly its length
+    assert hf["generated_tokens"] >= hf["output_tokens"]  # static batches run to their longest request
+    for report in (jserve, hf):
+        assert report["output_tokens_per_s"] == pytest.approx(report["output_tokens"] / report["elapsed_s"])
+
+
+def test_hf_static_batch_ignores_eos(hf_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jserve.bench.throughput import _hf_generate
+
+    model = AutoModelForCausalLM.from_pretrained(hf_model_dir("llama"), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = list(range(256))  # half the vocabulary ends a plain generate()
+    batch = [SampleRequest([5, 6, 7], 4), SampleRequest([8], 7)]
+    with torch.no_grad():
+        assert _hf_generate(model, batch, pad=0) == 2 * 7
+
+
+def test_bench_latency_reports_speed_and_roofline(hf_model_dir, tmp_path):
+    out = tmp_path / "latency.json"
+    assert main(["bench", "latency", "--model", str(hf_model_dir("llama")), "--input-len", "8", "--output-len",
+                 "4", "--num-iters", "2", "--num-iters-warmup", "1", *TINY_ENGINE_FLAGS,
+                 "--result-json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["prefill_tokens_per_s"] > 0 and report["decode_tokens_per_s"] > 0
+    cfg = ModelConfig.from_pretrained(hf_model_dir("llama"))
+    assert report["bytes_per_decode_token"] == decode_bytes_per_token(cfg, "float32", 8 + 4 / 2)
+    assert report["roofline_decode_tokens_per_s"] == pytest.approx(
+        report["stream_bandwidth_gb_s"] * 1e9 / report["bytes_per_decode_token"])
+
+
+# ----- bench serve against a fake OpenAI-compatible server -----
+
+FAKE_TTFT_S = 0.05
+FAKE_TOKEN_S = 0.01
+
+
+class FakeServer:
+    """Streams max_tokens one-word chunks after FAKE_TTFT_S, FAKE_TOKEN_S apart, then a usage chunk."""
+
+    def __init__(self):
+        self.bodies: list[dict] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.app = Starlette(routes=[Route("/v1/completions", self.generate, methods=["POST"]),
+                                     Route("/v1/chat/completions", self.generate, methods=["POST"]),
+                                     Route("/v1/models", self.models)])
+
+    async def models(self, request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+
+    async def generate(self, request: Request) -> StreamingResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        chat = "messages" in body
+        return StreamingResponse(self.stream(body["max_tokens"], chat), media_type="text/event-stream")
+
+    async def stream(self, n: int, chat: bool):
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(FAKE_TTFT_S)
+            for i in range(n):
+                if i:
+                    await asyncio.sleep(FAKE_TOKEN_S)
+                choice = {"index": 0, "delta": {"content": f" w{i}"}} if chat else {"index": 0, "text": f" w{i}"}
+                yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+            yield f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': n}})}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            self.in_flight -= 1
+
+
+@pytest.fixture
+def fake_server():
+    fake = FakeServer()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(fake.app, log_level="warning", access_log=False, lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    fake.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    yield fake
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_bench_serve_end_to_end_against_a_fake_server(fake_server, tmp_path):
+    out, plot = tmp_path / "serve.json", tmp_path / "serve.png"
+    args = ["bench", "serve", "--base-url", fake_server.url, "--tokenizer", str(DEMO_MODEL_DIR), "--dataset",
+            "random", "--num-prompts", "6", "--random-input-len", "16", "--random-output-len", "5",
+            "--random-range-ratio", "0.5", "--max-concurrency", "2", "--ignore-eos", "--disable-tqdm",
+            "--goodput", "ttft:10000", "tpot:10000", "--result-json", str(out)]
+    has_matplotlib = _has_matplotlib()
+    assert main(args + (["--plot", str(plot)] if has_matplotlib else [])) == 0
+    report = json.loads(out.read_text())
+    timed = fake_server.bodies[1:]  # the first body is the test request sent before timing starts
+    assert report["model"] == "fake-model"  # discovered from /v1/models
+    assert (report["completed"], report["failed"]) == (6, 0)
+    assert sorted(report["output_lens"]) == sorted(b["max_tokens"] for b in timed)
+    assert report["total_output_tokens"] == sum(b["max_tokens"] for b in timed)
+    assert all(b["ignore_eos"] and b["stream"] and b["stream_options"]["include_usage"] for b in timed)
+    assert fake_server.max_in_flight <= 2
+    assert min(report["ttfts"]) >= FAKE_TTFT_S  # the server waits that long before its first chunk
+    assert report["mean_tpot_ms"] >= FAKE_TOKEN_S * 1000 * 0.5
+    assert len(report["itls"][0]) == report["output_lens"][0] - 1  # one gap between each pair of chunks
+    assert report["request_goodput"] == pytest.approx(report["request_throughput"])
+    assert report["output_throughput"] == pytest.approx(report["total_output_tokens"] / report["duration"])
+    if has_matplotlib:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_serve_chat_endpoint_with_a_request_rate(fake_server, tmp_path):
+    out = tmp_path / "chat.json"
+    assert main(["bench", "serve", "--base-url", fake_server.url, "--endpoint", "/v1/chat/completions",
+                 "--model", str(DEMO_MODEL_DIR), "--served-model-name", "fake-model", "--dataset",
+                 "prefix-repetition", "--num-prompts", "4", "--prefix-repetition-prefix-len", "8",
+                 "--prefix-repetition-suffix-len", "4", "--prefix-repetition-num-prefixes", "2",
+                 "--prefix-repetition-output-len", "3", "--request-rate", "50", "--disable-tqdm",
+                 "--result-json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["completed"] == 4 and report["output_lens"] == [3, 3, 3, 3]
+    assert all("messages" in b and b["model"] == "fake-model" and "ignore_eos" not in b for b in fake_server.bodies)
+    starts = report["start_times"]
+    assert starts == sorted(starts) and starts[-1] > 0  # Poisson gaps, not all at once
+
+
+def test_bench_serve_reports_a_dead_server():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens here now
+    assert main(["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--model", "m", "--tokenizer",
+                 str(DEMO_MODEL_DIR), "--num-prompts", "2", "--random-input-len", "4", "--random-output-len", "2",
+                 "--disable-tqdm"]) == 2
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ----- bench serve against the real jserve server -----
+
+
+def test_bench_serve_against_jserve(hf_model_dir, tmp_path):
+    from server_helpers import TEST_ENGINE_ARGS, ServerThread
+
+    from jserve.config import EngineConfig
+    from jserve.server.settings import ServerSettings
+
+    model = hf_model_dir("llama")
+    server = ServerThread(EngineConfig(model=str(model), **TEST_ENGINE_ARGS), ServerSettings()).start()
+    try:
+        out = tmp_path / "jserve.json"
+        assert main(["bench", "serve", "--base-url", server.url, "--model", str(model), "--dataset", "random",
+                     "--num-prompts", "4", "--random-input-len", "16", "--random-output-len", "4",
+                     "--ignore-eos", "--max-concurrency", "4", "--disable-tqdm", "--result-json", str(out)]) == 0
+    finally:
+        server.stop()
+    report = json.loads(out.read_text())
+    assert (report["completed"], report["failed"]) == (4, 0)
+    assert report["output_lens"] == [4, 4, 4, 4]  # usage.completion_tokens, with EOS ignored
+    assert report["mean_ttft_ms"] > 0 and report["mean_tpot_ms"] > 0
