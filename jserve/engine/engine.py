@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from checkpoints import DEMO_MODEL_DIR
@@ -150,12 +151,16 @@ class LLMEngine:
     def warmup(self) -> None:
         """Compile every step shape now, so serving never waits on the compiler."""
         start = time.perf_counter()
-        for batch in self.runner.warmup_batches():
-            logits = self.runner.run(batch)
-            for meta in warmup_metadata(logits.shape[0]):
+        batches = list(self.runner.warmup_batches())
+        if self.runner.mesh is None:
+            logits_shapes = set(self.runner.compile_ahead(batches))
+        else:  # a sharded (or multi-process) step compiles on its first run, in lockstep on every process
+            logits_shapes = {tuple(self.runner.run(batch).shape) for batch in batches}
+        for shape in sorted(logits_shapes):
+            logits = jnp.zeros(shape, jnp.float32)
+            for meta in warmup_metadata(shape[0]):
                 jax.block_until_ready(sample(logits, meta))
-        logger.info("warm-up compiled %d step shapes in %.1f s", len(self.runner.token_buckets)
-                    * len(self.runner.page_buckets), time.perf_counter() - start)
+        logger.info("warm-up compiled %d step shapes in %.1f s", len(batches), time.perf_counter() - start)
 
     # ----- requests -----
 

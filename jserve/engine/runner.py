@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import jax
@@ -52,6 +55,10 @@ def pick_bucket(buckets: list[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+def _shape_key(batch: StepBatch) -> tuple:
+    return tuple(np.shape(leaf) for leaf in jax.tree.leaves(batch))
+
+
 def kv_bytes_per_block(config, block_size: int, dtype: str) -> int:
     return 2 * config.num_layers * block_size * config.kv_size * jnp.dtype(dtype).itemsize
 
@@ -89,6 +96,7 @@ class ModelRunner:
         self.token_buckets = pow2_buckets(min(8, max_num_batched_tokens), max_num_batched_tokens)
         self.max_seq_rows = min(max_num_seqs, max_num_batched_tokens)
         self.page_buckets = pow2_buckets(1, math.ceil(max_model_len / block_size))
+        self._compiled: dict[tuple, Callable] = {}  # step executables compiled ahead, by batch shape
 
     def _forward(self, state: nnx.State, kv_cache: KVCache, batch: StepBatch) -> tuple[KVCache, jax.Array]:
         model = nnx.merge(self.graphdef, state)
@@ -144,8 +152,22 @@ class ModelRunner:
 
     def run(self, batch: StepBatch) -> jax.Array:
         """Run one step; returns float32 logits [S, V] (rows past the real sequences are padding)."""
-        self.kv_cache, logits = self._step(self.state, self.kv_cache, batch)
+        step = self._compiled.get(_shape_key(batch), self._step)  # a shape not compiled ahead goes through jit
+        self.kv_cache, logits = step(self.state, self.kv_cache, batch)
         return logits
+
+    def compile_ahead(self, batches: list[StepBatch], workers: int | None = None) -> list[tuple[int, int]]:
+        """Compile the step for each batch's shapes without running it; returns the (rows, vocab) of each logits.
+
+        Tracing runs one shape at a time; XLA compiles several at once on worker threads (it releases the GIL).
+        Only a single-device step is compiled this way: sharded steps warm up by running (see LLMEngine.warmup).
+        """
+        lowered = [(_shape_key(b), self._step.lower(self.state, self.kv_cache, b)) for b in batches]
+        workers = workers or min(4, os.cpu_count() or 1)
+        with ThreadPoolExecutor(workers, thread_name_prefix="jserve-compile") as pool:
+            compiled = list(pool.map(lambda item: (item[0], item[1].compile()), lowered))
+        self._compiled.update(compiled)
+        return [tuple(exe.out_info[1].shape) for _, exe in compiled]
 
     def warmup_batches(self):
         """One all-padding batch per (tokens, pages) bucket: compiling them all up front means no step recompiles."""
