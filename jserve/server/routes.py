@@ -102,6 +102,16 @@ def _stream(gen: Generation, events: AsyncIterator[bytes]) -> EventStreamRespons
     return EventStreamResponse(guarded(), on_close=gen.close)
 
 
+async def _respond(request: Request, gen: Generation, stream: bool, make, args: tuple) -> Response:
+    """Stream SSE events from make(*args), or await its JSON body (aborting if the client goes away)."""
+    if stream:
+        return _stream(gen, make(*args))
+    try:
+        return JSONResponse(await unless_disconnected(request, make(*args)))
+    finally:
+        gen.close()
+
+
 # ----- completions -----
 
 async def create_completion(request: Request, state: ServerState) -> Response:
@@ -112,13 +122,8 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     prompts = [await tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
     header = R.ResponseHeader(R.new_id("cmpl"), state.model_name)
     gen = await _admit(engine, header.id, prompts, req)
-    if req.stream:
-        return _stream(gen, _completion_events(gen, req, header, tokenizer))
-    try:
-        body = await unless_disconnected(request, _completion_body(gen, req, header, tokenizer))
-    finally:
-        gen.close()
-    return JSONResponse(body)
+    return await _respond(request, gen, req.stream, _completion_events if req.stream else _completion_body,
+                          (gen, req, header, tokenizer))
 
 
 async def _completion_events(gen: Generation, req: CompletionRequest, header: R.ResponseHeader,
@@ -156,13 +161,8 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     prompt = await tokenizer.chat(req.messages, req.add_generation_prompt)
     header = R.ResponseHeader(R.new_id("chatcmpl"), state.model_name)
     gen = await _admit(engine, header.id, [prompt], req)
-    if req.stream:
-        return _stream(gen, _chat_events(gen, req, header, tokenizer))
-    try:
-        body = await unless_disconnected(request, _chat_body(gen, req, header, tokenizer))
-    finally:
-        gen.close()
-    return JSONResponse(body)
+    return await _respond(request, gen, req.stream, _chat_events if req.stream else _chat_body,
+                          (gen, req, header, tokenizer))
 
 
 async def _chat_events(gen: Generation, req: ChatRequest, header: R.ResponseHeader,
