@@ -207,3 +207,15 @@ def test_prefix_caching_disabled_never_matches():
     run_prefill(bm, make_seq([1, 2, 3, 4, 5]))
     assert make_and_match(bm, [1, 2, 3, 4, 5]) == 0
     assert not bm.hash_to_block
+
+
+def test_data_parallel_metrics_view_pools_the_replicas():
+    from jserve.engine.data_parallel import PooledView
+
+    first, second = BlockManager(num_blocks=8, block_size=4), BlockManager(num_blocks=4, block_size=4)
+    run_prefill(first, make_seq(range(10)))  # 3 blocks
+    run_prefill(second, make_seq(range(100, 104), "s"))  # 1 block
+    pooled = PooledView([first, second])
+    assert (pooled.num_blocks, pooled.num_free_blocks) == (12, 8)
+    assert pooled.usage == pytest.approx(4 / 12)
+    assert pooled.prefix_cache_queries == 14
