@@ -5,9 +5,12 @@
 FROM python:3.11-slim
 ARG EXTRAS=""
 WORKDIR /app
+# g++ builds cpu_kernels on first start, for the CPU the container runs on (-march=native; cached in /cache).
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 COPY pyproject.toml README.md ./
 COPY jserve ./jserve
 COPY pallas_kernels ./pallas_kernels
+COPY cpu_kernels ./cpu_kernels
 COPY sharding ./sharding
 COPY checkpoints ./checkpoints
 RUN pip install --no-cache-dir ".${EXTRAS:+[$EXTRAS]}"

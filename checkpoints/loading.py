@@ -22,6 +22,7 @@ class LoadedModel:
     config: ModelConfig
     graphdef: nnx.GraphDef
     state: nnx.State  # parameters as device arrays
+    attention_backend: str = "reference"  # the concrete backend baked into graphdef
 
 
 def resolve_model_path(model: str) -> Path:
@@ -69,7 +70,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
     for path, array in placed.items():
         _assign(pure, path, array)
     nnx.replace_by_pure_dict(state, pure)
-    return LoadedModel(config=config, graphdef=graphdef, state=state)
+    return LoadedModel(config=config, graphdef=graphdef, state=state, attention_backend=attention_backend)
 
 
 def place_sharded(source: ParamSource, sharding: Sharding) -> jax.Array:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
-ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas-interpret")  # see pallas_kernels/interface.py
+ATTENTION_BACKENDS = ("auto", "reference", "cpu", "pallas", "pallas-interpret")  # see pallas_kernels/interface.py
 
 
 class ModelLoadError(ValueError):
@@ -185,7 +185,8 @@ class EngineConfig:
       enable_chunked_prefill: split long prompts across steps so decodes keep flowing.
       compilation_cache_dir: JAX's persistent compilation cache; "" disables it.
       warmup: compile every step shape at start-up so serving never stalls on a compile.
-      attention_backend: "auto" (the Pallas kernel on TPU/GPU, the reference on CPU) | "reference" (pure JAX) |
+      attention_backend: "auto" (the Pallas kernel on TPU/GPU, the C++ kernels on CPU where they build, else the
+        reference) | "reference" (pure JAX) | "cpu" (cpu_kernels: C++ paged attention and small-batch matmuls) |
         "pallas" (the kernel; needs a TPU or GPU) | "pallas-interpret" (the kernels interpreted, slow; for tests).
       tokenizer: tokenizer directory when it differs from `model`.
       tensor_parallel_size: devices a model is split over (1 = no sharding); the mesh's `model` axis.

@@ -25,9 +25,10 @@ itself and sees the cached prefix), with query head j reading KV head j // (H //
 decodes mix freely in one call. The KV layout is one thing for every backend; docs/kernels.md says why it suits
 both the TPU DMAs and the Triton loads.
 
-Backends: "reference" (pure JAX; also the fast path on CPU), "pallas" (the kernel for the current platform:
-Mosaic on TPU, Triton on GPU), "pallas-interpret" (the Mosaic kernel run by the Pallas interpreter on any
-platform), and "pallas-interpret-tpu" / "pallas-interpret-gpu" to interpret one kernel in particular.
+Backends: "reference" (pure JAX), "cpu" (cpu_kernels: a C++ kernel through XLA's FFI, the fast path on CPU),
+"pallas" (the kernel for the current platform: Mosaic on TPU, Triton on GPU), "pallas-interpret" (the Mosaic
+kernel run by the Pallas interpreter on any platform), and "pallas-interpret-tpu" / "pallas-interpret-gpu" to
+interpret one kernel in particular.
 """
 
 from __future__ import annotations
@@ -37,23 +38,31 @@ import functools
 import jax
 import jax.numpy as jnp
 
+import cpu_kernels
 from pallas_kernels.gpu import ragged_paged_attention_gpu
 from pallas_kernels.reference import from_stored, ragged_paged_attention_ref, write_kv_ref
 from pallas_kernels.tpu import ragged_paged_attention_tpu
 from sharding.kernels import model_parallel_mesh, shard_over_heads
 
-ENGINE_BACKENDS = ("auto", "reference", "pallas", "pallas-interpret")
-BACKENDS = ("reference", "pallas", "pallas-interpret", "pallas-interpret-tpu", "pallas-interpret-gpu")
+ENGINE_BACKENDS = ("auto", "reference", "cpu", "pallas", "pallas-interpret")
+BACKENDS = ("reference", "cpu", "pallas", "pallas-interpret", "pallas-interpret-tpu", "pallas-interpret-gpu")
 _KERNEL_PLATFORMS = ("tpu", "gpu")
 
 
 def resolve_backend(backend: str, platform: str | None = None) -> str:
-    """Turn an engine setting into a concrete backend: "auto" is the kernel on TPU/GPU and the reference on CPU."""
+    """Turn an engine setting into a concrete backend: "auto" is the Pallas kernel on TPU/GPU, and on CPU the C++
+    kernels where they build here (cpu_kernels.available()), else the reference."""
     platform = platform or jax.default_backend()
     if backend not in ENGINE_BACKENDS and backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {ENGINE_BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "pallas" if platform in _KERNEL_PLATFORMS else "reference"
+        if platform in _KERNEL_PLATFORMS:
+            return "pallas"
+        return "cpu" if platform == "cpu" and cpu_kernels.available() else "reference"
+    if backend == "cpu" and platform != "cpu":
+        raise ValueError(f"attention_backend 'cpu' runs on the CPU only (platform is {platform!r})")
+    if backend == "cpu" and not cpu_kernels.available():
+        raise ValueError(f"attention_backend 'cpu' is unavailable: {cpu_kernels.unavailable_reason()}")
     if backend == "pallas" and platform not in _KERNEL_PLATFORMS:
         raise ValueError(f"attention_backend 'pallas' needs a TPU or GPU (platform is {platform!r}); "
                          "use 'pallas-interpret' to run the kernels on the CPU, or 'reference'")
@@ -82,6 +91,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     if model_parallel_mesh() is not None:  # tensor parallelism: each device runs the kernel on its own heads
         attention = functools.partial(ragged_paged_attention, backend=backend, **kwargs)
         return shard_over_heads(attention, q, k_pages, v_pages, page_table, query_start, seq_lens)
+    if backend == "cpu":  # reads a uint16 (bfloat16 bits) cache as it is
+        return cpu_kernels.ragged_paged_attention(q, k_pages, v_pages, page_table, query_start, seq_lens, **kwargs)
     # The kernels read values; a CPU cache stores bfloat16 as uint16 bits (see kv_storage_dtype).
     args = (q, from_stored(k_pages), from_stored(v_pages), page_table, query_start, seq_lens)
     if backend == "pallas":

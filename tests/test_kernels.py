@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
+import cpu_kernels
 from pallas_kernels import (
     ragged_paged_attention,
     ragged_paged_attention_gpu,
@@ -163,7 +164,7 @@ def test_write_kv_drops_padding_slots():
 
 
 def test_resolve_backend():
-    assert resolve_backend("auto", "cpu") == "reference"
+    assert resolve_backend("auto", "cpu") == ("cpu" if cpu_kernels.available() else "reference")
     assert resolve_backend("auto", "tpu") == resolve_backend("auto", "gpu") == "pallas"
     assert resolve_backend("pallas-interpret", "cpu") == "pallas-interpret"
     with pytest.raises(ValueError, match="TPU or GPU"):
@@ -179,7 +180,7 @@ def test_resolve_backend():
 def test_engine_config_accepts_the_backends():
     from jserve.config import EngineConfig
 
-    for backend in ("auto", "reference", "pallas", "pallas-interpret"):
+    for backend in ("auto", "reference", "cpu", "pallas", "pallas-interpret"):
         assert EngineConfig(attention_backend=backend).attention_backend == backend
     with pytest.raises(ValueError, match="attention_backend"):
         EngineConfig(attention_backend="triton")
@@ -214,7 +215,8 @@ def test_engine_pallas_interpret_matches_reference(hf_model_dir, llm_factory):
 
 @pytest.mark.parametrize(("backend", "dtype", "atol"), [("pallas-interpret-tpu", "float32", 1e-4),
                                                          ("pallas-interpret-gpu", "float32", 1e-4),
-                                                         ("pallas-interpret-tpu", "bfloat16", 2e-2)])
+                                                         ("pallas-interpret-tpu", "bfloat16", 2e-2),
+                                                         ("cpu", "float32", 1e-4), ("cpu", "bfloat16", 5e-2)])
 def test_model_step_logits_match_reference(hf_model_dir, backend, dtype, atol):
     """One mixed step through the whole model (mistral: GQA 2 + sliding window) with each kernel; in bfloat16
     the CPU cache holds uint16 bits (reference.kv_storage_dtype), which the kernels must read as bfloat16."""

@@ -92,10 +92,16 @@ class ModelRunner:
             cache_shardings = jax.tree.map(lambda a: a.sharding, self.kv_cache)
             self._step = jax.jit(self._forward, donate_argnums=(1,),
                                  out_shardings=(cache_shardings, replicated(mesh)))
-        # Decode batches are padded to at least 4 rows: XLA CPU matmuls with M = 1 are ~10x slower.
-        self.token_buckets = pow2_buckets(min(8, max_num_batched_tokens), max_num_batched_tokens)
+        cpu_kernels = model.attention_backend == "cpu"
+        # Without the CPU kernels, decode batches are padded to at least 8 rows: XLA CPU matmuls with M = 1 are
+        # up to 10x slower per row. The kernels stream weights at any row count, so a lone decode stays one row.
+        smallest = 1 if cpu_kernels else 8
+        self.token_buckets = pow2_buckets(min(smallest, max_num_batched_tokens), max_num_batched_tokens)
         self.max_seq_rows = min(max_num_seqs, max_num_batched_tokens)
-        self.page_buckets = pow2_buckets(1, math.ceil(max_model_len / block_size))
+        # Gathering attention pays for every page in the table, so its width is bucketed too; the CPU kernel reads
+        # only the pages below each sequence's length, so one full-width table serves every step (7x fewer shapes).
+        max_pages = math.ceil(max_model_len / block_size)
+        self.page_buckets = [max_pages] if cpu_kernels else pow2_buckets(1, max_pages)
         self._compiled: dict[tuple, Callable] = {}  # step executables compiled ahead, by batch shape
 
     def _forward(self, state: nnx.State, kv_cache: KVCache, batch: StepBatch) -> tuple[KVCache, jax.Array]:

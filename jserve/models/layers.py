@@ -2,7 +2,8 @@
 
 Every weight is declared once with its shape, dtype and logical axes (the sharding rules map those names to
 mesh axes). Matmuls keep Hugging Face's [out, in] layout and contract the last axis of both operands with a
-float32 result: on XLA CPU that is the fast path for bfloat16 weights (see docs/architecture.md).
+float32 result: on XLA CPU that is the fast path for bfloat16 weights (see docs/architecture.md). With
+`cpu_kernel` set, decode-sized matmuls run in cpu_kernels' C++ kernel instead (XLA's dot for larger batches).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import cpu_kernels
 from jserve.config import ModelConfig
+from sharding.kernels import model_parallel_mesh
 
 
 def param(shape: tuple[int, ...], dtype: jnp.dtype, axes: tuple[str | None, ...]) -> nnx.Param:
@@ -23,8 +26,14 @@ def param(shape: tuple[int, ...], dtype: jnp.dtype, axes: tuple[str | None, ...]
     return nnx.Param(jnp.zeros(shape, dtype), logical_axes=axes)
 
 
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x[..., in] @ w[out, in]^T -> float32[..., out]."""
+def matmul(x: jax.Array, w: jax.Array, cpu_kernel: bool = False) -> jax.Array:
+    """x[..., in] @ w[out, in]^T -> float32[..., out].
+
+    cpu_kernel: use cpu_kernels.matmul when the batch is decode-sized (<= MAX_KERNEL_ROWS rows, a static shape) and
+    the weight is whole on this device (under tensor parallelism XLA must partition the dot itself)."""
+    rows = math.prod(x.shape[:-1])
+    if cpu_kernel and rows <= cpu_kernels.MAX_KERNEL_ROWS and model_parallel_mesh() is None:
+        return cpu_kernels.matmul(x, w)
     return jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())),
                                preferred_element_type=jnp.float32)
 
@@ -54,12 +63,13 @@ def split_fused(y: jax.Array, sizes: tuple[int, ...], blocks: int) -> list[jax.A
 
 class Linear(nnx.Module):
     def __init__(self, in_features: int, out_features: int, *, dtype: jnp.dtype, axes: tuple[str, str],
-                 bias: bool = False):
+                 bias: bool = False, cpu_kernel: bool = False):
         self.weight = param((out_features, in_features), dtype, axes)
         self.bias = param((out_features,), jnp.float32, axes[:1]) if bias else None
+        self.cpu_kernel = cpu_kernel  # static in the graphdef (see matmul)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = matmul(x, self.weight[...])
+        y = matmul(x, self.weight[...], self.cpu_kernel)
         return y if self.bias is None else y + self.bias[...]
 
 

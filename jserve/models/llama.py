@@ -13,7 +13,16 @@ from flax import nnx
 
 from jserve.config import ModelConfig
 from jserve.models.batch import KVCache, StepBatch
-from jserve.models.layers import Linear, RMSNorm, apply_rope, embed_lookup, param, rope_inv_freq, split_fused
+from jserve.models.layers import (
+    Linear,
+    RMSNorm,
+    apply_rope,
+    embed_lookup,
+    matmul,
+    param,
+    rope_inv_freq,
+    split_fused,
+)
 from pallas_kernels import ragged_paged_attention, write_kv
 
 
@@ -21,10 +30,12 @@ class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, dtype: jnp.dtype, attention_backend: str = "reference"):
         self.config = config
         self.attention_backend = attention_backend  # a static str in the graphdef: picks the kernel at trace time
+        cpu_kernel = attention_backend == "cpu"  # the "cpu" backend also runs decode-sized matmuls in C++
         qkv_out = config.q_size + 2 * config.kv_size
-        self.qkv_proj = Linear(config.hidden_size, qkv_out, dtype=dtype, axes=("qkv", "embed"), bias=config.qkv_bias)
+        self.qkv_proj = Linear(config.hidden_size, qkv_out, dtype=dtype, axes=("qkv", "embed"), bias=config.qkv_bias,
+                               cpu_kernel=cpu_kernel)
         self.o_proj = Linear(config.q_size, config.hidden_size, dtype=dtype, axes=("embed", "heads"),
-                             bias=config.o_bias)
+                             bias=config.o_bias, cpu_kernel=cpu_kernel)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -51,13 +62,13 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, config: ModelConfig, dtype: jnp.dtype):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, cpu_kernel: bool = False):
         self.intermediate_size = config.intermediate_size
         self.fused_shards = config.fused_shards  # [gate | up] row blocks (see split_fused)
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, dtype=dtype,
-                                   axes=("mlp", "embed"), bias=config.mlp_bias)
+                                   axes=("mlp", "embed"), bias=config.mlp_bias, cpu_kernel=cpu_kernel)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, dtype=dtype,
-                                axes=("embed", "mlp"), bias=config.mlp_bias)
+                                axes=("embed", "mlp"), bias=config.mlp_bias, cpu_kernel=cpu_kernel)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gate, up = split_fused(self.gate_up_proj(x), (self.intermediate_size,) * 2, self.fused_shards)
@@ -69,7 +80,7 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, dtype, attention_backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, dtype)
+        self.mlp = MLP(config, dtype, cpu_kernel=attention_backend == "cpu")
 
     def __call__(self, x, k_pages, v_pages, batch, inv_freq):
         attn_out, k_pages, v_pages = self.self_attn(self.input_layernorm(x), k_pages, v_pages, batch, inv_freq)
@@ -83,6 +94,7 @@ class LlamaForCausalLM(nnx.Module):
 
     def __init__(self, config: ModelConfig, dtype: jnp.dtype = jnp.float32, attention_backend: str = "reference"):
         self.config = config
+        self.cpu_kernel = attention_backend == "cpu"
         self.embed_tokens = nnx.Param(jnp.zeros((config.vocab_size, config.hidden_size), dtype),
                                       logical_axes=("vocab", "embed"))
         self.layers = nnx.List([DecoderLayer(config, dtype, attention_backend) for _ in range(config.num_layers)])
@@ -98,6 +110,5 @@ class LlamaForCausalLM(nnx.Module):
             x, k_cache[i], v_cache[i] = layer(x, k_cache[i], v_cache[i], batch, inv_freq)
         last = self.norm(x[batch.logits_indices])  # only the positions that produce a next token
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = jax.lax.dot_general(last.astype(head.dtype), head[...], (((1,), (1,)), ((), ())),
-                                     preferred_element_type=jnp.float32)
+        logits = matmul(last, head[...], self.cpu_kernel)
         return KVCache(k=k_cache, v=v_cache), logits

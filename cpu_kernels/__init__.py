@@ -1,0 +1,137 @@
+"""CPU kernels (kernels.cc) called from jitted code through XLA's FFI: small-batch matmul and ragged paged attention.
+
+XLA's CPU backend runs a decode step's small matmuls far below memory bandwidth with a fixed cost per op, and its
+paged attention must gather every page of every token first (docs/benchmarks.md). These kernels are to the CPU what
+the Pallas kernels are to TPU and GPU. The C++ source is compiled once per machine on first use with the system's
+C++ compiler (-march=native) into ~/.cache/jserve/cpu_kernels/; where that is impossible (no compiler, no
+AVX2/FMA) `available()` is False and `unavailable_reason()` says why, and "auto" falls back to pure XLA.
+
+References: `matmul_ref` here, and pallas_kernels.reference.ragged_paged_attention_ref for attention.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SOURCE = Path(__file__).with_name("kernels.cc")
+# Larger row counts (prefill) go to XLA's dot, which blocks for cache reuse across rows; the kernel streams each
+# weight once with all rows of x in cache, which wins for decode-sized batches (docs/benchmarks.md).
+MAX_KERNEL_ROWS = 64
+CXXFLAGS = ("-O3", "-march=native", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC")
+
+
+class KernelUnavailable(RuntimeError):
+    pass
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(base) / "jserve" / "cpu_kernels"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _compile(compiler: str, include_dir: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_lib = Path(tmp) / out.name
+        cmd = [compiler, *CXXFLAGS, f"-I{include_dir}", str(SOURCE), "-o", str(tmp_lib)]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise KernelUnavailable(f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n{result.stderr[-2000:]}")
+        os.replace(tmp_lib, out)  # atomic: concurrent processes each build, one file wins
+
+
+@functools.cache
+def _load() -> ctypes.CDLL | KernelUnavailable:
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return KernelUnavailable(f"the CPU kernels are built for x86-64 Linux (this is {sys.platform}/"
+                                 f"{platform.machine()})")
+    if not {"avx2", "fma"} <= _cpu_flags():
+        return KernelUnavailable("the CPU kernels need AVX2 and FMA, which this CPU lacks")
+    compiler = next((c for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c and shutil.which(c)), None)
+    if compiler is None:
+        return KernelUnavailable("no C++ compiler (g++, c++ or clang++) to build the CPU kernels")
+    include_dir = jax.ffi.include_dir()
+    identity = [jax.__version__, compiler, *CXXFLAGS, *sorted(_cpu_flags())]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(identity).encode()).hexdigest()[:16]
+    lib_path = _cache_dir() / f"libjserve_cpu_{key}.so"
+    try:
+        if not lib_path.exists():
+            _compile(compiler, include_dir, lib_path)
+        lib = ctypes.cdll.LoadLibrary(str(lib_path))
+        jax.ffi.register_ffi_target("jserve_matmul", jax.ffi.pycapsule(lib.JserveMatmul), platform="cpu")
+        jax.ffi.register_ffi_target("jserve_paged_attention", jax.ffi.pycapsule(lib.JservePagedAttention),
+                                    platform="cpu")
+    except (OSError, AttributeError, KernelUnavailable) as error:
+        return error if isinstance(error, KernelUnavailable) else KernelUnavailable(str(error))
+    return lib
+
+
+def available() -> bool:
+    """Whether the kernels are built and registered (builds them on the first call: a few seconds)."""
+    return not isinstance(_load(), Exception)
+
+
+def unavailable_reason() -> str | None:
+    result = _load()
+    return str(result) if isinstance(result, Exception) else None
+
+
+def _require() -> None:
+    result = _load()
+    if isinstance(result, Exception):
+        raise result
+
+
+def matmul_ref(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x[..., K] @ w[N, K]^T -> float32[..., N] in float32 (XLA's dot)."""
+    return jax.lax.dot_general(x.astype(jnp.float32), w.astype(jnp.float32), (((x.ndim - 1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x[..., K] @ w[N, K]^T -> float32[..., N]; x is taken in float32, w is float32 or bfloat16."""
+    _require()
+    if w.ndim != 2 or x.shape[-1] != w.shape[1] or w.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"matmul: x[..., {w.shape[-1]}] and a float32/bfloat16 w[N, K] expected, "
+                         f"got {x.shape} and {w.shape} {w.dtype}")
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    out = jax.ShapeDtypeStruct((rows.shape[0], w.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call("jserve_matmul", out)(rows, w).reshape(*lead, w.shape[0])
+
+
+def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+                           query_start: jax.Array, seq_lens: jax.Array, *, scale: float,
+                           sliding_window: int | None = None, soft_cap: float | None = None) -> jax.Array:
+    """The spec of pallas_kernels.interface.ragged_paged_attention; K/V float32, bfloat16 or uint16 bf16 bits.
+    Pages are read in place: only the pages each sequence uses, never a gathered copy."""
+    _require()
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    return jax.ffi.ffi_call("jserve_paged_attention", out)(
+        q.astype(jnp.float32), k_pages, v_pages, page_table.astype(jnp.int32), query_start.astype(jnp.int32),
+        seq_lens.astype(jnp.int32), scale=np.float32(scale), sliding_window=np.int64(sliding_window or 0),
+        soft_cap=np.float32(soft_cap or 0.0))

@@ -1,0 +1,516 @@
+// jserve's CPU kernels, called from jitted JAX code through XLA's FFI (cpu_kernels/__init__.py builds this file).
+//
+// XLA CPU runs the small matmuls of a decode step (M = 1..64 rows against a [out, in] weight) far below memory
+// bandwidth and pays a fixed cost per op, and its paged attention has to gather every page of every token first.
+// These two kernels do what llama.cpp does instead: stream each weight row once with all M rows of x in cache,
+// and read each sequence's K/V pages in place. Work is split over XLA's own intra-op thread pool.
+//
+//   jserve_matmul:      y f32[M, N] = x f32[M, K] . w[N, K]^T      (w float32, or bfloat16 / uint16 bf16 bits)
+//   jserve_paged_attention: the spec of pallas_kernels/interface.py, with float32 q and out, K/V f32 or bf16 bits.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------------------------
+// Parallel loop over XLA's intra-op pool. Each thread claims items from a shared counter; the caller works too and
+// then waits only for items another thread has already started, so a helper task that never gets a thread (or runs
+// after the call returned) cannot block or touch freed memory: it finds no item left and returns.
+
+struct ParallelState {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  int64_t count = 0;
+  std::function<void(int64_t)> body;
+
+  void Work() {
+    for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) {
+      body(i);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+void ParallelFor(ffi::ThreadPool& pool, int64_t count, std::function<void(int64_t)> body) {
+  const int64_t threads = std::min<int64_t>(pool.num_threads(), count);
+  if (threads <= 1) {
+    for (int64_t i = 0; i < count; ++i) body(i);
+    return;
+  }
+  auto state = std::make_shared<ParallelState>();
+  state->count = count;
+  state->body = std::move(body);
+  for (int64_t t = 1; t < threads; ++t) pool.Schedule([state] { state->Work(); });
+  state->Work();
+  while (state->done.load(std::memory_order_acquire) < count) _mm_pause();
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Vector helpers (AVX2 + FMA; the file is compiled with -march=native, and the Python side checks for both).
+
+inline float HorizontalSum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float Bf16ToFloat(uint16_t bits) {
+  uint32_t widened = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &widened, sizeof(value));
+  return value;
+}
+
+// Eight bfloat16 values (their bits) as eight floats: bfloat16 is the top half of a float32.
+inline __m256 LoadBf16x8(const uint16_t* p) {
+  __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// Row `n` of a [N, K] weight as float32: a pointer into the weight itself, or into `scratch` after widening bf16.
+inline const float* WeightRow(const void* w, bool bf16, int64_t n, int64_t k_size, float* scratch) {
+  if (!bf16) return static_cast<const float*>(w) + n * k_size;
+  const uint16_t* row = static_cast<const uint16_t*>(w) + n * k_size;
+  int64_t k = 0;
+  for (; k + 8 <= k_size; k += 8) _mm256_storeu_ps(scratch + k, LoadBf16x8(row + k));
+  for (; k < k_size; ++k) scratch[k] = Bf16ToFloat(row[k]);
+  return scratch;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Matmul. Tiles of kRows x kCols outputs keep 8 accumulators in registers; weight rows are widened once per tile
+// column and reused for every row of x, so a weight is read from memory once per call whatever M is.
+
+constexpr int64_t kCols = 4;        // weight rows per tile
+constexpr int64_t kRows = 2;        // x rows per tile
+constexpr int64_t kColsPerItem = 64;  // weight rows per parallel work item
+constexpr int64_t kRowsPerBlock = 32;  // x rows kept hot in L1/L2 while a work item's weight rows stream past
+
+template <int64_t R, int64_t C>
+inline void DotTile(const float* const* x, const float* const* w, int64_t k_size, float* y, int64_t y_stride) {
+  __m256 acc[R][C];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= k_size; k += 8) {
+    __m256 wv[C];
+    for (int64_t c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(w[c] + k);
+    for (int64_t r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x[r] + k);
+      for (int64_t c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t c = 0; c < C; ++c) {
+      float sum = HorizontalSum(acc[r][c]);
+      for (int64_t kk = k; kk < k_size; ++kk) sum += x[r][kk] * w[c][kk];
+      y[r * y_stride + c] = sum;
+    }
+  }
+}
+
+template <int64_t C>
+inline void DotColumns(const float* x, int64_t m_begin, int64_t m_end, const float* const* w, int64_t k_size,
+                       float* y, int64_t n_size) {
+  int64_t m = m_begin;
+  for (; m + kRows <= m_end; m += kRows) {
+    const float* rows[kRows] = {x + m * k_size, x + (m + 1) * k_size};
+    DotTile<kRows, C>(rows, w, k_size, y + m * n_size, n_size);
+  }
+  for (; m < m_end; ++m) {
+    const float* rows[1] = {x + m * k_size};
+    DotTile<1, C>(rows, w, k_size, y + m * n_size, n_size);
+  }
+}
+
+void MatmulColumns(const float* x, const void* w, bool bf16, float* y, int64_t m_size, int64_t n_size,
+                   int64_t k_size, int64_t n_begin, int64_t n_end) {
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(kCols * k_size));
+  for (int64_t m0 = 0; m0 < m_size; m0 += kRowsPerBlock) {
+    const int64_t m1 = std::min(m_size, m0 + kRowsPerBlock);
+    int64_t n = n_begin;
+    for (; n + kCols <= n_end; n += kCols) {
+      const float* rows[kCols];
+      for (int64_t c = 0; c < kCols; ++c) rows[c] = WeightRow(w, bf16, n + c, k_size, scratch.data() + c * k_size);
+      DotColumns<kCols>(x, m0, m1, rows, k_size, y + n, n_size);
+    }
+    for (; n < n_end; ++n) {
+      const float* rows[1] = {WeightRow(w, bf16, n, k_size, scratch.data())};
+      DotColumns<1>(x, m0, m1, rows, k_size, y + n, n_size);
+    }
+  }
+}
+
+// Larger batches (M >= kPanelMinRows) are compute-bound: the weight is packed 16 rows at a time into a
+// k-major panel (widened to float32 once), and 6 x 16 output tiles accumulate outer products in 12 registers:
+// per k, two weight loads and six broadcasts feed twelve FMAs, with no horizontal sums.
+
+constexpr int64_t kPanel = 16;       // weight rows (output columns) per packed panel: two 8-lane vectors
+constexpr int64_t kTileRows = 6;     // x rows per tile: 12 accumulators + 2 weight vectors + 1 broadcast
+constexpr int64_t kPanelMinRows = 8;  // below this, packing costs more than it saves
+
+void PackPanel(const void* w, bool bf16, int64_t n_begin, int64_t cols, int64_t k_size, float* panel) {
+  for (int64_t j = 0; j < cols; ++j) {
+    if (bf16) {
+      const uint16_t* row = static_cast<const uint16_t*>(w) + (n_begin + j) * k_size;
+      for (int64_t k = 0; k < k_size; ++k) panel[k * kPanel + j] = Bf16ToFloat(row[k]);
+    } else {
+      const float* row = static_cast<const float*>(w) + (n_begin + j) * k_size;
+      for (int64_t k = 0; k < k_size; ++k) panel[k * kPanel + j] = row[k];
+    }
+  }
+  for (int64_t j = cols; j < kPanel; ++j) {
+    for (int64_t k = 0; k < k_size; ++k) panel[k * kPanel + j] = 0.0f;
+  }
+}
+
+template <int64_t R>
+void PanelTile(const float* x, int64_t k_size, const float* panel, float* y, int64_t y_stride, int64_t cols) {
+  __m256 acc[R][2];
+  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < k_size; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel);
+    const __m256 w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+    for (int64_t r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + r * k_size + k);
+      acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    if (cols == kPanel) {
+      _mm256_storeu_ps(y + r * y_stride, acc[r][0]);
+      _mm256_storeu_ps(y + r * y_stride + 8, acc[r][1]);
+    } else {
+      alignas(32) float tile[kPanel];
+      _mm256_store_ps(tile, acc[r][0]);
+      _mm256_store_ps(tile + 8, acc[r][1]);
+      std::memcpy(y + r * y_stride, tile, static_cast<size_t>(cols) * sizeof(float));
+    }
+  }
+}
+
+void MatmulPanel(const float* x, const void* w, bool bf16, float* y, int64_t m_size, int64_t n_size,
+                 int64_t k_size, int64_t n_begin) {
+  thread_local std::vector<float> panel;
+  panel.resize(static_cast<size_t>(kPanel * k_size));
+  const int64_t cols = std::min(kPanel, n_size - n_begin);
+  PackPanel(w, bf16, n_begin, cols, k_size, panel.data());
+  for (int64_t m = 0; m < m_size; m += kTileRows) {
+    const float* x_rows = x + m * k_size;
+    float* y_tile = y + m * n_size + n_begin;
+    switch (std::min(kTileRows, m_size - m)) {
+      case 6: PanelTile<6>(x_rows, k_size, panel.data(), y_tile, n_size, cols); break;
+      case 5: PanelTile<5>(x_rows, k_size, panel.data(), y_tile, n_size, cols); break;
+      case 4: PanelTile<4>(x_rows, k_size, panel.data(), y_tile, n_size, cols); break;
+      case 3: PanelTile<3>(x_rows, k_size, panel.data(), y_tile, n_size, cols); break;
+      case 2: PanelTile<2>(x_rows, k_size, panel.data(), y_tile, n_size, cols); break;
+      default: PanelTile<1>(x_rows, k_size, panel.data(), y_tile, n_size, cols); break;
+    }
+  }
+}
+
+bool IsBf16Bits(ffi::DataType type) { return type == ffi::DataType::BF16 || type == ffi::DataType::U16; }
+
+ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  const auto x_dims = x.dimensions();
+  const auto w_dims = w.dimensions();
+  if (x_dims.size() != 2 || w_dims.size() != 2 || x_dims[1] != w_dims[1]) {
+    return ffi::Error::InvalidArgument("jserve_matmul: expected x[M, K] and w[N, K]");
+  }
+  const bool bf16 = IsBf16Bits(w.element_type());
+  if (!bf16 && w.element_type() != ffi::DataType::F32) {
+    return ffi::Error::InvalidArgument("jserve_matmul: w must be float32 or bfloat16");
+  }
+  const int64_t m_size = x_dims[0], k_size = x_dims[1], n_size = w_dims[0];
+  const float* x_data = x.typed_data();
+  const void* w_data = w.untyped_data();
+  float* y_data = y->typed_data();
+  if (m_size >= kPanelMinRows) {
+    ParallelFor(pool, (n_size + kPanel - 1) / kPanel, [=](int64_t item) {
+      MatmulPanel(x_data, w_data, bf16, y_data, m_size, n_size, k_size, item * kPanel);
+    });
+    return ffi::Error::Success();
+  }
+  const int64_t items = (n_size + kColsPerItem - 1) / kColsPerItem;
+  ParallelFor(pool, items, [=](int64_t item) {
+    const int64_t n_begin = item * kColsPerItem;
+    MatmulColumns(x_data, w_data, bf16, y_data, m_size, n_size, k_size, n_begin,
+                  std::min(n_size, n_begin + kColsPerItem));
+  });
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Ragged paged attention. One work item is (sequence, KV head, block of up to kQueryBlock query tokens): its rows
+// are those tokens times the query heads sharing the KV head (GQA). Pages are visited once per item, in order,
+// with a flash-attention style running max and sum per row.
+
+constexpr int64_t kQueryBlock = 16;
+
+// exp(x) for x <= 0 (scores minus their running max), to ~1e-7 relative: 2^n * P(r) with a degree-6 polynomial.
+inline __m256 ExpNonPositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2));
+}
+
+struct AttentionArgs {
+  const float* q;            // [T, H, D]
+  const void* k_pages;       // [N, B, Hkv, D]
+  const void* v_pages;
+  bool kv_bf16;
+  const int32_t* page_table;  // [S, P]
+  const int32_t* query_start;  // [S + 1]
+  const int32_t* seq_lens;    // [S]
+  float* out;                 // [T, H, D]
+  int64_t num_heads, kv_heads, head_dim, page_size, pages_per_seq, num_pages;
+  float scale, soft_cap;      // soft_cap 0: none
+  int64_t sliding_window;     // 0: none
+};
+
+struct AttentionItem {
+  int64_t seq, kv_head, token_begin, token_end;
+};
+
+// One page-row of K or V for one KV head, as float32 (widened into `scratch` for a bf16 cache).
+inline const float* KvRow(const AttentionArgs& a, const void* pages, int64_t page, int64_t slot, int64_t kv_head,
+                          float* scratch) {
+  const int64_t offset = ((page * a.page_size + slot) * a.kv_heads + kv_head) * a.head_dim;
+  if (!a.kv_bf16) return static_cast<const float*>(pages) + offset;
+  const uint16_t* row = static_cast<const uint16_t*>(pages) + offset;
+  int64_t d = 0;
+  for (; d + 8 <= a.head_dim; d += 8) _mm256_storeu_ps(scratch + d, LoadBf16x8(row + d));
+  for (; d < a.head_dim; ++d) scratch[d] = Bf16ToFloat(row[d]);
+  return scratch;
+}
+
+inline float Dot(const float* a, const float* b, int64_t size) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= size; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float sum = HorizontalSum(acc);
+  for (; i < size; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+void AttendItem(const AttentionArgs& a, const AttentionItem& item) {
+  const int64_t group = a.num_heads / a.kv_heads, d_size = a.head_dim, b_size = a.page_size;
+  const int64_t q_len = a.query_start[item.seq + 1] - a.query_start[item.seq];
+  const int64_t first_pos = a.seq_lens[item.seq] - q_len;  // position of the sequence's first new token
+  const int64_t tokens = item.token_end - item.token_begin, rows = tokens * group;
+  thread_local std::vector<float> buffer;
+  // q rows (pre-scaled) | accumulators | scores of one page | running max | running sum | K and V of one page
+  buffer.resize(static_cast<size_t>(2 * rows * d_size + rows * b_size + 2 * rows + 2 * b_size * d_size));
+  float* q = buffer.data();
+  float* acc = q + rows * d_size;
+  float* scores = acc + rows * d_size;
+  float* row_max = scores + rows * b_size;
+  float* row_sum = row_max + rows;
+  float* kv_scratch = row_sum + rows;
+  std::vector<int64_t> row_pos(static_cast<size_t>(rows));
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t token = item.token_begin + t;
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = t * group + g;
+      const float* src = a.q + (token * a.num_heads + item.kv_head * group + g) * d_size;
+      for (int64_t d = 0; d < d_size; ++d) q[r * d_size + d] = src[d] * a.scale;
+      row_pos[r] = first_pos + (token - a.query_start[item.seq]);
+    }
+  }
+  std::fill(acc, acc + rows * d_size, 0.0f);
+  std::fill(row_max, row_max + rows, -std::numeric_limits<float>::infinity());
+  std::fill(row_sum, row_sum + rows, 0.0f);
+  const int64_t last_pos = row_pos[rows - 1];
+  int64_t lowest_key = 0;
+  if (a.sliding_window > 0) lowest_key = std::max<int64_t>(0, row_pos[0] - a.sliding_window + 1);
+  const int32_t* pages = a.page_table + item.seq * a.pages_per_seq;
+  for (int64_t p = lowest_key / b_size; p * b_size <= last_pos; ++p) {
+    const int64_t page = pages[p];
+    if (page < 0 || page >= a.num_pages) continue;  // never for a valid table; keeps a bad one in bounds
+    const int64_t key_begin = p * b_size, keys = std::min(b_size, last_pos + 1 - key_begin);
+    const float* k_rows[64];
+    const float* v_rows[64];
+    for (int64_t j = 0; j < keys; ++j) {
+      k_rows[j] = KvRow(a, a.k_pages, page, j, item.kv_head, kv_scratch + j * d_size);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* s = scores + r * b_size;
+      const int64_t pos = row_pos[r];
+      float page_max = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < keys; ++j) {
+        const int64_t key_pos = key_begin + j;
+        const bool visible = key_pos <= pos && (a.sliding_window <= 0 || key_pos > pos - a.sliding_window);
+        float score = -std::numeric_limits<float>::infinity();
+        if (visible) {
+          score = Dot(q + r * d_size, k_rows[j], d_size);
+          if (a.soft_cap > 0) score = a.soft_cap * std::tanh(score / a.soft_cap);
+        }
+        s[j] = score;
+        page_max = std::max(page_max, score);
+      }
+      for (int64_t j = keys; j < b_size; ++j) s[j] = -std::numeric_limits<float>::infinity();
+      if (page_max == -std::numeric_limits<float>::infinity()) {
+        for (int64_t j = 0; j < b_size; ++j) s[j] = 0.0f;  // nothing visible in this page for this row
+        continue;
+      }
+      const float new_max = std::max(row_max[r], page_max);
+      const float correction = std::exp(row_max[r] - new_max);  // 0 on the first visible page (max was -inf)
+      row_max[r] = new_max;
+      float page_sum = 0.0f;
+      int64_t j = 0;
+      for (; j + 8 <= b_size; j += 8) {
+        const __m256 score = _mm256_loadu_ps(s + j);
+        const __m256 masked = _mm256_cmp_ps(score, _mm256_set1_ps(-std::numeric_limits<float>::infinity()),
+                                            _CMP_EQ_OQ);
+        const __m256 e = _mm256_andnot_ps(masked, ExpNonPositive(_mm256_sub_ps(score, _mm256_set1_ps(new_max))));
+        _mm256_storeu_ps(s + j, e);
+        page_sum += HorizontalSum(e);
+      }
+      for (; j < b_size; ++j) {
+        s[j] = std::exp(s[j] - new_max);
+        page_sum += s[j];
+      }
+      row_sum[r] = row_sum[r] * correction + page_sum;
+      float* out_row = acc + r * d_size;
+      if (correction != 1.0f) {
+        for (int64_t d = 0; d < d_size; ++d) out_row[d] *= correction;
+      }
+    }
+    for (int64_t j = 0; j < keys; ++j) {
+      v_rows[j] = KvRow(a, a.v_pages, page, j, item.kv_head, kv_scratch + (b_size + j) * d_size);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* out_row = acc + r * d_size;
+      const float* s = scores + r * b_size;
+      for (int64_t j = 0; j < keys; ++j) {
+        const float weight = s[j];
+        if (weight == 0.0f) continue;
+        const __m256 wv = _mm256_set1_ps(weight);
+        int64_t d = 0;
+        for (; d + 8 <= d_size; d += 8) {
+          _mm256_storeu_ps(out_row + d,
+                           _mm256_fmadd_ps(wv, _mm256_loadu_ps(v_rows[j] + d), _mm256_loadu_ps(out_row + d)));
+        }
+        for (; d < d_size; ++d) out_row[d] += weight * v_rows[j][d];
+      }
+    }
+  }
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t token = item.token_begin + t;
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = t * group + g;
+      const float inv = row_sum[r] > 0 ? 1.0f / row_sum[r] : 0.0f;
+      float* dst = a.out + (token * a.num_heads + item.kv_head * group + g) * d_size;
+      for (int64_t d = 0; d < d_size; ++d) dst[d] = acc[r * d_size + d] * inv;
+    }
+  }
+}
+
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
+                              ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> page_table,
+                              ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> seq_lens,
+                              ffi::ResultBuffer<ffi::F32> out, float scale, int64_t sliding_window, float soft_cap) {
+  const auto q_dims = q.dimensions();
+  const auto kv_dims = k_pages.dimensions();
+  const auto table_dims = page_table.dimensions();
+  if (q_dims.size() != 3 || kv_dims.size() != 4 || table_dims.size() != 2) {
+    return ffi::Error::InvalidArgument("jserve_paged_attention: expected q[T,H,D], pages[N,B,Hkv,D], table[S,P]");
+  }
+  if (k_pages.element_type() != v_pages.element_type()) {
+    return ffi::Error::InvalidArgument("jserve_paged_attention: k_pages and v_pages differ in dtype");
+  }
+  AttentionArgs a;
+  a.kv_bf16 = IsBf16Bits(k_pages.element_type());
+  if (!a.kv_bf16 && k_pages.element_type() != ffi::DataType::F32) {
+    return ffi::Error::InvalidArgument("jserve_paged_attention: the KV cache must be float32 or bfloat16");
+  }
+  a.q = q.typed_data();
+  a.k_pages = k_pages.untyped_data();
+  a.v_pages = v_pages.untyped_data();
+  a.page_table = page_table.typed_data();
+  a.query_start = query_start.typed_data();
+  a.seq_lens = seq_lens.typed_data();
+  a.out = out->typed_data();
+  a.num_heads = q_dims[1];
+  a.head_dim = q_dims[2];
+  a.num_pages = kv_dims[0];
+  a.page_size = kv_dims[1];
+  a.kv_heads = kv_dims[2];
+  a.pages_per_seq = table_dims[1];
+  a.scale = scale;
+  a.soft_cap = soft_cap;
+  a.sliding_window = sliding_window;
+  if (a.page_size > 64 || a.kv_heads <= 0 || a.num_heads % a.kv_heads != 0 || kv_dims[3] != a.head_dim) {
+    return ffi::Error::InvalidArgument("jserve_paged_attention: unsupported shapes (page size must be <= 64)");
+  }
+  const int64_t num_tokens = q_dims[0], num_seqs = table_dims[0];
+  const int64_t real_tokens = std::min<int64_t>(num_tokens, a.query_start[num_seqs]);
+  if (real_tokens < num_tokens) {  // padding tokens get zeros
+    std::fill(a.out + real_tokens * a.num_heads * a.head_dim, a.out + num_tokens * a.num_heads * a.head_dim, 0.0f);
+  }
+  std::vector<AttentionItem> items;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t begin = a.query_start[s], end = std::min<int64_t>(a.query_start[s + 1], real_tokens);
+    if (end <= begin) continue;
+    if (a.seq_lens[s] < end - begin || (a.seq_lens[s] + a.page_size - 1) / a.page_size > a.pages_per_seq) {
+      return ffi::Error::InvalidArgument("jserve_paged_attention: seq_lens disagree with query_start or page_table");
+    }
+    for (int64_t t = begin; t < end; t += kQueryBlock) {
+      for (int64_t h = 0; h < a.kv_heads; ++h) items.push_back({s, h, t, std::min(end, t + kQueryBlock)});
+    }
+  }
+  ParallelFor(pool, static_cast<int64_t>(items.size()), [&](int64_t i) { AttendItem(a, items[i]); });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveMatmul, MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JservePagedAttention, PagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("soft_cap"));

@@ -1,0 +1,86 @@
+"""cpu_kernels (C++ through XLA's FFI) against references outside them: the matmul against NumPy in float64,
+paged attention against the pure-JAX reference on the ragged batches the Pallas kernels are tested with, and the
+fallback when the kernels cannot be built."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_kernels import BATCHES, CASES, make_batch, max_error
+
+import cpu_kernels
+from pallas_kernels import ragged_paged_attention, resolve_backend
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"{cpu_kernels.unavailable_reason()}")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(("rows", "in_features", "out_features"),
+                         [(1, 576, 960), (2, 64, 4), (3, 33, 7), (8, 576, 3072), (13, 1536, 576), (64, 40, 129)])
+def test_matmul_matches_numpy(rows, in_features, out_features, dtype):
+    """Row counts around the 2-row tiles and 32-row blocks, widths off the 8-lane vectors and the 4-row tiles."""
+    rng = np.random.default_rng(rows * 1000 + out_features)
+    x = rng.standard_normal((rows, in_features)).astype(np.float32)
+    w = jnp.asarray(rng.standard_normal((out_features, in_features)), dtype)
+    expected = x.astype(np.float64) @ np.asarray(w.astype(jnp.float32), np.float64).T  # the stored weights
+    got = np.asarray(jax.jit(cpu_kernels.matmul)(jnp.asarray(x), w))
+    assert got.dtype == np.float32 and got.shape == (rows, out_features)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.sqrt(in_features))
+
+
+def test_matmul_keeps_leading_axes_and_rejects_bad_shapes():
+    x = jnp.ones((2, 3, 8), jnp.float32)
+    w = jnp.full((5, 8), 0.5, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.matmul(x, w)), np.full((2, 3, 5), 4.0, np.float32))
+    with pytest.raises(ValueError, match="matmul"):
+        cpu_kernels.matmul(x, jnp.ones((5, 7), jnp.float32))
+    with pytest.raises(ValueError, match="matmul"):
+        cpu_kernels.matmul(x, jnp.ones((5, 8), jnp.int8))
+
+
+@pytest.mark.parametrize("case", CASES + [("mixed", 9, 3, 64, 16, jnp.float32, {}),
+                                          ("decode", 9, 3, 64, 32, jnp.bfloat16, {"soft_cap": 30.0})],
+                         ids=lambda c: f"{c[0]}-h{c[1]}kv{c[2]}-d{c[3]}-b{c[4]}-"
+                         f"{jnp.dtype(c[5]).name}{'-' + '-'.join(c[6]) if c[6] else ''}")
+def test_attention_matches_reference(case):
+    batch, heads, kv_heads, head_dim, page_size, dtype, extra = case
+    rng = np.random.default_rng(100 + len(str(case)))
+    args, ref_meta = make_batch(rng, BATCHES[batch], heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                page_size=page_size, dtype=dtype)
+    err = max_error(cpu_kernels.ragged_paged_attention, args, ref_meta, scale=head_dim**-0.5, **extra)
+    assert err <= (1e-5 if dtype == jnp.float32 else 2e-2), f"max abs error {err:.3g}"
+
+
+def test_attention_reads_a_uint16_cache_as_bfloat16_bits():
+    """The engine's CPU cache stores bfloat16 as uint16 bits (kv_storage_dtype); the kernel must read them as is."""
+    rng = np.random.default_rng(5)
+    args, ref_meta = make_batch(rng, BATCHES["mixed"], heads=6, kv_heads=2, head_dim=64, page_size=16,
+                                dtype=jnp.bfloat16)
+    q, k_pages, v_pages, *meta = args
+    as_bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.uint16)
+    via_bits = jax.jit(functools.partial(ragged_paged_attention, scale=0.125, backend="cpu"))(
+        q, as_bits(k_pages), as_bits(v_pages), *meta)
+    direct = jax.jit(functools.partial(cpu_kernels.ragged_paged_attention, scale=0.125))(*args)
+    np.testing.assert_array_equal(np.asarray(via_bits), np.asarray(direct))
+    assert max_error(cpu_kernels.ragged_paged_attention, args, ref_meta, scale=0.125) <= 2e-2
+
+
+def test_long_prefill_chunk_over_a_cached_prefix():
+    """A 200-token chunk over a 700-token prefix: many query blocks and pages per work item."""
+    rng = np.random.default_rng(11)
+    args, ref_meta = make_batch(rng, [(200, 900), (1, 300)], heads=9, kv_heads=3, head_dim=64, page_size=16,
+                                dtype=jnp.float32)
+    assert max_error(cpu_kernels.ragged_paged_attention, args, ref_meta, scale=0.125) <= 1e-5
+
+
+def test_unavailable_kernels_fall_back_to_the_reference(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "_load", lambda: cpu_kernels.KernelUnavailable("no C++ compiler"))
+    assert resolve_backend("auto", "cpu") == "reference"
+    with pytest.raises(ValueError, match="no C\\+\\+ compiler"):
+        resolve_backend("cpu", "cpu")
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_backend("cpu", "tpu")
