@@ -165,64 +165,77 @@ constexpr int64_t kPanel = 16;       // weight rows (output columns) per packed 
 constexpr int64_t kTileRows = 6;     // x rows per tile: 12 accumulators + 2 weight vectors + 1 broadcast
 constexpr int64_t kPanelMinRows = 8;  // below this, packing costs more than it saves
 
+// panel[k * 16 + j] = w[n_begin + j, k], zeros past `cols`: written in order, read as 16 sequential streams.
 void PackPanel(const void* w, bool bf16, int64_t n_begin, int64_t cols, int64_t k_size, float* panel) {
-  for (int64_t j = 0; j < cols; ++j) {
-    if (bf16) {
-      const uint16_t* row = static_cast<const uint16_t*>(w) + (n_begin + j) * k_size;
-      for (int64_t k = 0; k < k_size; ++k) panel[k * kPanel + j] = Bf16ToFloat(row[k]);
-    } else {
-      const float* row = static_cast<const float*>(w) + (n_begin + j) * k_size;
-      for (int64_t k = 0; k < k_size; ++k) panel[k * kPanel + j] = row[k];
+  if (cols < kPanel) std::fill(panel, panel + kPanel * k_size, 0.0f);
+  if (bf16) {
+    const uint16_t* rows = static_cast<const uint16_t*>(w) + n_begin * k_size;
+    for (int64_t k = 0; k < k_size; ++k) {
+      for (int64_t j = 0; j < cols; ++j) panel[k * kPanel + j] = Bf16ToFloat(rows[j * k_size + k]);
     }
-  }
-  for (int64_t j = cols; j < kPanel; ++j) {
-    for (int64_t k = 0; k < k_size; ++k) panel[k * kPanel + j] = 0.0f;
+  } else {
+    const float* rows = static_cast<const float*>(w) + n_begin * k_size;
+    for (int64_t k = 0; k < k_size; ++k) {
+      for (int64_t j = 0; j < cols; ++j) panel[k * kPanel + j] = rows[j * k_size + k];
+    }
   }
 }
 
-template <int64_t R>
-void PanelTile(const float* x, int64_t k_size, const float* panel, float* y, int64_t y_stride, int64_t cols) {
-  __m256 acc[R][2];
-  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+// Six rows of x (row stride k_size) times one packed panel into y[6, cols]. The twelve accumulators are named
+// variables: held in an array, GCC spills them to the stack on every iteration.
+void PanelTile(const float* x, int64_t k_size, const float* panel, float* y, int64_t y_stride, int64_t rows,
+               int64_t cols) {
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+  __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  const float *x0 = x, *x1 = x + k_size, *x2 = x + 2 * k_size, *x3 = x + 3 * k_size, *x4 = x + 4 * k_size,
+              *x5 = x + 5 * k_size;
   for (int64_t k = 0; k < k_size; ++k) {
     const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel);
     const __m256 w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
-    for (int64_t r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_broadcast_ss(x + r * k_size + k);
-      acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
-    }
+    __m256 xv = _mm256_broadcast_ss(x0 + k);
+    c00 = _mm256_fmadd_ps(xv, w0, c00);
+    c01 = _mm256_fmadd_ps(xv, w1, c01);
+    xv = _mm256_broadcast_ss(x1 + k);
+    c10 = _mm256_fmadd_ps(xv, w0, c10);
+    c11 = _mm256_fmadd_ps(xv, w1, c11);
+    xv = _mm256_broadcast_ss(x2 + k);
+    c20 = _mm256_fmadd_ps(xv, w0, c20);
+    c21 = _mm256_fmadd_ps(xv, w1, c21);
+    xv = _mm256_broadcast_ss(x3 + k);
+    c30 = _mm256_fmadd_ps(xv, w0, c30);
+    c31 = _mm256_fmadd_ps(xv, w1, c31);
+    xv = _mm256_broadcast_ss(x4 + k);
+    c40 = _mm256_fmadd_ps(xv, w0, c40);
+    c41 = _mm256_fmadd_ps(xv, w1, c41);
+    xv = _mm256_broadcast_ss(x5 + k);
+    c50 = _mm256_fmadd_ps(xv, w0, c50);
+    c51 = _mm256_fmadd_ps(xv, w1, c51);
   }
-  for (int64_t r = 0; r < R; ++r) {
-    if (cols == kPanel) {
-      _mm256_storeu_ps(y + r * y_stride, acc[r][0]);
-      _mm256_storeu_ps(y + r * y_stride + 8, acc[r][1]);
-    } else {
-      alignas(32) float tile[kPanel];
-      _mm256_store_ps(tile, acc[r][0]);
-      _mm256_store_ps(tile + 8, acc[r][1]);
-      std::memcpy(y + r * y_stride, tile, static_cast<size_t>(cols) * sizeof(float));
-    }
-  }
+  alignas(32) float tile[kTileRows][kPanel];
+  _mm256_store_ps(tile[0], c00), _mm256_store_ps(tile[0] + 8, c01);
+  _mm256_store_ps(tile[1], c10), _mm256_store_ps(tile[1] + 8, c11);
+  _mm256_store_ps(tile[2], c20), _mm256_store_ps(tile[2] + 8, c21);
+  _mm256_store_ps(tile[3], c30), _mm256_store_ps(tile[3] + 8, c31);
+  _mm256_store_ps(tile[4], c40), _mm256_store_ps(tile[4] + 8, c41);
+  _mm256_store_ps(tile[5], c50), _mm256_store_ps(tile[5] + 8, c51);
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(y + r * y_stride, tile[r], static_cast<size_t>(cols) * 4);
 }
 
 void MatmulPanel(const float* x, const void* w, bool bf16, float* y, int64_t m_size, int64_t n_size,
                  int64_t k_size, int64_t n_begin) {
-  thread_local std::vector<float> panel;
+  thread_local std::vector<float> panel, x_tail;
   panel.resize(static_cast<size_t>(kPanel * k_size));
   const int64_t cols = std::min(kPanel, n_size - n_begin);
   PackPanel(w, bf16, n_begin, cols, k_size, panel.data());
   for (int64_t m = 0; m < m_size; m += kTileRows) {
+    const int64_t rows = std::min(kTileRows, m_size - m);
     const float* x_rows = x + m * k_size;
-    float* y_tile = y + m * n_size + n_begin;
-    switch (std::min(kTileRows, m_size - m)) {
-      case 6: PanelTile<6>(x_rows, k_size, panel.data(), y_tile, n_size, cols); break;
-      case 5: PanelTile<5>(x_rows, k_size, panel.data(), y_tile, n_size, cols); break;
-      case 4: PanelTile<4>(x_rows, k_size, panel.data(), y_tile, n_size, cols); break;
-      case 3: PanelTile<3>(x_rows, k_size, panel.data(), y_tile, n_size, cols); break;
-      case 2: PanelTile<2>(x_rows, k_size, panel.data(), y_tile, n_size, cols); break;
-      default: PanelTile<1>(x_rows, k_size, panel.data(), y_tile, n_size, cols); break;
+    if (rows < kTileRows) {  // the last few rows, zero-padded to a whole tile
+      x_tail.assign(static_cast<size_t>(kTileRows * k_size), 0.0f);
+      std::memcpy(x_tail.data(), x_rows, static_cast<size_t>(rows * k_size) * 4);
+      x_rows = x_tail.data();
     }
+    PanelTile(x_rows, k_size, panel.data(), y + m * n_size + n_begin, n_size, rows, cols);
   }
 }
 
