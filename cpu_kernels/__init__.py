@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 SOURCE = Path(__file__).with_name("kernels.cc")
-# Larger row counts (prefill) go to XLA's dot, which blocks for cache reuse across rows; the kernel streams each
-# weight once with all rows of x in cache, which wins for decode-sized batches (docs/benchmarks.md).
-MAX_KERNEL_ROWS = 64
+# On an AVX2 machine the kernel matches XLA's float32 dot at prefill sizes and beats its bfloat16 dot 1.7x, so it takes
+# every batch; where the CPU has AMX, XLA's bfloat16 dot runs on it, and the kernel keeps only decode-sized batches.
+AMX_KERNEL_ROWS = 64
 CXXFLAGS = ("-O3", "-march=native", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC")
 
 
@@ -42,17 +42,6 @@ def _cache_dir() -> Path:
     return Path(base) / "jserve" / "cpu_kernels"
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def _compile(compiler: str, include_dir: str, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
@@ -62,6 +51,18 @@ def _compile(compiler: str, include_dir: str, out: Path) -> None:
         if result.returncode != 0:
             raise KernelUnavailable(f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n{result.stderr[-2000:]}")
         os.replace(tmp_lib, out)  # atomic: concurrent processes each build, one file wins
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
 
 
 @functools.cache
@@ -88,6 +89,11 @@ def _load() -> ctypes.CDLL | KernelUnavailable:
     except (OSError, AttributeError, KernelUnavailable) as error:
         return error if isinstance(error, KernelUnavailable) else KernelUnavailable(str(error))
     return lib
+
+
+def max_kernel_rows() -> int:
+    """The most rows of x a matmul sends to the kernel; larger batches use XLA's dot (docs/benchmarks.md)."""
+    return AMX_KERNEL_ROWS if "amx_bf16" in _cpu_flags() else 1 << 62
 
 
 def available() -> bool:

@@ -82,78 +82,66 @@ inline __m256 LoadBf16x8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
-// Row `n` of a [N, K] weight as float32: a pointer into the weight itself, or into `scratch` after widening bf16.
-inline const float* WeightRow(const void* w, bool bf16, int64_t n, int64_t k_size, float* scratch) {
-  if (!bf16) return static_cast<const float*>(w) + n * k_size;
-  const uint16_t* row = static_cast<const uint16_t*>(w) + n * k_size;
-  int64_t k = 0;
-  for (; k + 8 <= k_size; k += 8) _mm256_storeu_ps(scratch + k, LoadBf16x8(row + k));
-  for (; k < k_size; ++k) scratch[k] = Bf16ToFloat(row[k]);
-  return scratch;
-}
+// Eight weights as floats: float32 loaded as is, bfloat16 bits (uint16) widened in registers.
+inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 Load8(const uint16_t* p) { return LoadBf16x8(p); }
+inline float Load1(const float* p) { return *p; }
+inline float Load1(const uint16_t* p) { return Bf16ToFloat(*p); }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Matmul. Tiles of kRows x kCols outputs keep 8 accumulators in registers; weight rows are widened once per tile
-// column and reused for every row of x, so a weight is read from memory once per call whatever M is.
+// Matmul for few rows (decode): bandwidth-bound, so each weight row is read straight from memory (widened in
+// registers) against every row of x, in tiles of kRows x kCols outputs with 8 accumulators in registers.
 
-constexpr int64_t kCols = 4;        // weight rows per tile
-constexpr int64_t kRows = 2;        // x rows per tile
+constexpr int64_t kCols = 4;          // weight rows per tile
+constexpr int64_t kRows = 2;          // x rows per tile
 constexpr int64_t kColsPerItem = 64;  // weight rows per parallel work item
-constexpr int64_t kRowsPerBlock = 32;  // x rows kept hot in L1/L2 while a work item's weight rows stream past
 
-template <int64_t R, int64_t C>
-inline void DotTile(const float* const* x, const float* const* w, int64_t k_size, float* y, int64_t y_stride) {
-  __m256 acc[R][C];
+template <int64_t R, typename W>
+inline void DotTile(const float* x, const W* w, int64_t k_size, float* y, int64_t y_stride) {
+  __m256 acc[R][kCols];
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < kCols; ++c) acc[r][c] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= k_size; k += 8) {
-    __m256 wv[C];
-    for (int64_t c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(w[c] + k);
+    __m256 wv[kCols];
+    for (int64_t c = 0; c < kCols; ++c) wv[c] = Load8(w + c * k_size + k);
     for (int64_t r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x[r] + k);
-      for (int64_t c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+      const __m256 xv = _mm256_loadu_ps(x + r * k_size + k);
+      for (int64_t c = 0; c < kCols; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
     }
   }
   for (int64_t r = 0; r < R; ++r) {
-    for (int64_t c = 0; c < C; ++c) {
+    for (int64_t c = 0; c < kCols; ++c) {
       float sum = HorizontalSum(acc[r][c]);
-      for (int64_t kk = k; kk < k_size; ++kk) sum += x[r][kk] * w[c][kk];
+      for (int64_t kk = k; kk < k_size; ++kk) sum += x[r * k_size + kk] * Load1(w + c * k_size + kk);
       y[r * y_stride + c] = sum;
     }
   }
 }
 
-template <int64_t C>
-inline void DotColumns(const float* x, int64_t m_begin, int64_t m_end, const float* const* w, int64_t k_size,
-                       float* y, int64_t n_size) {
-  int64_t m = m_begin;
-  for (; m + kRows <= m_end; m += kRows) {
-    const float* rows[kRows] = {x + m * k_size, x + (m + 1) * k_size};
-    DotTile<kRows, C>(rows, w, k_size, y + m * n_size, n_size);
-  }
-  for (; m < m_end; ++m) {
-    const float* rows[1] = {x + m * k_size};
-    DotTile<1, C>(rows, w, k_size, y + m * n_size, n_size);
-  }
+template <typename W>
+inline float DotRow(const float* x, const W* w, int64_t k_size) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= k_size; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), Load8(w + k), acc);
+  float sum = HorizontalSum(acc);
+  for (; k < k_size; ++k) sum += x[k] * Load1(w + k);
+  return sum;
 }
 
-void MatmulColumns(const float* x, const void* w, bool bf16, float* y, int64_t m_size, int64_t n_size,
-                   int64_t k_size, int64_t n_begin, int64_t n_end) {
-  thread_local std::vector<float> scratch;
-  scratch.resize(static_cast<size_t>(kCols * k_size));
-  for (int64_t m0 = 0; m0 < m_size; m0 += kRowsPerBlock) {
-    const int64_t m1 = std::min(m_size, m0 + kRowsPerBlock);
-    int64_t n = n_begin;
-    for (; n + kCols <= n_end; n += kCols) {
-      const float* rows[kCols];
-      for (int64_t c = 0; c < kCols; ++c) rows[c] = WeightRow(w, bf16, n + c, k_size, scratch.data() + c * k_size);
-      DotColumns<kCols>(x, m0, m1, rows, k_size, y + n, n_size);
+template <typename W>
+void MatmulColumns(const float* x, const W* w, float* y, int64_t m_size, int64_t n_size, int64_t k_size,
+                   int64_t n_begin, int64_t n_end) {
+  int64_t n = n_begin;
+  for (; n + kCols <= n_end; n += kCols) {
+    int64_t m = 0;
+    for (; m + kRows <= m_size; m += kRows) {
+      DotTile<kRows>(x + m * k_size, w + n * k_size, k_size, y + m * n_size + n, n_size);
     }
-    for (; n < n_end; ++n) {
-      const float* rows[1] = {WeightRow(w, bf16, n, k_size, scratch.data())};
-      DotColumns<1>(x, m0, m1, rows, k_size, y + n, n_size);
-    }
+    if (m < m_size) DotTile<1>(x + m * k_size, w + n * k_size, k_size, y + m * n_size + n, n_size);
+  }
+  for (; n < n_end; ++n) {
+    for (int64_t m = 0; m < m_size; ++m) y[m * n_size + n] = DotRow(x + m * k_size, w + n * k_size, k_size);
   }
 }
 
@@ -163,7 +151,7 @@ void MatmulColumns(const float* x, const void* w, bool bf16, float* y, int64_t m
 
 constexpr int64_t kPanel = 16;       // weight rows (output columns) per packed panel: two 8-lane vectors
 constexpr int64_t kTileRows = 6;     // x rows per tile: 12 accumulators + 2 weight vectors + 1 broadcast
-constexpr int64_t kPanelMinRows = 8;  // below this, packing costs more than it saves
+constexpr int64_t kPanelMinRows = 24;  // below this, packing costs more than it saves (measured)
 
 // panel[k * 16 + j] = w[n_begin + j, k], zeros past `cols`: written in order, read as 16 sequential streams.
 void PackPanel(const void* w, bool bf16, int64_t n_begin, int64_t cols, int64_t k_size, float* panel) {
@@ -264,9 +252,12 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   }
   const int64_t items = (n_size + kColsPerItem - 1) / kColsPerItem;
   ParallelFor(pool, items, [=](int64_t item) {
-    const int64_t n_begin = item * kColsPerItem;
-    MatmulColumns(x_data, w_data, bf16, y_data, m_size, n_size, k_size, n_begin,
-                  std::min(n_size, n_begin + kColsPerItem));
+    const int64_t n_begin = item * kColsPerItem, n_end = std::min(n_size, n_begin + kColsPerItem);
+    if (bf16) {
+      MatmulColumns(x_data, static_cast<const uint16_t*>(w_data), y_data, m_size, n_size, k_size, n_begin, n_end);
+    } else {
+      MatmulColumns(x_data, static_cast<const float*>(w_data), y_data, m_size, n_size, k_size, n_begin, n_end);
+    }
   });
   return ffi::Error::Success();
 }

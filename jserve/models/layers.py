@@ -29,10 +29,10 @@ def param(shape: tuple[int, ...], dtype: jnp.dtype, axes: tuple[str | None, ...]
 def matmul(x: jax.Array, w: jax.Array, cpu_kernel: bool = False) -> jax.Array:
     """x[..., in] @ w[out, in]^T -> float32[..., out].
 
-    cpu_kernel: use cpu_kernels.matmul when the batch is decode-sized (<= MAX_KERNEL_ROWS rows, a static shape) and
+    cpu_kernel: use cpu_kernels.matmul when it takes this many rows (cpu_kernels.max_kernel_rows; a static shape) and
     the weight is whole on this device (under tensor parallelism XLA must partition the dot itself)."""
     rows = math.prod(x.shape[:-1])
-    if cpu_kernel and rows <= cpu_kernels.MAX_KERNEL_ROWS and model_parallel_mesh() is None:
+    if cpu_kernel and rows <= cpu_kernels.max_kernel_rows() and model_parallel_mesh() is None:
         return cpu_kernels.matmul(x, w)
     return jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())),
                                preferred_element_type=jnp.float32)
