@@ -153,8 +153,49 @@ constexpr int64_t kPanel = 16;       // weight rows (output columns) per packed 
 constexpr int64_t kTileRows = 6;     // x rows per tile: 12 accumulators + 2 weight vectors + 1 broadcast
 constexpr int64_t kPanelMinRows = 24;  // below this, packing costs more than it saves (measured)
 
+// Transpose eight vectors of eight floats in registers (rows[i][j] -> rows[j][i]).
+inline void Transpose8x8(__m256 rows[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(rows[0], rows[1]), t1 = _mm256_unpackhi_ps(rows[0], rows[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(rows[2], rows[3]), t3 = _mm256_unpackhi_ps(rows[2], rows[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(rows[4], rows[5]), t5 = _mm256_unpackhi_ps(rows[4], rows[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(rows[6], rows[7]), t7 = _mm256_unpackhi_ps(rows[6], rows[7]);
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  rows[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+  rows[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+  rows[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+  rows[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+  rows[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+  rows[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+  rows[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+  rows[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+// A whole panel (16 rows, K a multiple of 8): 8 x 8 blocks loaded, widened and transposed in registers.
+template <typename W>
+void PackFullPanel(const W* rows, int64_t k_size, float* panel) {
+  for (int64_t k = 0; k < k_size; k += 8) {
+    for (int64_t half = 0; half < 2; ++half) {
+      __m256 block[8];
+      for (int64_t j = 0; j < 8; ++j) block[j] = Load8(rows + (half * 8 + j) * k_size + k);
+      Transpose8x8(block);
+      for (int64_t i = 0; i < 8; ++i) _mm256_storeu_ps(panel + (k + i) * kPanel + half * 8, block[i]);
+    }
+  }
+}
+
 // panel[k * 16 + j] = w[n_begin + j, k], zeros past `cols`: written in order, read as 16 sequential streams.
 void PackPanel(const void* w, bool bf16, int64_t n_begin, int64_t cols, int64_t k_size, float* panel) {
+  if (cols == kPanel && k_size % 8 == 0) {
+    if (bf16) {
+      PackFullPanel(static_cast<const uint16_t*>(w) + n_begin * k_size, k_size, panel);
+    } else {
+      PackFullPanel(static_cast<const float*>(w) + n_begin * k_size, k_size, panel);
+    }
+    return;
+  }
   if (cols < kPanel) std::fill(panel, panel + kPanel * k_size, 0.0f);
   if (bf16) {
     const uint16_t* rows = static_cast<const uint16_t*>(w) + n_begin * k_size;
