@@ -367,6 +367,31 @@ inline float Dot(const float* a, const float* b, int64_t size) {
   return sum;
 }
 
+// Four dot products q . k_i at once; the four horizontal sums share three hadds.
+inline __m128 Dot4(const float* q, const float* const* k, int64_t size) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t i = 0; i < size; i += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + i);
+    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[0] + i), a0);
+    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[1] + i), a1);
+    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[2] + i), a2);
+    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[3] + i), a3);
+  }
+  const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
+}
+
+// out[0..64) += sum_j weights[j] * v[j][0..64), with the output row held in eight registers.
+inline void AccumulateRow64(float* out, const float* weights, const float* const* v, int64_t keys) {
+  __m256 o[8];
+  for (int64_t i = 0; i < 8; ++i) o[i] = _mm256_loadu_ps(out + 8 * i);
+  for (int64_t j = 0; j < keys; ++j) {
+    const __m256 w = _mm256_set1_ps(weights[j]);
+    for (int64_t i = 0; i < 8; ++i) o[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v[j] + 8 * i), o[i]);
+  }
+  for (int64_t i = 0; i < 8; ++i) _mm256_storeu_ps(out + 8 * i, o[i]);
+}
+
 void AttendItem(const AttentionArgs& a, const AttentionItem& item) {
   const int64_t group = a.num_heads / a.kv_heads, d_size = a.head_dim, b_size = a.page_size;
   const int64_t q_len = a.query_start[item.seq + 1] - a.query_start[item.seq];
@@ -381,7 +406,8 @@ void AttendItem(const AttentionArgs& a, const AttentionItem& item) {
   float* row_max = scores + rows * b_size;
   float* row_sum = row_max + rows;
   float* kv_scratch = row_sum + rows;
-  std::vector<int64_t> row_pos(static_cast<size_t>(rows));
+  thread_local std::vector<int64_t> row_pos;
+  row_pos.resize(static_cast<size_t>(rows));
   for (int64_t t = 0; t < tokens; ++t) {
     const int64_t token = item.token_begin + t;
     for (int64_t g = 0; g < group; ++g) {
@@ -411,14 +437,16 @@ void AttendItem(const AttentionArgs& a, const AttentionItem& item) {
       float* s = scores + r * b_size;
       const int64_t pos = row_pos[r];
       float page_max = -std::numeric_limits<float>::infinity();
+      int64_t j4 = 0;
+      if (d_size % 8 == 0) {
+        for (; j4 + 4 <= keys; j4 += 4) _mm_storeu_ps(s + j4, Dot4(q + r * d_size, k_rows + j4, d_size));
+      }
+      for (int64_t j = j4; j < keys; ++j) s[j] = Dot(q + r * d_size, k_rows[j], d_size);
       for (int64_t j = 0; j < keys; ++j) {
         const int64_t key_pos = key_begin + j;
         const bool visible = key_pos <= pos && (a.sliding_window <= 0 || key_pos > pos - a.sliding_window);
         float score = -std::numeric_limits<float>::infinity();
-        if (visible) {
-          score = Dot(q + r * d_size, k_rows[j], d_size);
-          if (a.soft_cap > 0) score = a.soft_cap * std::tanh(score / a.soft_cap);
-        }
+        if (visible) score = a.soft_cap > 0 ? a.soft_cap * std::tanh(s[j] / a.soft_cap) : s[j];
         s[j] = score;
         page_max = std::max(page_max, score);
       }
@@ -456,6 +484,10 @@ void AttendItem(const AttentionArgs& a, const AttentionItem& item) {
     for (int64_t r = 0; r < rows; ++r) {
       float* out_row = acc + r * d_size;
       const float* s = scores + r * b_size;
+      if (d_size == 64) {
+        AccumulateRow64(out_row, s, v_rows, keys);
+        continue;
+      }
       for (int64_t j = 0; j < keys; ++j) {
         const float weight = s[j];
         if (weight == 0.0f) continue;
