@@ -1,4 +1,4 @@
-"""CPU kernels (kernels.cc) called from jitted code through XLA's FFI: small-batch matmul and ragged paged attention.
+"""CPU kernels (kernels.cc) called from jitted code through XLA's FFI: matmul and ragged paged attention.
 
 XLA's CPU backend runs a decode step's small matmuls far below memory bandwidth with a fixed cost per op, and its
 paged attention must gather every page of every token first (docs/benchmarks.md). These kernels are to the CPU what

@@ -2,8 +2,9 @@
 //
 // XLA CPU runs the small matmuls of a decode step (M = 1..64 rows against a [out, in] weight) far below memory
 // bandwidth and pays a fixed cost per op, and its paged attention has to gather every page of every token first.
-// These two kernels do what llama.cpp does instead: stream each weight row once with all M rows of x in cache,
-// and read each sequence's K/V pages in place. Work is split over XLA's own intra-op thread pool.
+// These two kernels do what llama.cpp does instead: for few rows, stream each weight row once with all M rows of x
+// in cache; for many, accumulate register tiles over packed weight panels; and read each sequence's K/V pages in
+// place. Work is split over XLA's own intra-op thread pool.
 //
 //   jserve_matmul:      y f32[M, N] = x f32[M, K] . w[N, K]^T      (w float32, or bfloat16 / uint16 bf16 bits)
 //   jserve_paged_attention: the spec of pallas_kernels/interface.py, with float32 q and out, K/V f32 or bf16 bits.

@@ -186,7 +186,7 @@ class EngineConfig:
       compilation_cache_dir: JAX's persistent compilation cache; "" disables it.
       warmup: compile every step shape at start-up so serving never stalls on a compile.
       attention_backend: "auto" (the Pallas kernel on TPU/GPU, the C++ kernels on CPU where they build, else the
-        reference) | "reference" (pure JAX) | "cpu" (cpu_kernels: C++ paged attention and small-batch matmuls) |
+        reference) | "reference" (pure JAX) | "cpu" (cpu_kernels: C++ paged attention and matmuls) |
         "pallas" (the kernel; needs a TPU or GPU) | "pallas-interpret" (the kernels interpreted, slow; for tests).
       tokenizer: tokenizer directory when it differs from `model`.
       tensor_parallel_size: devices a model is split over (1 = no sharding); the mesh's `model` axis.

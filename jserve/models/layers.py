@@ -3,7 +3,7 @@
 Every weight is declared once with its shape, dtype and logical axes (the sharding rules map those names to
 mesh axes). Matmuls keep Hugging Face's [out, in] layout and contract the last axis of both operands with a
 float32 result: on XLA CPU that is the fast path for bfloat16 weights (see docs/architecture.md). With
-`cpu_kernel` set, decode-sized matmuls run in cpu_kernels' C++ kernel instead (XLA's dot for larger batches).
+`cpu_kernel` set, matmuls run in cpu_kernels' C++ kernel instead (see cpu_kernels.max_kernel_rows).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, dtype: jnp.dtype, attention_backend: str = "reference"):
         self.config = config
         self.attention_backend = attention_backend  # a static str in the graphdef: picks the kernel at trace time
-        cpu_kernel = attention_backend == "cpu"  # the "cpu" backend also runs decode-sized matmuls in C++
+        cpu_kernel = attention_backend == "cpu"  # the "cpu" backend also runs the matmuls in C++
         qkv_out = config.q_size + 2 * config.kv_size
         self.qkv_proj = Linear(config.hidden_size, qkv_out, dtype=dtype, axes=("qkv", "embed"), bias=config.qkv_bias,
                                cpu_kernel=cpu_kernel)
