@@ -174,40 +174,24 @@ inline void Transpose8x8(__m256 rows[8]) {
   rows[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
 }
 
-// A whole panel (16 rows, K a multiple of 8): 8 x 8 blocks loaded, widened and transposed in registers.
+// panel[k * 16 + j] = rows[j, k] for the 16 weight rows at `rows`, zeros past `cols`. A whole panel (K a multiple
+// of 8) goes in 8 x 8 blocks loaded, widened and transposed in registers; a partial one element by element.
 template <typename W>
-void PackFullPanel(const W* rows, int64_t k_size, float* panel) {
-  for (int64_t k = 0; k < k_size; k += 8) {
-    for (int64_t half = 0; half < 2; ++half) {
-      __m256 block[8];
-      for (int64_t j = 0; j < 8; ++j) block[j] = Load8(rows + (half * 8 + j) * k_size + k);
-      Transpose8x8(block);
-      for (int64_t i = 0; i < 8; ++i) _mm256_storeu_ps(panel + (k + i) * kPanel + half * 8, block[i]);
-    }
-  }
-}
-
-// panel[k * 16 + j] = w[n_begin + j, k], zeros past `cols`: written in order, read as 16 sequential streams.
-void PackPanel(const void* w, bool bf16, int64_t n_begin, int64_t cols, int64_t k_size, float* panel) {
+void PackPanel(const W* rows, int64_t cols, int64_t k_size, float* panel) {
   if (cols == kPanel && k_size % 8 == 0) {
-    if (bf16) {
-      PackFullPanel(static_cast<const uint16_t*>(w) + n_begin * k_size, k_size, panel);
-    } else {
-      PackFullPanel(static_cast<const float*>(w) + n_begin * k_size, k_size, panel);
+    for (int64_t k = 0; k < k_size; k += 8) {
+      for (int64_t half = 0; half < 2; ++half) {
+        __m256 block[8];
+        for (int64_t j = 0; j < 8; ++j) block[j] = Load8(rows + (half * 8 + j) * k_size + k);
+        Transpose8x8(block);
+        for (int64_t i = 0; i < 8; ++i) _mm256_storeu_ps(panel + (k + i) * kPanel + half * 8, block[i]);
+      }
     }
     return;
   }
-  if (cols < kPanel) std::fill(panel, panel + kPanel * k_size, 0.0f);
-  if (bf16) {
-    const uint16_t* rows = static_cast<const uint16_t*>(w) + n_begin * k_size;
-    for (int64_t k = 0; k < k_size; ++k) {
-      for (int64_t j = 0; j < cols; ++j) panel[k * kPanel + j] = Bf16ToFloat(rows[j * k_size + k]);
-    }
-  } else {
-    const float* rows = static_cast<const float*>(w) + n_begin * k_size;
-    for (int64_t k = 0; k < k_size; ++k) {
-      for (int64_t j = 0; j < cols; ++j) panel[k * kPanel + j] = rows[j * k_size + k];
-    }
+  std::fill(panel, panel + kPanel * k_size, 0.0f);
+  for (int64_t k = 0; k < k_size; ++k) {
+    for (int64_t j = 0; j < cols; ++j) panel[k * kPanel + j] = Load1(rows + j * k_size + k);
   }
 }
 
@@ -251,12 +235,13 @@ void PanelTile(const float* x, int64_t k_size, const float* panel, float* y, int
   for (int64_t r = 0; r < rows; ++r) std::memcpy(y + r * y_stride, tile[r], static_cast<size_t>(cols) * 4);
 }
 
-void MatmulPanel(const float* x, const void* w, bool bf16, float* y, int64_t m_size, int64_t n_size,
-                 int64_t k_size, int64_t n_begin) {
+template <typename W>
+void MatmulPanel(const float* x, const W* w, float* y, int64_t m_size, int64_t n_size, int64_t k_size,
+                 int64_t n_begin) {
   thread_local std::vector<float> panel, x_tail;
   panel.resize(static_cast<size_t>(kPanel * k_size));
   const int64_t cols = std::min(kPanel, n_size - n_begin);
-  PackPanel(w, bf16, n_begin, cols, k_size, panel.data());
+  PackPanel(w + n_begin * k_size, cols, k_size, panel.data());
   for (int64_t m = 0; m < m_size; m += kTileRows) {
     const int64_t rows = std::min(kTileRows, m_size - m);
     const float* x_rows = x + m * k_size;
@@ -269,6 +254,22 @@ void MatmulPanel(const float* x, const void* w, bool bf16, float* y, int64_t m_s
   }
 }
 
+// Decode-sized batches stream weights (MatmulColumns); larger ones go through packed panels (MatmulPanel).
+template <typename W>
+void Matmul(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t m_size, int64_t n_size,
+            int64_t k_size) {
+  if (m_size >= kPanelMinRows) {
+    ParallelFor(pool, (n_size + kPanel - 1) / kPanel, [=](int64_t item) {
+      MatmulPanel(x, w, y, m_size, n_size, k_size, item * kPanel);
+    });
+    return;
+  }
+  ParallelFor(pool, (n_size + kColsPerItem - 1) / kColsPerItem, [=](int64_t item) {
+    const int64_t n_begin = item * kColsPerItem;
+    MatmulColumns(x, w, y, m_size, n_size, k_size, n_begin, std::min(n_size, n_begin + kColsPerItem));
+  });
+}
+
 bool IsBf16Bits(ffi::DataType type) { return type == ffi::DataType::BF16 || type == ffi::DataType::U16; }
 
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
@@ -278,29 +279,16 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   if (x_dims.size() != 2 || w_dims.size() != 2 || x_dims[1] != w_dims[1]) {
     return ffi::Error::InvalidArgument("jserve_matmul: expected x[M, K] and w[N, K]");
   }
-  const bool bf16 = IsBf16Bits(w.element_type());
-  if (!bf16 && w.element_type() != ffi::DataType::F32) {
+  const int64_t m_size = x_dims[0], k_size = x_dims[1], n_size = w_dims[0];
+  if (IsBf16Bits(w.element_type())) {
+    Matmul(pool, x.typed_data(), static_cast<const uint16_t*>(w.untyped_data()), y->typed_data(), m_size, n_size,
+           k_size);
+  } else if (w.element_type() == ffi::DataType::F32) {
+    Matmul(pool, x.typed_data(), static_cast<const float*>(w.untyped_data()), y->typed_data(), m_size, n_size,
+           k_size);
+  } else {
     return ffi::Error::InvalidArgument("jserve_matmul: w must be float32 or bfloat16");
   }
-  const int64_t m_size = x_dims[0], k_size = x_dims[1], n_size = w_dims[0];
-  const float* x_data = x.typed_data();
-  const void* w_data = w.untyped_data();
-  float* y_data = y->typed_data();
-  if (m_size >= kPanelMinRows) {
-    ParallelFor(pool, (n_size + kPanel - 1) / kPanel, [=](int64_t item) {
-      MatmulPanel(x_data, w_data, bf16, y_data, m_size, n_size, k_size, item * kPanel);
-    });
-    return ffi::Error::Success();
-  }
-  const int64_t items = (n_size + kColsPerItem - 1) / kColsPerItem;
-  ParallelFor(pool, items, [=](int64_t item) {
-    const int64_t n_begin = item * kColsPerItem, n_end = std::min(n_size, n_begin + kColsPerItem);
-    if (bf16) {
-      MatmulColumns(x_data, static_cast<const uint16_t*>(w_data), y_data, m_size, n_size, k_size, n_begin, n_end);
-    } else {
-      MatmulColumns(x_data, static_cast<const float*>(w_data), y_data, m_size, n_size, k_size, n_begin, n_end);
-    }
-  });
   return ffi::Error::Success();
 }
 
@@ -357,15 +345,6 @@ inline const float* KvRow(const AttentionArgs& a, const void* pages, int64_t pag
   for (; d + 8 <= a.head_dim; d += 8) _mm256_storeu_ps(scratch + d, LoadBf16x8(row + d));
   for (; d < a.head_dim; ++d) scratch[d] = Bf16ToFloat(row[d]);
   return scratch;
-}
-
-inline float Dot(const float* a, const float* b, int64_t size) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= size; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float sum = HorizontalSum(acc);
-  for (; i < size; ++i) sum += a[i] * b[i];
-  return sum;
 }
 
 // Four dot products q . k_i at once; the four horizontal sums share three hadds.
@@ -442,7 +421,7 @@ void AttendItem(const AttentionArgs& a, const AttentionItem& item) {
       if (d_size % 8 == 0) {
         for (; j4 + 4 <= keys; j4 += 4) _mm_storeu_ps(s + j4, Dot4(q + r * d_size, k_rows + j4, d_size));
       }
-      for (int64_t j = j4; j < keys; ++j) s[j] = Dot(q + r * d_size, k_rows[j], d_size);
+      for (int64_t j = j4; j < keys; ++j) s[j] = DotRow(q + r * d_size, k_rows[j], d_size);
       for (int64_t j = 0; j < keys; ++j) {
         const int64_t key_pos = key_begin + j;
         const bool visible = key_pos <= pos && (a.sliding_window <= 0 || key_pos > pos - a.sliding_window);
