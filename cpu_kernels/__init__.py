@@ -6,7 +6,8 @@ the Pallas kernels are to TPU and GPU. The C++ source is compiled once per machi
 C++ compiler (-march=native) into ~/.cache/jserve/cpu_kernels/; where that is impossible (no compiler, no
 AVX2/FMA) `available()` is False and `unavailable_reason()` says why, and "auto" falls back to pure XLA.
 
-References: `matmul_ref` here, and pallas_kernels.reference.ragged_paged_attention_ref for attention.
+References: `matmul_ref` here, pallas_kernels.reference.ragged_paged_attention_ref for attention, and the
+model's own per-op layer (jserve.models.llama, reference attention backend) for `decoder_layer`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +88,8 @@ def _load() -> ctypes.CDLL | KernelUnavailable:
         jax.ffi.register_ffi_target("jserve_matmul", jax.ffi.pycapsule(lib.JserveMatmul), platform="cpu")
         jax.ffi.register_ffi_target("jserve_paged_attention", jax.ffi.pycapsule(lib.JservePagedAttention),
                                     platform="cpu")
+        jax.ffi.register_ffi_target("jserve_decoder_layer", jax.ffi.pycapsule(lib.JserveDecoderLayer),
+                                    platform="cpu")
     except (OSError, AttributeError, KernelUnavailable) as error:
         return error if isinstance(error, KernelUnavailable) else KernelUnavailable(str(error))
     return lib
@@ -113,13 +117,14 @@ def _require() -> None:
 
 
 def matmul_ref(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x[..., K] @ w[N, K]^T -> float32[..., N] in float32 (XLA's dot)."""
-    return jax.lax.dot_general(x.astype(jnp.float32), w.astype(jnp.float32), (((x.ndim - 1,), (1,)), ((), ())),
+    """x[..., K] @ w[N, K]^T -> float32[..., N] (XLA's dot); x is rounded to w's dtype first, as the kernel does."""
+    return jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())),
                                preferred_element_type=jnp.float32)
 
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x[..., K] @ w[N, K]^T -> float32[..., N]; x is taken in float32, w is float32 or bfloat16."""
+    """x[..., K] @ w[N, K]^T -> float32[..., N]. w is float32 or bfloat16; for bfloat16 weights x is rounded to
+    bfloat16 (as the XLA path's x.astype(w.dtype) does) and the products accumulate in float32."""
     _require()
     if w.ndim != 2 or x.shape[-1] != w.shape[1] or w.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"matmul: x[..., {w.shape[-1]}] and a float32/bfloat16 w[N, K] expected, "
@@ -141,3 +146,55 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         q.astype(jnp.float32), k_pages, v_pages, page_table.astype(jnp.int32), query_start.astype(jnp.int32),
         seq_lens.astype(jnp.int32), scale=np.float32(scale), sliding_window=np.int64(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0))
+
+
+class LayerWeights(NamedTuple):
+    """One decoder layer's parameters as `decoder_layer` takes them; biases and q/k norms may be None."""
+
+    input_norm: jax.Array  # f32[E]
+    qkv: jax.Array  # [Q + 2 KV, E] float32 or bfloat16: q rows, then k, then v
+    o: jax.Array  # [E, Q]
+    post_norm: jax.Array  # f32[E]
+    gate_up: jax.Array  # [2 I, E]: gate rows, then up rows
+    down: jax.Array  # [E, I]
+    qkv_bias: jax.Array | None = None  # f32[Q + 2 KV]
+    o_bias: jax.Array | None = None  # f32[E]
+    gate_up_bias: jax.Array | None = None  # f32[2 I]
+    down_bias: jax.Array | None = None  # f32[E]
+    q_norm: jax.Array | None = None  # f32[D] (Qwen3: RMSNorm of each head before rotary)
+    k_norm: jax.Array | None = None  # f32[D]
+
+
+def decoder_layer(x: jax.Array, weights: LayerWeights, k_pages: jax.Array, v_pages: jax.Array, *,
+                  positions: jax.Array, slot_mapping: jax.Array, page_table: jax.Array, query_start: jax.Array,
+                  seq_lens: jax.Array, inv_freq: np.ndarray, num_heads: int, eps: float, scale: float,
+                  sliding_window: int | None = None, soft_cap: float | None = None
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One Llama-family decoder layer over a ragged batch in one kernel call -> (x_out, k_pages, v_pages).
+
+    x f32[T, E] is the residual stream; the new tokens' K/V are written to their slots (out of range: dropped) and
+    the pages come back updated in place (aliased: inside a jitted step with a donated cache nothing is copied).
+    The batch arrays follow pallas_kernels.interface; weights are all float32 or all bfloat16."""
+    _require()
+    dtype = weights.qkv.dtype
+    if any(w.dtype != dtype for w in (weights.o, weights.gate_up, weights.down)) or dtype not in (jnp.float32,
+                                                                                                   jnp.bfloat16):
+        raise ValueError(f"decoder_layer: the layer's matmul weights must all be float32 or all bfloat16, got "
+                         f"{[w.dtype for w in (weights.qkv, weights.o, weights.gate_up, weights.down)]}")
+    none = jnp.zeros((0,), jnp.float32)
+
+    def f32(a: jax.Array | None) -> jax.Array:
+        return none if a is None else a.astype(jnp.float32)
+
+    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    args = (x.astype(jnp.float32), i32(positions), i32(slot_mapping), i32(page_table), i32(query_start),
+            i32(seq_lens), jnp.asarray(inv_freq, jnp.float32), f32(weights.input_norm), weights.qkv,
+            f32(weights.qkv_bias), f32(weights.q_norm), f32(weights.k_norm), weights.o, f32(weights.o_bias),
+            f32(weights.post_norm), weights.gate_up, f32(weights.gate_up_bias), weights.down, f32(weights.down_bias),
+            k_pages, v_pages)
+    out = (jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+           jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype))
+    kv_in = len(args) - 2
+    return jax.ffi.ffi_call("jserve_decoder_layer", out, input_output_aliases={kv_in: 1, kv_in + 1: 2})(
+        *args, num_heads=np.int64(num_heads), eps=np.float32(eps), scale=np.float32(scale),
+        sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0))

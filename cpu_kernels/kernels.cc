@@ -2,12 +2,19 @@
 //
 // XLA CPU runs the small matmuls of a decode step (M = 1..64 rows against a [out, in] weight) far below memory
 // bandwidth and pays a fixed cost per op, and its paged attention has to gather every page of every token first.
-// These two kernels do what llama.cpp does instead: for few rows, stream each weight row once with all M rows of x
-// in cache; for many, accumulate register tiles over packed weight panels; and read each sequence's K/V pages in
-// place. Work is split over XLA's own intra-op thread pool.
+// These kernels do what llama.cpp does instead: for few rows, stream each weight row once with all M rows of x in
+// cache; for many, accumulate register tiles over packed weight panels; read each sequence's K/V pages in place;
+// and run a whole decoder layer in one call, so a step pays per-op costs once per layer, not fifteen times.
 //
-//   jserve_matmul:      y f32[M, N] = x f32[M, K] . w[N, K]^T      (w float32, or bfloat16 / uint16 bf16 bits)
+//   jserve_matmul:          y f32[M, N] = x[M, K] . w[N, K]^T   (w float32, or bfloat16 as uint16 bits: then x is
+//                           rounded to bfloat16 first, as XLA's dot of x.astype(bfloat16) does)
 //   jserve_paged_attention: the spec of pallas_kernels/interface.py, with float32 q and out, K/V f32 or bf16 bits.
+//   jserve_decoder_layer:   one Llama-family decoder layer (jserve/models/llama.py's DecoderLayer) over a ragged
+//                           batch: norm, qkv, q/k norm, rotary, the K/V write, attention, o, norm, gate/up, SiLU,
+//                           down and both residuals; the K/V pages are updated in place (aliased to the outputs).
+//
+// bfloat16 weights meet bfloat16 activations: with AVX512-BF16 (vdpbf16ps) the pairs multiply in hardware with
+// float32 accumulation; elsewhere both are widened to float32 in registers (the same products, exactly).
 
 #include <immintrin.h>
 
@@ -19,49 +26,78 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define JSERVE_AVX512_BF16 1
+#endif
 
 namespace ffi = xla::ffi;
 
 namespace {
 
 // ---------------------------------------------------------------------------------------------------------------
-// Parallel loop over XLA's intra-op pool. Each thread claims items from a shared counter; the caller works too and
-// then waits only for items another thread has already started, so a helper task that never gets a thread (or runs
-// after the call returned) cannot block or touch freed memory: it finds no item left and returns.
+// Parallel phases over XLA's intra-op pool. A call is a list of phases run in order; each phase is `count`
+// independent items claimed from a shared counter by the caller and by helper tasks on the pool, and a phase starts
+// once every item of the one before is done. The caller works too and then waits only for items another thread
+// has already claimed, so a helper that never gets a thread (or starts after the call returned) cannot block or
+// touch freed memory: it finds no item left and returns. One helper wake-up serves every phase of a call.
 
-struct ParallelState {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  int64_t count = 0;
+struct Phase {
+  int64_t count;
   std::function<void(int64_t)> body;
+};
+
+struct PhaseState {
+  std::vector<Phase> phases;
+  std::unique_ptr<std::atomic<int64_t>[]> next, done;
+
+  explicit PhaseState(std::vector<Phase> p)
+      : phases(std::move(p)),
+        next(new std::atomic<int64_t>[phases.size()]),
+        done(new std::atomic<int64_t>[phases.size()]) {
+    for (size_t i = 0; i < phases.size(); ++i) next[i] = 0, done[i] = 0;
+  }
+
+  void WaitFor(size_t p) const {
+    while (done[p].load(std::memory_order_acquire) < phases[p].count) _mm_pause();
+  }
 
   void Work() {
-    for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) {
-      body(i);
-      done.fetch_add(1, std::memory_order_release);
+    for (size_t p = 0; p < phases.size(); ++p) {
+      if (p > 0) WaitFor(p - 1);
+      const int64_t count = phases[p].count;
+      for (int64_t i = next[p].fetch_add(1); i < count; i = next[p].fetch_add(1)) {
+        phases[p].body(i);
+        done[p].fetch_add(1, std::memory_order_release);
+      }
     }
   }
 };
 
-void ParallelFor(ffi::ThreadPool& pool, int64_t count, std::function<void(int64_t)> body) {
-  const int64_t threads = std::min<int64_t>(pool.num_threads(), count);
+void RunPhases(ffi::ThreadPool& pool, std::vector<Phase> phases) {
+  int64_t widest = 0;
+  for (const Phase& p : phases) widest = std::max(widest, p.count);
+  const int64_t threads = std::min<int64_t>(pool.num_threads(), widest);
   if (threads <= 1) {
-    for (int64_t i = 0; i < count; ++i) body(i);
+    for (const Phase& p : phases)
+      for (int64_t i = 0; i < p.count; ++i) p.body(i);
     return;
   }
-  auto state = std::make_shared<ParallelState>();
-  state->count = count;
-  state->body = std::move(body);
+  auto state = std::make_shared<PhaseState>(std::move(phases));
   for (int64_t t = 1; t < threads; ++t) pool.Schedule([state] { state->Work(); });
   state->Work();
-  while (state->done.load(std::memory_order_acquire) < count) _mm_pause();
+  state->WaitFor(state->phases.size() - 1);
 }
 
+// Items of `block` consecutive rows out of `rows`.
+inline int64_t Blocks(int64_t rows, int64_t block) { return (rows + block - 1) / block; }
+
 // ---------------------------------------------------------------------------------------------------------------
-// Vector helpers (AVX2 + FMA; the file is compiled with -march=native, and the Python side checks for both).
+// Vector helpers (AVX2 + FMA at least; the file is compiled with -march=native, and the Python side checks both).
 
 inline float HorizontalSum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -77,82 +113,169 @@ inline float Bf16ToFloat(uint16_t bits) {
   return value;
 }
 
+// Round to nearest even, NaN kept quiet: what XLA's float32 -> bfloat16 convert does.
+inline uint16_t FloatToBf16(float value) {
+  uint32_t u;
+  std::memcpy(&u, &value, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline __m128i FloatToBf16x8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
+  r = _mm256_srli_epi32(r, 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+  return _mm256_castsi256_si128(packed);
+}
+
 // Eight bfloat16 values (their bits) as eight floats: bfloat16 is the top half of a float32.
 inline __m256 LoadBf16x8(const uint16_t* p) {
   __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
-// Eight weights as floats: float32 loaded as is, bfloat16 bits (uint16) widened in registers.
+// Eight values as floats: float32 loaded as is, bfloat16 bits (uint16) widened in registers.
 inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 Load8(const uint16_t* p) { return LoadBf16x8(p); }
 inline float Load1(const float* p) { return *p; }
 inline float Load1(const uint16_t* p) { return Bf16ToFloat(*p); }
 
-// ---------------------------------------------------------------------------------------------------------------
-// Matmul for few rows (decode): bandwidth-bound, so each weight row is read straight from memory (widened in
-// registers) against every row of x, in tiles of kRows x kCols outputs with 8 accumulators in registers.
+// A row of float32 results stored as the next op's input: as is, or rounded to bfloat16 bits.
+inline void StoreRow(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, static_cast<size_t>(n) * 4); }
+inline void StoreRow(uint16_t* dst, const float* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), FloatToBf16x8(_mm256_loadu_ps(src + i)));
+  }
+  for (; i < n; ++i) dst[i] = FloatToBf16(src[i]);
+}
 
-constexpr int64_t kCols = 4;          // weight rows per tile
-constexpr int64_t kRows = 2;          // x rows per tile
+// ---------------------------------------------------------------------------------------------------------------
+// Matmul y[M, N] (op)= x[M, K] . w[N, K]^T (+ bias[N]). X and W are float (float32 weights) or uint16_t (bfloat16
+// weights, with x already rounded to bfloat16). `accumulate` adds the result to y (a residual connection).
+
+template <typename X, typename W>
+struct MatmulJob {
+  const X* x;
+  const W* w;
+  float* y;
+  const float* bias;  // nullptr: none
+  bool accumulate;
+  int64_t m_size, n_size, k_size;
+};
+
+template <typename X, typename W>
+inline void Emit(const MatmulJob<X, W>& job, int64_t m, int64_t n, float value) {
+  if (job.bias != nullptr) value += job.bias[n];
+  float* out = job.y + m * job.n_size + n;
+  *out = job.accumulate ? *out + value : value;
+}
+
+// Few rows (decode) are bandwidth-bound: the weight is read once, front to back, one row at a time against up to
+// kDecodeRows rows of x (the rest of x is read again from L1). A single forward stream is what the hardware
+// prefetcher follows best: interleaving four weight rows ran at half the bandwidth here.
+
+constexpr int64_t kDecodeRows = 4;    // x rows per pass over a weight row: 2 accumulators each + the weight
 constexpr int64_t kColsPerItem = 64;  // weight rows per parallel work item
 
-template <int64_t R, typename W>
-inline void DotTile(const float* x, const W* w, int64_t k_size, float* y, int64_t y_stride) {
-  __m256 acc[R][kCols];
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t c = 0; c < kCols; ++c) acc[r][c] = _mm256_setzero_ps();
+template <int64_t R, typename X, typename W>
+inline void DotRows(const MatmulJob<X, W>& job, int64_t m, int64_t n) {
+  const int64_t k_size = job.k_size;
+  const X* x = job.x + m * k_size;
+  const W* w = job.w + n * k_size;
+  __m256 acc[R][2];
+  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   int64_t k = 0;
-  for (; k + 8 <= k_size; k += 8) {
-    __m256 wv[kCols];
-    for (int64_t c = 0; c < kCols; ++c) wv[c] = Load8(w + c * k_size + k);
+  for (; k + 16 <= k_size; k += 16) {
+    const __m256 w0 = Load8(w + k), w1 = Load8(w + k + 8);
     for (int64_t r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + r * k_size + k);
-      for (int64_t c = 0; c < kCols; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+      acc[r][0] = _mm256_fmadd_ps(Load8(x + r * k_size + k), w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(Load8(x + r * k_size + k + 8), w1, acc[r][1]);
     }
   }
+  for (; k + 8 <= k_size; k += 8) {
+    const __m256 w0 = Load8(w + k);
+    for (int64_t r = 0; r < R; ++r) acc[r][0] = _mm256_fmadd_ps(Load8(x + r * k_size + k), w0, acc[r][0]);
+  }
   for (int64_t r = 0; r < R; ++r) {
-    for (int64_t c = 0; c < kCols; ++c) {
-      float sum = HorizontalSum(acc[r][c]);
-      for (int64_t kk = k; kk < k_size; ++kk) sum += x[r * k_size + kk] * Load1(w + c * k_size + kk);
-      y[r * y_stride + c] = sum;
-    }
+    float sum = HorizontalSum(_mm256_add_ps(acc[r][0], acc[r][1]));
+    for (int64_t kk = k; kk < k_size; ++kk) sum += Load1(x + r * k_size + kk) * Load1(w + kk);
+    Emit(job, m + r, n, sum);
   }
 }
 
-template <typename W>
-inline float DotRow(const float* x, const W* w, int64_t k_size) {
+template <typename X, typename W>
+inline float DotRow(const X* x, const W* w, int64_t k_size) {
   __m256 acc = _mm256_setzero_ps();
   int64_t k = 0;
-  for (; k + 8 <= k_size; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), Load8(w + k), acc);
+  for (; k + 8 <= k_size; k += 8) acc = _mm256_fmadd_ps(Load8(x + k), Load8(w + k), acc);
   float sum = HorizontalSum(acc);
-  for (; k < k_size; ++k) sum += x[k] * Load1(w + k);
+  for (; k < k_size; ++k) sum += Load1(x + k) * Load1(w + k);
   return sum;
 }
 
-template <typename W>
-void MatmulColumns(const float* x, const W* w, float* y, int64_t m_size, int64_t n_size, int64_t k_size,
-                   int64_t n_begin, int64_t n_end) {
-  int64_t n = n_begin;
-  for (; n + kCols <= n_end; n += kCols) {
-    int64_t m = 0;
-    for (; m + kRows <= m_size; m += kRows) {
-      DotTile<kRows>(x + m * k_size, w + n * k_size, k_size, y + m * n_size + n, n_size);
+#ifdef JSERVE_AVX512_BF16
+// The same with vdpbf16ps: 32 bfloat16 pairs per instruction, float32 accumulation; the tail is masked.
+template <int64_t R>
+inline void DotRows(const MatmulJob<uint16_t, uint16_t>& job, int64_t m, int64_t n) {
+  const int64_t k_size = job.k_size;
+  const uint16_t* x = job.x + m * k_size;
+  const uint16_t* w = job.w + n * k_size;
+  __m512 acc[R][2];
+  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 64 <= k_size; k += 64) {
+    const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + k));
+    const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + k + 32));
+    for (int64_t r = 0; r < R; ++r) {
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + r * k_size + k)), w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + r * k_size + k + 32)),
+                                   w1);
     }
-    if (m < m_size) DotTile<1>(x + m * k_size, w + n * k_size, k_size, y + m * n_size + n, n_size);
   }
-  for (; n < n_end; ++n) {
-    for (int64_t m = 0; m < m_size; ++m) y[m * n_size + n] = DotRow(x + m * k_size, w + n * k_size, k_size);
+  for (; k < k_size; k += 32) {
+    const __mmask32 mask = k + 32 <= k_size ? ~__mmask32{0} : static_cast<__mmask32>((1ull << (k_size - k)) - 1);
+    const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(mask, w + k));
+    for (int64_t r = 0; r < R; ++r) {
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(mask, x + r * k_size + k)),
+                                   w0);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) Emit(job, m + r, n, _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])));
+}
+#endif
+
+template <typename X, typename W>
+void MatmulColumns(const MatmulJob<X, W>& job, int64_t n_begin, int64_t n_end) {
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    int64_t m = 0;
+    for (; m + kDecodeRows <= job.m_size; m += kDecodeRows) DotRows<kDecodeRows>(job, m, n);
+    switch (job.m_size - m) {
+      case 3: DotRows<3>(job, m, n); break;
+      case 2: DotRows<2>(job, m, n); break;
+      case 1: DotRows<1>(job, m, n); break;
+      default: break;
+    }
   }
 }
 
-// Larger batches (M >= kPanelMinRows) are compute-bound: the weight is packed 16 rows at a time into a
-// k-major panel (widened to float32 once), and 6 x 16 output tiles accumulate outer products in 12 registers:
-// per k, two weight loads and six broadcasts feed twelve FMAs, with no horizontal sums.
+// Larger batches (M >= PanelMinRows) are compute-bound: the weight is packed 16 rows at a time into a k-major
+// panel (widened to float32 once), and 6 x 16 output tiles accumulate outer products in 12 registers: per k, two
+// weight loads and six broadcasts feed twelve FMAs, with no horizontal sums.
 
-constexpr int64_t kPanel = 16;       // weight rows (output columns) per packed panel: two 8-lane vectors
-constexpr int64_t kTileRows = 6;     // x rows per tile: 12 accumulators + 2 weight vectors + 1 broadcast
-constexpr int64_t kPanelMinRows = 24;  // below this, packing costs more than it saves (measured)
+constexpr int64_t kPanel = 16;         // weight rows (output columns) per packed panel: two 8-lane vectors
+constexpr int64_t kTileRows = 6;  // x rows per tile: 12 accumulators + 2 weight vectors + 1 broadcast
+// Below this many rows, packing costs more than it saves (measured on the LM head): bfloat16 weights stream
+// through vdpbf16ps fast enough to hold out longer than float32 ones.
+template <typename X, typename W>
+constexpr int64_t PanelMinRows() {
+  return std::is_same_v<W, uint16_t> ? 12 : 8;
+}
 
 // Transpose eight vectors of eight floats in registers (rows[i][j] -> rows[j][i]).
 inline void Transpose8x8(__m256 rows[8]) {
@@ -176,6 +299,7 @@ inline void Transpose8x8(__m256 rows[8]) {
 
 // panel[k * 16 + j] = rows[j, k] for the 16 weight rows at `rows`, zeros past `cols`. A whole panel (K a multiple
 // of 8) goes in 8 x 8 blocks loaded, widened and transposed in registers; a partial one element by element.
+// Shuffles move bits exactly, so the AVX512-BF16 path packs bfloat16 pairs with it as if they were floats.
 template <typename W>
 void PackPanel(const W* rows, int64_t cols, int64_t k_size, float* panel) {
   if (cols == kPanel && k_size % 8 == 0) {
@@ -195,82 +319,171 @@ void PackPanel(const W* rows, int64_t cols, int64_t k_size, float* panel) {
   }
 }
 
-// Six rows of x (row stride k_size) times one packed panel into y[6, cols]. The twelve accumulators are named
+inline __m256 Broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline __m256 Broadcast(const uint16_t* p) { return _mm256_set1_ps(Bf16ToFloat(*p)); }
+
+// Six rows of x (row stride k_size) times one packed panel into a 6 x 16 tile. The twelve accumulators are named
 // variables: held in an array, GCC spills them to the stack on every iteration.
-void PanelTile(const float* x, int64_t k_size, const float* panel, float* y, int64_t y_stride, int64_t rows,
-               int64_t cols) {
+template <typename X>
+void PanelTile(const X* x, int64_t k_size, const float* panel, float tile[kTileRows][kPanel]) {
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
   __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-  const float *x0 = x, *x1 = x + k_size, *x2 = x + 2 * k_size, *x3 = x + 3 * k_size, *x4 = x + 4 * k_size,
-              *x5 = x + 5 * k_size;
+  const X *x0 = x, *x1 = x + k_size, *x2 = x + 2 * k_size, *x3 = x + 3 * k_size, *x4 = x + 4 * k_size,
+          *x5 = x + 5 * k_size;
   for (int64_t k = 0; k < k_size; ++k) {
     const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel);
     const __m256 w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
-    __m256 xv = _mm256_broadcast_ss(x0 + k);
+    __m256 xv = Broadcast(x0 + k);
     c00 = _mm256_fmadd_ps(xv, w0, c00);
     c01 = _mm256_fmadd_ps(xv, w1, c01);
-    xv = _mm256_broadcast_ss(x1 + k);
+    xv = Broadcast(x1 + k);
     c10 = _mm256_fmadd_ps(xv, w0, c10);
     c11 = _mm256_fmadd_ps(xv, w1, c11);
-    xv = _mm256_broadcast_ss(x2 + k);
+    xv = Broadcast(x2 + k);
     c20 = _mm256_fmadd_ps(xv, w0, c20);
     c21 = _mm256_fmadd_ps(xv, w1, c21);
-    xv = _mm256_broadcast_ss(x3 + k);
+    xv = Broadcast(x3 + k);
     c30 = _mm256_fmadd_ps(xv, w0, c30);
     c31 = _mm256_fmadd_ps(xv, w1, c31);
-    xv = _mm256_broadcast_ss(x4 + k);
+    xv = Broadcast(x4 + k);
     c40 = _mm256_fmadd_ps(xv, w0, c40);
     c41 = _mm256_fmadd_ps(xv, w1, c41);
-    xv = _mm256_broadcast_ss(x5 + k);
+    xv = Broadcast(x5 + k);
     c50 = _mm256_fmadd_ps(xv, w0, c50);
     c51 = _mm256_fmadd_ps(xv, w1, c51);
   }
-  alignas(32) float tile[kTileRows][kPanel];
-  _mm256_store_ps(tile[0], c00), _mm256_store_ps(tile[0] + 8, c01);
-  _mm256_store_ps(tile[1], c10), _mm256_store_ps(tile[1] + 8, c11);
-  _mm256_store_ps(tile[2], c20), _mm256_store_ps(tile[2] + 8, c21);
-  _mm256_store_ps(tile[3], c30), _mm256_store_ps(tile[3] + 8, c31);
-  _mm256_store_ps(tile[4], c40), _mm256_store_ps(tile[4] + 8, c41);
-  _mm256_store_ps(tile[5], c50), _mm256_store_ps(tile[5] + 8, c51);
-  for (int64_t r = 0; r < rows; ++r) std::memcpy(y + r * y_stride, tile[r], static_cast<size_t>(cols) * 4);
+  _mm256_storeu_ps(tile[0], c00), _mm256_storeu_ps(tile[0] + 8, c01);
+  _mm256_storeu_ps(tile[1], c10), _mm256_storeu_ps(tile[1] + 8, c11);
+  _mm256_storeu_ps(tile[2], c20), _mm256_storeu_ps(tile[2] + 8, c21);
+  _mm256_storeu_ps(tile[3], c30), _mm256_storeu_ps(tile[3] + 8, c31);
+  _mm256_storeu_ps(tile[4], c40), _mm256_storeu_ps(tile[4] + 8, c41);
+  _mm256_storeu_ps(tile[5], c50), _mm256_storeu_ps(tile[5] + 8, c51);
 }
 
-template <typename W>
-void MatmulPanel(const float* x, const W* w, float* y, int64_t m_size, int64_t n_size, int64_t k_size,
-                 int64_t n_begin) {
-  thread_local std::vector<float> panel, x_tail;
-  panel.resize(static_cast<size_t>(kPanel * k_size));
-  const int64_t cols = std::min(kPanel, n_size - n_begin);
-  PackPanel(w + n_begin * k_size, cols, k_size, panel.data());
-  for (int64_t m = 0; m < m_size; m += kTileRows) {
-    const int64_t rows = std::min(kTileRows, m_size - m);
-    const float* x_rows = x + m * k_size;
-    if (rows < kTileRows) {  // the last few rows, zero-padded to a whole tile
-      x_tail.assign(static_cast<size_t>(kTileRows * k_size), 0.0f);
-      std::memcpy(x_tail.data(), x_rows, static_cast<size_t>(rows * k_size) * 4);
-      x_rows = x_tail.data();
-    }
-    PanelTile(x_rows, k_size, panel.data(), y + m * n_size + n_begin, n_size, rows, cols);
+// x rows m .. m + rows of a tile, zero-padded to `tile_rows` rows when fewer remain.
+template <typename X, typename W>
+const X* TileRows(const MatmulJob<X, W>& job, int64_t m, int64_t tile_rows, std::vector<X>& tail) {
+  const int64_t rows = std::min(tile_rows, job.m_size - m);
+  if (rows == tile_rows) return job.x + m * job.k_size;
+  tail.assign(static_cast<size_t>(tile_rows * job.k_size), X{0});
+  std::memcpy(tail.data(), job.x + m * job.k_size, static_cast<size_t>(rows * job.k_size) * sizeof(X));
+  return tail.data();
+}
+
+template <typename X, typename W>
+void MatmulPanel(const MatmulJob<X, W>& job, int64_t n_begin) {
+  thread_local std::vector<float> panel;
+  thread_local std::vector<X> x_tail;
+  panel.resize(static_cast<size_t>(kPanel * job.k_size));
+  const int64_t cols = std::min(kPanel, job.n_size - n_begin);
+  PackPanel(job.w + n_begin * job.k_size, cols, job.k_size, panel.data());
+  float tile[kTileRows][kPanel];
+  for (int64_t m = 0; m < job.m_size; m += kTileRows) {
+    const X* x = TileRows(job, m, kTileRows, x_tail);
+    PanelTile(x, job.k_size, panel.data(), tile);
+    const int64_t rows = std::min(kTileRows, job.m_size - m);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) Emit(job, m + r, n_begin + c, tile[r][c]);
   }
 }
 
-// Decode-sized batches stream weights (MatmulColumns); larger ones go through packed panels (MatmulPanel).
-template <typename W>
-void Matmul(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t m_size, int64_t n_size,
-            int64_t k_size) {
-  if (m_size >= kPanelMinRows) {
-    ParallelFor(pool, (n_size + kPanel - 1) / kPanel, [=](int64_t item) {
-      MatmulPanel(x, w, y, m_size, n_size, k_size, item * kPanel);
-    });
+#ifdef JSERVE_AVX512_BF16
+// bfloat16 panels for vdpbf16ps: a panel holds 16 weight rows as k-pairs, panel[kp * 16 + j] = (w[j, 2kp],
+// w[j, 2kp + 1]), one 512-bit vector per pair of k. A tile is kBf16TileRows rows of x by two panels (32 columns):
+// per pair of k, two weight loads and kBf16TileRows broadcast pairs feed 2 * kBf16TileRows vdpbf16ps.
+constexpr int64_t kBf16TileRows = 12;  // 24 accumulators + 2 weight vectors + 1 broadcast of 32 registers
+
+template <int64_t R>
+void PanelTileBf16(const uint16_t* x, int64_t k_size, const float* panel_a, const float* panel_b,
+                   float tile[][2 * kPanel]) {
+  __m512 acc[R][2];
+#pragma GCC unroll 16
+  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int64_t pairs = k_size / 2;
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    const __m512bh wa = reinterpret_cast<__m512bh>(_mm512_loadu_ps(panel_a + kp * kPanel));
+    const __m512bh wb = reinterpret_cast<__m512bh>(_mm512_loadu_ps(panel_b + kp * kPanel));
+#pragma GCC unroll 16
+    for (int64_t r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * k_size + 2 * kp, sizeof(pair));
+      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, wa);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, wb);
+    }
+  }
+#pragma GCC unroll 16
+  for (int64_t r = 0; r < R; ++r) {
+    _mm512_storeu_ps(tile[r], acc[r][0]);
+    _mm512_storeu_ps(tile[r] + kPanel, acc[r][1]);
+  }
+}
+
+template <>
+void MatmulPanel(const MatmulJob<uint16_t, uint16_t>& job, int64_t n_begin) {
+  const int64_t k_size = job.k_size;
+  if (k_size % 2 != 0) {  // no whole pairs: stream the columns instead (never for a real model's hidden sizes)
+    MatmulColumns(job, n_begin, std::min(job.n_size, n_begin + 2 * kPanel));
     return;
   }
-  ParallelFor(pool, (n_size + kColsPerItem - 1) / kColsPerItem, [=](int64_t item) {
-    const int64_t n_begin = item * kColsPerItem;
-    MatmulColumns(x, w, y, m_size, n_size, k_size, n_begin, std::min(n_size, n_begin + kColsPerItem));
-  });
+  thread_local std::vector<float> panels;
+  thread_local std::vector<uint16_t> x_tail;
+  const int64_t pairs = k_size / 2;
+  panels.resize(static_cast<size_t>(2 * kPanel * pairs));
+  const float* w_pairs = reinterpret_cast<const float*>(job.w);  // row n, pair kp at w_pairs[n * pairs + kp]
+  const int64_t cols = std::min(2 * kPanel, job.n_size - n_begin);
+  for (int64_t half = 0; half < 2; ++half) {
+    const int64_t half_cols = std::clamp<int64_t>(cols - half * kPanel, 0, kPanel);
+    float* panel = panels.data() + half * kPanel * pairs;
+    if (half_cols == 0) {
+      std::fill(panel, panel + kPanel * pairs, 0.0f);
+    } else {
+      PackPanel(w_pairs + (n_begin + half * kPanel) * pairs, half_cols, pairs, panel);
+    }
+  }
+  float tile[kBf16TileRows][2 * kPanel];
+  for (int64_t m = 0; m < job.m_size; m += kBf16TileRows) {
+    const uint16_t* x = TileRows(job, m, kBf16TileRows, x_tail);
+    PanelTileBf16<kBf16TileRows>(x, k_size, panels.data(), panels.data() + kPanel * pairs, tile);
+    const int64_t rows = std::min(kBf16TileRows, job.m_size - m);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) Emit(job, m + r, n_begin + c, tile[r][c]);
+  }
+}
+constexpr int64_t kBf16PanelCols = 2 * kPanel;
+#endif
+
+template <typename X, typename W>
+int64_t PanelCols() {
+#ifdef JSERVE_AVX512_BF16
+  if (std::is_same_v<X, uint16_t>) return kBf16PanelCols;
+#endif
+  return kPanel;
+}
+
+// The job as parallel items: column blocks streamed for few rows, packed panels for many.
+template <typename X, typename W>
+Phase MatmulPhase(const MatmulJob<X, W>& job) {
+  if (job.m_size >= PanelMinRows<X, W>()) {
+    const int64_t cols = PanelCols<X, W>();
+    return {Blocks(job.n_size, cols), [job, cols](int64_t item) { MatmulPanel(job, item * cols); }};
+  }
+  return {Blocks(job.n_size, kColsPerItem), [job](int64_t item) {
+            const int64_t n_begin = item * kColsPerItem;
+            MatmulColumns(job, n_begin, std::min(job.n_size, n_begin + kColsPerItem));
+          }};
 }
 
 bool IsBf16Bits(ffi::DataType type) { return type == ffi::DataType::BF16 || type == ffi::DataType::U16; }
+
+// x rounded to bfloat16 bits, a row block per item (bfloat16 weights take bfloat16 activations).
+Phase RoundRowsPhase(const float* x, uint16_t* out, int64_t rows, int64_t cols) {
+  constexpr int64_t kRowsPerItem = 16;
+  return {Blocks(rows, kRowsPerItem), [=](int64_t item) {
+            const int64_t end = std::min(rows, (item + 1) * kRowsPerItem);
+            for (int64_t r = item * kRowsPerItem; r < end; ++r) StoreRow(out + r * cols, x + r * cols, cols);
+          }};
+}
 
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                       ffi::ResultBuffer<ffi::F32> y) {
@@ -281,11 +494,15 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   }
   const int64_t m_size = x_dims[0], k_size = x_dims[1], n_size = w_dims[0];
   if (IsBf16Bits(w.element_type())) {
-    Matmul(pool, x.typed_data(), static_cast<const uint16_t*>(w.untyped_data()), y->typed_data(), m_size, n_size,
-           k_size);
+    thread_local std::vector<uint16_t> x_bf16;
+    x_bf16.resize(static_cast<size_t>(m_size * k_size));
+    const MatmulJob<uint16_t, uint16_t> job{x_bf16.data(), static_cast<const uint16_t*>(w.untyped_data()),
+                                            y->typed_data(), nullptr, false, m_size, n_size, k_size};
+    RunPhases(pool, {RoundRowsPhase(x.typed_data(), x_bf16.data(), m_size, k_size), MatmulPhase(job)});
   } else if (w.element_type() == ffi::DataType::F32) {
-    Matmul(pool, x.typed_data(), static_cast<const float*>(w.untyped_data()), y->typed_data(), m_size, n_size,
-           k_size);
+    const MatmulJob<float, float> job{x.typed_data(), static_cast<const float*>(w.untyped_data()), y->typed_data(),
+                                      nullptr, false, m_size, n_size, k_size};
+    RunPhases(pool, {MatmulPhase(job)});
   } else {
     return ffi::Error::InvalidArgument("jserve_matmul: w must be float32 or bfloat16");
   }
@@ -298,6 +515,7 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
 // with a flash-attention style running max and sum per row.
 
 constexpr int64_t kQueryBlock = 16;
+constexpr int64_t kPrefetchPages = 4;   // pages of K/V requested ahead of the one being read
 
 // exp(x) for x <= 0 (scores minus their running max), to ~1e-7 relative: 2^n * P(r) with a degree-6 polynomial.
 inline __m256 ExpNonPositive(__m256 x) {
@@ -318,21 +536,26 @@ inline __m256 ExpNonPositive(__m256 x) {
 }
 
 struct AttentionArgs {
-  const float* q;            // [T, H, D]
-  const void* k_pages;       // [N, B, Hkv, D]
+  const float* q;              // [T, q_stride]: token t's head h at q[t * q_stride + h * D]
+  int64_t q_stride;
+  const void* k_pages;         // [N, B, Hkv, D]
   const void* v_pages;
   bool kv_bf16;
-  const int32_t* page_table;  // [S, P]
+  const int32_t* page_table;   // [S, P]
   const int32_t* query_start;  // [S + 1]
-  const int32_t* seq_lens;    // [S]
-  float* out;                 // [T, H, D]
+  const int32_t* seq_lens;     // [S]
+  void* out;                   // [T, H, D], float32 or (out_bf16) bfloat16 bits
+  bool out_bf16;
   int64_t num_heads, kv_heads, head_dim, page_size, pages_per_seq, num_pages;
-  float scale, soft_cap;      // soft_cap 0: none
-  int64_t sliding_window;     // 0: none
+  float scale, soft_cap;       // soft_cap 0: none
+  int64_t sliding_window;      // 0: none
 };
 
+// A sequence's block of query tokens against a range of its KV heads: all of them when the batch has items enough
+// for every thread (a page's K or V for all heads is one contiguous run: one prefetch stream, every line used),
+// one head each when it has not (a lone decode still splits over threads).
 struct AttentionItem {
-  int64_t seq, kv_head, token_begin, token_end;
+  int64_t seq, kv_head_begin, kv_head_end, token_begin, token_end;
 };
 
 // One page-row of K or V for one KV head, as float32 (widened into `scratch` for a bf16 cache).
@@ -345,6 +568,25 @@ inline const float* KvRow(const AttentionArgs& a, const void* pages, int64_t pag
   for (; d + 8 <= a.head_dim; d += 8) _mm256_storeu_ps(scratch + d, LoadBf16x8(row + d));
   for (; d < a.head_dim; ++d) scratch[d] = Bf16ToFloat(row[d]);
   return scratch;
+}
+
+// Asks for a page's K and V ahead of their use: one KV head's rows (each its own short run of lines), or with
+// kv_head < 0 the whole page, every head (one contiguous run each for K and V).
+inline void PrefetchPage(const AttentionArgs& a, int64_t page, int64_t kv_head) {
+  if (page < 0 || page >= a.num_pages) return;
+  const int64_t row_bytes = a.head_dim * (a.kv_bf16 ? 2 : 4);
+  const int64_t slot_bytes = a.kv_heads * row_bytes;
+  for (const void* pages : {a.k_pages, a.v_pages}) {
+    const char* base = static_cast<const char*>(pages) + page * a.page_size * slot_bytes;
+    if (kv_head < 0) {
+      for (int64_t offset = 0; offset < a.page_size * slot_bytes; offset += 64) _mm_prefetch(base + offset, _MM_HINT_T0);
+      continue;
+    }
+    for (int64_t slot = 0; slot < a.page_size; ++slot) {
+      const char* row = base + slot * slot_bytes + kv_head * row_bytes;
+      for (int64_t offset = 0; offset < row_bytes; offset += 64) _mm_prefetch(row + offset, _MM_HINT_T0);
+    }
+  }
 }
 
 // Four dot products q . k_i at once; the four horizontal sums share three hadds.
@@ -372,7 +614,8 @@ inline void AccumulateRow64(float* out, const float* weights, const float* const
   for (int64_t i = 0; i < 8; ++i) _mm256_storeu_ps(out + 8 * i, o[i]);
 }
 
-void AttendItem(const AttentionArgs& a, const AttentionItem& item) {
+// One KV head of an item; prefetch_head: the head argument of PrefetchPage (-1: whole pages, for the heads after).
+void AttendHead(const AttentionArgs& a, const AttentionItem& item, int64_t kv_head, int64_t prefetch_head) {
   const int64_t group = a.num_heads / a.kv_heads, d_size = a.head_dim, b_size = a.page_size;
   const int64_t q_len = a.query_start[item.seq + 1] - a.query_start[item.seq];
   const int64_t first_pos = a.seq_lens[item.seq] - q_len;  // position of the sequence's first new token
@@ -392,7 +635,7 @@ void AttendItem(const AttentionArgs& a, const AttentionItem& item) {
     const int64_t token = item.token_begin + t;
     for (int64_t g = 0; g < group; ++g) {
       const int64_t r = t * group + g;
-      const float* src = a.q + (token * a.num_heads + item.kv_head * group + g) * d_size;
+      const float* src = a.q + token * a.q_stride + (kv_head * group + g) * d_size;
       for (int64_t d = 0; d < d_size; ++d) q[r * d_size + d] = src[d] * a.scale;
       row_pos[r] = first_pos + (token - a.query_start[item.seq]);
     }
@@ -404,14 +647,20 @@ void AttendItem(const AttentionArgs& a, const AttentionItem& item) {
   int64_t lowest_key = 0;
   if (a.sliding_window > 0) lowest_key = std::max<int64_t>(0, row_pos[0] - a.sliding_window + 1);
   const int32_t* pages = a.page_table + item.seq * a.pages_per_seq;
-  for (int64_t p = lowest_key / b_size; p * b_size <= last_pos; ++p) {
+  const int64_t first_page = lowest_key / b_size, end_page = last_pos / b_size + 1;
+  // The cache is cold (a step streams every weight through it): ask for pages kPrefetchPages ahead of their use.
+  for (int64_t p = first_page; p < std::min(end_page, first_page + kPrefetchPages); ++p) {
+    PrefetchPage(a, pages[p], prefetch_head);
+  }
+  for (int64_t p = first_page; p < end_page; ++p) {
     const int64_t page = pages[p];
+    if (p + kPrefetchPages < end_page) PrefetchPage(a, pages[p + kPrefetchPages], prefetch_head);
     if (page < 0 || page >= a.num_pages) continue;  // never for a valid table; keeps a bad one in bounds
     const int64_t key_begin = p * b_size, keys = std::min(b_size, last_pos + 1 - key_begin);
     const float* k_rows[64];
     const float* v_rows[64];
     for (int64_t j = 0; j < keys; ++j) {
-      k_rows[j] = KvRow(a, a.k_pages, page, j, item.kv_head, kv_scratch + j * d_size);
+      k_rows[j] = KvRow(a, a.k_pages, page, j, kv_head, kv_scratch + j * d_size);
     }
     for (int64_t r = 0; r < rows; ++r) {
       float* s = scores + r * b_size;
@@ -459,7 +708,7 @@ void AttendItem(const AttentionArgs& a, const AttentionItem& item) {
       }
     }
     for (int64_t j = 0; j < keys; ++j) {
-      v_rows[j] = KvRow(a, a.v_pages, page, j, item.kv_head, kv_scratch + (b_size + j) * d_size);
+      v_rows[j] = KvRow(a, a.v_pages, page, j, kv_head, kv_scratch + (b_size + j) * d_size);
     }
     for (int64_t r = 0; r < rows; ++r) {
       float* out_row = acc + r * d_size;
@@ -481,15 +730,79 @@ void AttendItem(const AttentionArgs& a, const AttentionItem& item) {
       }
     }
   }
+  for (int64_t r = 0; r < rows; ++r) {  // normalize in place, then store as the output's dtype
+    const float inv = row_sum[r] > 0 ? 1.0f / row_sum[r] : 0.0f;
+    for (int64_t d = 0; d < d_size; ++d) acc[r * d_size + d] *= inv;
+  }
   for (int64_t t = 0; t < tokens; ++t) {
-    const int64_t token = item.token_begin + t;
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t r = t * group + g;
-      const float inv = row_sum[r] > 0 ? 1.0f / row_sum[r] : 0.0f;
-      float* dst = a.out + (token * a.num_heads + item.kv_head * group + g) * d_size;
-      for (int64_t d = 0; d < d_size; ++d) dst[d] = acc[r * d_size + d] * inv;
+    const int64_t offset = ((item.token_begin + t) * a.num_heads + kv_head * group) * d_size;
+    const float* rows_of_token = acc + t * group * d_size;  // the group's heads are adjacent in the output too
+    if (a.out_bf16) {
+      StoreRow(static_cast<uint16_t*>(a.out) + offset, rows_of_token, group * d_size);
+    } else {
+      StoreRow(static_cast<float*>(a.out) + offset, rows_of_token, group * d_size);
     }
   }
+}
+
+void AttendItem(const AttentionArgs& a, const AttentionItem& item) {
+  const bool whole_pages = item.kv_head_end - item.kv_head_begin == a.kv_heads && a.kv_heads > 1;
+  for (int64_t h = item.kv_head_begin; h < item.kv_head_end; ++h) {
+    // The first head pulls in whole pages; the heads after it find their rows in cache.
+    AttendHead(a, item, h, whole_pages && h == item.kv_head_begin ? -1 : h);
+  }
+}
+
+// The work items of a batch, after checking its metadata; real_tokens: tokens before the padding.
+ffi::Error AttentionItems(const AttentionArgs& a, int64_t num_seqs, int64_t real_tokens, int64_t threads,
+                          std::vector<AttentionItem>& items) {
+  items.clear();
+  int64_t blocks = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t begin = a.query_start[s], end = std::min<int64_t>(a.query_start[s + 1], real_tokens);
+    if (end <= begin) continue;
+    if (a.seq_lens[s] < end - begin || (a.seq_lens[s] + a.page_size - 1) / a.page_size > a.pages_per_seq) {
+      return ffi::Error::InvalidArgument("jserve: seq_lens disagree with query_start or page_table");
+    }
+    blocks += Blocks(end - begin, kQueryBlock);
+  }
+  const int64_t heads_per_item = blocks >= 4 * threads ? a.kv_heads : 1;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t begin = a.query_start[s], end = std::min<int64_t>(a.query_start[s + 1], real_tokens);
+    for (int64_t t = begin; t < end; t += kQueryBlock) {
+      for (int64_t h = 0; h < a.kv_heads; h += heads_per_item) {
+        items.push_back({s, h, h + heads_per_item, t, std::min(end, t + kQueryBlock)});
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// Fills the shape fields of `a` from q [T, H, D], the pages [N, B, Hkv, D] and the table [S, P].
+ffi::Error AttentionShapes(AttentionArgs& a, int64_t num_heads, int64_t head_dim, ffi::AnyBuffer::Dimensions kv_dims,
+                           ffi::AnyBuffer::Dimensions table_dims, ffi::DataType k_type, ffi::DataType v_type) {
+  if (kv_dims.size() != 4 || table_dims.size() != 2) {
+    return ffi::Error::InvalidArgument("jserve: expected pages[N, B, Hkv, D] and page_table[S, P]");
+  }
+  if (k_type != v_type) return ffi::Error::InvalidArgument("jserve: k_pages and v_pages differ in dtype");
+  a.kv_bf16 = IsBf16Bits(k_type);
+  if (!a.kv_bf16 && k_type != ffi::DataType::F32) {
+    return ffi::Error::InvalidArgument("jserve: the KV cache must be float32 or bfloat16");
+  }
+  a.num_heads = num_heads;
+  a.head_dim = head_dim;
+  a.num_pages = kv_dims[0];
+  a.page_size = kv_dims[1];
+  a.kv_heads = kv_dims[2];
+  a.pages_per_seq = table_dims[1];
+  if (a.page_size > 64 || a.kv_heads <= 0 || a.num_heads % a.kv_heads != 0 || kv_dims[3] != a.head_dim) {
+    return ffi::Error::InvalidArgument("jserve: unsupported attention shapes (page size must be <= 64)");
+  }
+  return ffi::Error::Success();
+}
+
+Phase AttentionPhase(const AttentionArgs& a, const std::vector<AttentionItem>& items) {
+  return {static_cast<int64_t>(items.size()), [&a, &items](int64_t i) { AttendItem(a, items[i]); }};
 }
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
@@ -497,55 +810,276 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
                               ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> seq_lens,
                               ffi::ResultBuffer<ffi::F32> out, float scale, int64_t sliding_window, float soft_cap) {
   const auto q_dims = q.dimensions();
-  const auto kv_dims = k_pages.dimensions();
-  const auto table_dims = page_table.dimensions();
-  if (q_dims.size() != 3 || kv_dims.size() != 4 || table_dims.size() != 2) {
-    return ffi::Error::InvalidArgument("jserve_paged_attention: expected q[T,H,D], pages[N,B,Hkv,D], table[S,P]");
-  }
-  if (k_pages.element_type() != v_pages.element_type()) {
-    return ffi::Error::InvalidArgument("jserve_paged_attention: k_pages and v_pages differ in dtype");
-  }
+  if (q_dims.size() != 3) return ffi::Error::InvalidArgument("jserve_paged_attention: expected q[T, H, D]");
   AttentionArgs a;
-  a.kv_bf16 = IsBf16Bits(k_pages.element_type());
-  if (!a.kv_bf16 && k_pages.element_type() != ffi::DataType::F32) {
-    return ffi::Error::InvalidArgument("jserve_paged_attention: the KV cache must be float32 or bfloat16");
-  }
+  ffi::Error shapes = AttentionShapes(a, q_dims[1], q_dims[2], k_pages.dimensions(), page_table.dimensions(),
+                                      k_pages.element_type(), v_pages.element_type());
+  if (shapes.failure()) return shapes;
   a.q = q.typed_data();
+  a.q_stride = q_dims[1] * q_dims[2];
   a.k_pages = k_pages.untyped_data();
   a.v_pages = v_pages.untyped_data();
   a.page_table = page_table.typed_data();
   a.query_start = query_start.typed_data();
   a.seq_lens = seq_lens.typed_data();
   a.out = out->typed_data();
-  a.num_heads = q_dims[1];
-  a.head_dim = q_dims[2];
-  a.num_pages = kv_dims[0];
-  a.page_size = kv_dims[1];
-  a.kv_heads = kv_dims[2];
-  a.pages_per_seq = table_dims[1];
+  a.out_bf16 = false;
   a.scale = scale;
   a.soft_cap = soft_cap;
   a.sliding_window = sliding_window;
-  if (a.page_size > 64 || a.kv_heads <= 0 || a.num_heads % a.kv_heads != 0 || kv_dims[3] != a.head_dim) {
-    return ffi::Error::InvalidArgument("jserve_paged_attention: unsupported shapes (page size must be <= 64)");
-  }
-  const int64_t num_tokens = q_dims[0], num_seqs = table_dims[0];
-  const int64_t real_tokens = std::min<int64_t>(num_tokens, a.query_start[num_seqs]);
-  if (real_tokens < num_tokens) {  // padding tokens get zeros
-    std::fill(a.out + real_tokens * a.num_heads * a.head_dim, a.out + num_tokens * a.num_heads * a.head_dim, 0.0f);
-  }
+  const int64_t num_tokens = q_dims[0], num_seqs = page_table.dimensions()[0];
+  const int64_t real_tokens = std::clamp<int64_t>(a.query_start[num_seqs], 0, num_tokens);
+  float* out_data = out->typed_data();
+  std::fill(out_data + real_tokens * a.q_stride, out_data + num_tokens * a.q_stride, 0.0f);  // padding: zeros
   std::vector<AttentionItem> items;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t begin = a.query_start[s], end = std::min<int64_t>(a.query_start[s + 1], real_tokens);
-    if (end <= begin) continue;
-    if (a.seq_lens[s] < end - begin || (a.seq_lens[s] + a.page_size - 1) / a.page_size > a.pages_per_seq) {
-      return ffi::Error::InvalidArgument("jserve_paged_attention: seq_lens disagree with query_start or page_table");
-    }
-    for (int64_t t = begin; t < end; t += kQueryBlock) {
-      for (int64_t h = 0; h < a.kv_heads; ++h) items.push_back({s, h, t, std::min(end, t + kQueryBlock)});
+  ffi::Error valid = AttentionItems(a, num_seqs, real_tokens, pool.num_threads(), items);
+  if (valid.failure()) return valid;
+  RunPhases(pool, {AttentionPhase(a, items)});
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// One decoder layer in one call: nine phases (norm, qkv, rotary + K/V write, attention, o + residual, norm,
+// gate/up, SiLU, down + residual) over the real tokens only (bucket padding costs nothing). The matmul inputs are
+// float32 for float32 weights and bfloat16 bits for bfloat16 ones, rounded once where they are produced.
+
+template <typename W>
+struct LayerWeights {
+  const float* input_norm;                       // [E]
+  const W* qkv;                                  // [Q + 2 KV, E]
+  const float* qkv_bias;                         // [Q + 2 KV] or nullptr
+  const float *q_norm, *k_norm;                  // [D] or nullptr (Qwen3)
+  const W* o;                                    // [E, Q]
+  const float* o_bias;                           // [E] or nullptr
+  const float* post_norm;                        // [E]
+  const W* gate_up;                              // [2 I, E]: gate rows, then up rows
+  const float* gate_up_bias;                     // [2 I] or nullptr
+  const W* down;                                 // [E, I]
+  const float* down_bias;                        // [E] or nullptr
+};
+
+struct LayerShape {
+  int64_t tokens;        // real tokens (rows computed)
+  int64_t hidden;        // E
+  int64_t intermediate;  // I
+  float eps;
+  const float* x;             // [T, E] the residual stream in
+  float* x_out;               // [T, E] the residual stream out
+  const int32_t* positions;   // [T]
+  const int32_t* slots;       // [T] flat cache slots; out of range: not written
+  const float* inv_freq;      // [D / 2]
+};
+
+constexpr int64_t kRowsPerItem = 8;  // token rows per item of the elementwise phases
+
+// dst[0..n) = rmsnorm(src) * weight, stored as the next matmul's input.
+template <typename X>
+void RmsNormRow(const float* src, const float* weight, int64_t n, float eps, X* dst) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) sum += src[i] * src[i];
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+  thread_local std::vector<float> row;
+  row.resize(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) row[i] = src[i] * inv * weight[i];
+  StoreRow(dst, row.data(), n);
+}
+
+// Per-head RMSNorm in place (Qwen3's q_norm / k_norm), head_dim wide.
+void RmsNormHeads(float* x, int64_t heads, int64_t d, const float* weight, float eps) {
+  for (int64_t h = 0; h < heads; ++h) {
+    float* row = x + h * d;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < d; ++i) sum += row[i] * row[i];
+    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(d) + eps);
+    for (int64_t i = 0; i < d; ++i) row[i] = row[i] * inv * weight[i];
+  }
+}
+
+// Rotate-half rotary embedding of `heads` heads in place, with the token's cos / sin tables.
+void RotateHeads(float* x, int64_t heads, int64_t d, const float* cos, const float* sin) {
+  const int64_t half = d / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* x1 = x + h * d;
+    float* x2 = x1 + half;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = x1[i], b = x2[i];
+      x1[i] = a * cos[i] - b * sin[i];
+      x2[i] = b * cos[i] + a * sin[i];
     }
   }
-  ParallelFor(pool, static_cast<int64_t>(items.size()), [&](int64_t i) { AttendItem(a, items[i]); });
+}
+
+// out = silu(gate) * up, with silu(g) = g * sigmoid(g) and sigmoid from exp(-|g|) (never overflows).
+void SiluMul(const float* gate, const float* up, float* out, int64_t n) {
+  int64_t i = 0;
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 e = ExpNonPositive(_mm256_or_ps(g, sign));  // exp(-|g|)
+    const __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));
+    const __m256 sigmoid = _mm256_blendv_ps(inv, _mm256_mul_ps(e, inv), g);  // g < 0: e / (1 + e)
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + i)));
+  }
+  for (; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
+void StoreKv(void* pages, bool bf16, int64_t slot, const float* src, int64_t n) {
+  if (bf16) {
+    StoreRow(static_cast<uint16_t*>(pages) + slot * n, src, n);
+  } else {
+    StoreRow(static_cast<float*>(pages) + slot * n, src, n);
+  }
+}
+
+template <typename W>
+void RunDecoderLayer(ffi::ThreadPool& pool, const LayerShape& s, const LayerWeights<W>& w, AttentionArgs& a,
+                     const std::vector<AttentionItem>& items, void* k_pages, void* v_pages) {
+  using X = W;  // matmul inputs: float32, or bfloat16 bits for bfloat16 weights
+  const int64_t t_size = s.tokens, e = s.hidden, i_size = s.intermediate, d = a.head_dim;
+  const int64_t q_size = a.num_heads * d, kv_size = a.kv_heads * d, qkv_size = q_size + 2 * kv_size;
+  const int64_t num_slots = a.num_pages * a.page_size;
+  thread_local std::vector<X> inputs;       // [T, max(E, Q, I)]: each matmul's input, in turn
+  thread_local std::vector<float> qkv;      // [T, Q + 2 KV]
+  thread_local std::vector<float> gate_up;  // [T, 2 I]
+  inputs.resize(static_cast<size_t>(t_size * std::max({e, q_size, i_size})));
+  qkv.resize(static_cast<size_t>(t_size * qkv_size));
+  gate_up.resize(static_cast<size_t>(t_size * 2 * i_size));
+  // The phases' lambdas run on other threads too: they use these pointers, never the thread_local names.
+  X* in = inputs.data();
+  float* qkv_rows = qkv.data();
+  float* gate_up_rows = gate_up.data();
+  float* x_out = s.x_out;
+  a.q = qkv_rows;
+  a.q_stride = qkv_size;
+  a.out = in;
+  a.out_bf16 = std::is_same_v<X, uint16_t>;
+  const int64_t row_items = Blocks(t_size, kRowsPerItem);
+  auto rows = [t_size](int64_t item, auto&& body) {
+    for (int64_t t = item * kRowsPerItem; t < std::min(t_size, (item + 1) * kRowsPerItem); ++t) body(t);
+  };
+  RunPhases(pool, {
+    {row_items, [&](int64_t item) { rows(item, [&](int64_t t) {
+       std::memcpy(x_out + t * e, s.x + t * e, static_cast<size_t>(e) * 4);
+       RmsNormRow(s.x + t * e, w.input_norm, e, s.eps, in + t * e);
+     }); }},
+    MatmulPhase(MatmulJob<X, W>{in, w.qkv, qkv_rows, w.qkv_bias, false, t_size, qkv_size, e}),
+    {row_items, [&](int64_t item) { rows(item, [&](int64_t t) {
+       float* q = qkv_rows + t * qkv_size;
+       float* k = q + q_size;
+       const float* v = k + kv_size;
+       if (w.q_norm != nullptr) {
+         RmsNormHeads(q, a.num_heads, d, w.q_norm, s.eps);
+         RmsNormHeads(k, a.kv_heads, d, w.k_norm, s.eps);
+       }
+       float cos[256], sin[256];
+       const float pos = static_cast<float>(s.positions[t]);
+       for (int64_t f = 0; f < d / 2; ++f) {
+         const float angle = pos * s.inv_freq[f];
+         cos[f] = std::cos(angle);
+         sin[f] = std::sin(angle);
+       }
+       RotateHeads(q, a.num_heads, d, cos, sin);
+       RotateHeads(k, a.kv_heads, d, cos, sin);
+       const int64_t slot = s.slots[t];
+       if (slot >= 0 && slot < num_slots) {
+         StoreKv(k_pages, a.kv_bf16, slot, k, kv_size);
+         StoreKv(v_pages, a.kv_bf16, slot, v, kv_size);
+       }
+     }); }},
+    AttentionPhase(a, items),
+    MatmulPhase(MatmulJob<X, W>{in, w.o, x_out, w.o_bias, true, t_size, e, q_size}),
+    {row_items, [&](int64_t item) { rows(item, [&](int64_t t) {
+       RmsNormRow(x_out + t * e, w.post_norm, e, s.eps, in + t * e);
+     }); }},
+    MatmulPhase(MatmulJob<X, W>{in, w.gate_up, gate_up_rows, w.gate_up_bias, false, t_size, 2 * i_size, e}),
+    {row_items, [&](int64_t item) { rows(item, [&](int64_t t) {
+       const float* gate = gate_up_rows + t * 2 * i_size;
+       thread_local std::vector<float> act;
+       act.resize(static_cast<size_t>(i_size));
+       SiluMul(gate, gate + i_size, act.data(), i_size);
+       StoreRow(in + t * i_size, act.data(), i_size);
+     }); }},
+    MatmulPhase(MatmulJob<X, W>{in, w.down, x_out, w.down_bias, true, t_size, e, i_size}),
+  });
+}
+
+const float* Optional(ffi::Buffer<ffi::F32>& b) {
+  return b.element_count() == 0 ? nullptr : b.typed_data();
+}
+
+template <typename W>
+LayerWeights<W> Weights(ffi::Buffer<ffi::F32>& input_norm, ffi::AnyBuffer& qkv, ffi::Buffer<ffi::F32>& qkv_bias,
+                        ffi::Buffer<ffi::F32>& q_norm, ffi::Buffer<ffi::F32>& k_norm, ffi::AnyBuffer& o,
+                        ffi::Buffer<ffi::F32>& o_bias, ffi::Buffer<ffi::F32>& post_norm, ffi::AnyBuffer& gate_up,
+                        ffi::Buffer<ffi::F32>& gate_up_bias, ffi::AnyBuffer& down, ffi::Buffer<ffi::F32>& down_bias) {
+  return {input_norm.typed_data(), static_cast<const W*>(qkv.untyped_data()), Optional(qkv_bias), Optional(q_norm),
+          Optional(k_norm), static_cast<const W*>(o.untyped_data()), Optional(o_bias), post_norm.typed_data(),
+          static_cast<const W*>(gate_up.untyped_data()), Optional(gate_up_bias),
+          static_cast<const W*>(down.untyped_data()), Optional(down_bias)};
+}
+
+ffi::Error DecoderLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> positions,
+                            ffi::Buffer<ffi::S32> slot_mapping, ffi::Buffer<ffi::S32> page_table,
+                            ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> seq_lens,
+                            ffi::Buffer<ffi::F32> inv_freq, ffi::Buffer<ffi::F32> input_norm, ffi::AnyBuffer qkv,
+                            ffi::Buffer<ffi::F32> qkv_bias, ffi::Buffer<ffi::F32> q_norm,
+                            ffi::Buffer<ffi::F32> k_norm, ffi::AnyBuffer o, ffi::Buffer<ffi::F32> o_bias,
+                            ffi::Buffer<ffi::F32> post_norm, ffi::AnyBuffer gate_up,
+                            ffi::Buffer<ffi::F32> gate_up_bias, ffi::AnyBuffer down, ffi::Buffer<ffi::F32> down_bias,
+                            ffi::AnyBuffer, ffi::AnyBuffer, ffi::ResultBuffer<ffi::F32> x_out,
+                            ffi::Result<ffi::AnyBuffer> k_pages, ffi::Result<ffi::AnyBuffer> v_pages,
+                            int64_t num_heads, float eps, float scale, int64_t sliding_window, float soft_cap) {
+  const auto x_dims = x.dimensions();
+  const auto qkv_dims = qkv.dimensions();
+  const auto gate_up_dims = gate_up.dimensions();
+  if (x_dims.size() != 2 || qkv_dims.size() != 2 || gate_up_dims.size() != 2 || num_heads <= 0) {
+    return ffi::Error::InvalidArgument("jserve_decoder_layer: expected x[T, E] and 2-D weights");
+  }
+  const auto kv_dims = k_pages->dimensions();
+  AttentionArgs a;
+  ffi::Error shapes = AttentionShapes(a, num_heads, kv_dims.size() == 4 ? kv_dims[3] : 0, kv_dims,
+                                      page_table.dimensions(), k_pages->element_type(), v_pages->element_type());
+  if (shapes.failure()) return shapes;
+  const int64_t num_tokens = x_dims[0], e = x_dims[1], d = a.head_dim, i_size = gate_up_dims[0] / 2;
+  const int64_t q_size = num_heads * d, kv_size = a.kv_heads * d;
+  const ffi::DataType w_type = qkv.element_type();
+  const bool same_type = o.element_type() == w_type && gate_up.element_type() == w_type &&
+                         down.element_type() == w_type;
+  if (!same_type || (!IsBf16Bits(w_type) && w_type != ffi::DataType::F32) || d > 512 || d % 2 != 0 ||
+      qkv_dims[0] != q_size + 2 * kv_size || qkv_dims[1] != e || o.dimensions()[0] != e ||
+      o.dimensions()[1] != q_size || gate_up_dims[1] != e || down.dimensions()[0] != e ||
+      down.dimensions()[1] != i_size || static_cast<int64_t>(inv_freq.element_count()) != d / 2 ||
+      (q_norm.element_count() != 0 && (static_cast<int64_t>(q_norm.element_count()) != d ||
+                                        static_cast<int64_t>(k_norm.element_count()) != d))) {
+    return ffi::Error::InvalidArgument("jserve_decoder_layer: weight shapes or dtypes disagree with the layer");
+  }
+  a.k_pages = k_pages->untyped_data();
+  a.v_pages = v_pages->untyped_data();
+  a.page_table = page_table.typed_data();
+  a.query_start = query_start.typed_data();
+  a.seq_lens = seq_lens.typed_data();
+  a.scale = scale;
+  a.soft_cap = soft_cap;
+  a.sliding_window = sliding_window;
+  const int64_t num_seqs = page_table.dimensions()[0];
+  const int64_t real_tokens = std::clamp<int64_t>(a.query_start[num_seqs], 0, num_tokens);
+  // Padding rows carry the residual through untouched (nothing reads them).
+  std::memcpy(x_out->typed_data() + real_tokens * e, x.typed_data() + real_tokens * e,
+              static_cast<size_t>((num_tokens - real_tokens) * e) * 4);
+  std::vector<AttentionItem> items;
+  ffi::Error valid = AttentionItems(a, num_seqs, real_tokens, pool.num_threads(), items);
+  if (valid.failure()) return valid;
+  const LayerShape shape{real_tokens, e, i_size, eps, x.typed_data(), x_out->typed_data(), positions.typed_data(),
+                         slot_mapping.typed_data(), inv_freq.typed_data()};
+  if (IsBf16Bits(w_type)) {
+    RunDecoderLayer(pool, shape, Weights<uint16_t>(input_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, post_norm,
+                                                   gate_up, gate_up_bias, down, down_bias),
+                    a, items, k_pages->untyped_data(), v_pages->untyped_data());
+  } else {
+    RunDecoderLayer(pool, shape, Weights<float>(input_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, post_norm,
+                                                gate_up, gate_up_bias, down, down_bias),
+                    a, items, k_pages->untyped_data(), v_pages->untyped_data());
+  }
   return ffi::Error::Success();
 }
 
@@ -568,6 +1102,39 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JservePagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("soft_cap"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveDecoderLayer, DecoderLayerImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // positions
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // slot_mapping
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // page_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // query_start
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // seq_lens
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // inv_freq
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // input_norm
+                                  .Arg<ffi::AnyBuffer>()          // qkv
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // qkv_bias (empty: none)
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q_norm (empty: none)
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_norm
+                                  .Arg<ffi::AnyBuffer>()          // o
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // o_bias
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // post_norm
+                                  .Arg<ffi::AnyBuffer>()          // gate_up
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // gate_up_bias
+                                  .Arg<ffi::AnyBuffer>()          // down
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // down_bias
+                                  .Arg<ffi::AnyBuffer>()          // k_pages (aliased to the k_pages result)
+                                  .Arg<ffi::AnyBuffer>()          // v_pages (aliased to the v_pages result)
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // x_out
+                                  .Ret<ffi::AnyBuffer>()          // k_pages
+                                  .Ret<ffi::AnyBuffer>()          // v_pages
+                                  .Attr<int64_t>("num_heads")
+                                  .Attr<float>("eps")
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap"));

@@ -28,7 +28,10 @@ def test_matmul_matches_numpy(rows, in_features, out_features, dtype):
     rng = np.random.default_rng(rows * 1000 + out_features)
     x = rng.standard_normal((rows, in_features)).astype(np.float32)
     w = jnp.asarray(rng.standard_normal((out_features, in_features)), dtype)
-    expected = x.astype(np.float64) @ np.asarray(w.astype(jnp.float32), np.float64).T  # the stored weights
+    # The stored weights, and x as the kernel takes it: rounded to bfloat16 for bfloat16 weights (as XLA's dot of
+    # x.astype(bfloat16) does), then products accumulated in float32.
+    x_in = np.asarray(jnp.asarray(x).astype(dtype).astype(jnp.float32), np.float64)
+    expected = x_in @ np.asarray(w.astype(jnp.float32), np.float64).T
     got = np.asarray(jax.jit(cpu_kernels.matmul)(jnp.asarray(x), w))
     assert got.dtype == np.float32 and got.shape == (rows, out_features)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.sqrt(in_features))

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import cpu_kernels
+
 from jserve.config import ModelConfig
 from jserve.models.batch import KVCache, StepBatch
 from jserve.models.layers import (
@@ -24,6 +26,7 @@ from jserve.models.layers import (
     split_fused,
 )
 from pallas_kernels import ragged_paged_attention, write_kv
+from sharding.kernels import model_parallel_mesh
 
 
 class Attention(nnx.Module):
@@ -77,16 +80,42 @@ class MLP(nnx.Module):
 
 class DecoderLayer(nnx.Module):
     def __init__(self, config: ModelConfig, dtype: jnp.dtype, attention_backend: str = "reference"):
+        self.config = config
+        self.cpu_kernel = attention_backend == "cpu"  # static: the whole layer may run as one C++ kernel
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, dtype, attention_backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, dtype, cpu_kernel=attention_backend == "cpu")
+        self.mlp = MLP(config, dtype, cpu_kernel=self.cpu_kernel)
 
     def __call__(self, x, k_pages, v_pages, batch, inv_freq):
+        if self._fused(x.shape[0]):
+            return self._fused_layer(x, k_pages, v_pages, batch, inv_freq)
         attn_out, k_pages, v_pages = self.self_attn(self.input_layernorm(x), k_pages, v_pages, batch, inv_freq)
         x = x + attn_out
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k_pages, v_pages
+
+    def _fused(self, num_tokens: int) -> bool:
+        """The one-call layer kernel: on the cpu backend, unsharded, and for batches the kernels take (with AMX,
+        XLA's dot runs the large ones: cpu_kernels.max_kernel_rows)."""
+        return (self.cpu_kernel and model_parallel_mesh() is None and self.config.fused_shards == 1
+                and num_tokens <= cpu_kernels.max_kernel_rows())
+
+    def _fused_layer(self, x, k_pages, v_pages, batch, inv_freq):
+        cfg, attn, mlp = self.config, self.self_attn, self.mlp
+        value = lambda module: None if module is None else module[...]
+        weights = cpu_kernels.LayerWeights(
+            input_norm=self.input_layernorm.weight[...], qkv=attn.qkv_proj.weight[...], o=attn.o_proj.weight[...],
+            post_norm=self.post_attention_layernorm.weight[...], gate_up=mlp.gate_up_proj.weight[...],
+            down=mlp.down_proj.weight[...], qkv_bias=value(attn.qkv_proj.bias), o_bias=value(attn.o_proj.bias),
+            gate_up_bias=value(mlp.gate_up_proj.bias), down_bias=value(mlp.down_proj.bias),
+            q_norm=None if attn.q_norm is None else attn.q_norm.weight[...],
+            k_norm=None if attn.k_norm is None else attn.k_norm.weight[...])
+        return cpu_kernels.decoder_layer(
+            x, weights, k_pages, v_pages, positions=batch.positions, slot_mapping=batch.slot_mapping,
+            page_table=batch.page_table, query_start=batch.query_start, seq_lens=batch.seq_lens, inv_freq=inv_freq,
+            num_heads=cfg.num_heads, eps=cfg.rms_norm_eps, scale=cfg.head_dim**-0.5,
+            sliding_window=cfg.sliding_window)
 
 
 class LlamaForCausalLM(nnx.Module):
