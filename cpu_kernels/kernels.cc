@@ -176,6 +176,20 @@ inline void Emit(const MatmulJob<X, W>& job, int64_t m, int64_t n, float value) 
   *out = job.accumulate ? *out + value : value;
 }
 
+// Emit for a run of `cols` outputs of row m from n (a tile's row), eight at a time.
+template <typename X, typename W>
+inline void EmitRow(const MatmulJob<X, W>& job, int64_t m, int64_t n, const float* values, int64_t cols) {
+  float* out = job.y + m * job.n_size + n;
+  int64_t c = 0;
+  for (; c + 8 <= cols; c += 8) {
+    __m256 v = _mm256_loadu_ps(values + c);
+    if (job.bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(job.bias + n + c));
+    if (job.accumulate) v = _mm256_add_ps(_mm256_loadu_ps(out + c), v);
+    _mm256_storeu_ps(out + c, v);
+  }
+  for (; c < cols; ++c) Emit(job, m, n + c, values[c]);
+}
+
 // Few rows (decode) are bandwidth-bound: the weight is read once, front to back, one row at a time against up to
 // kDecodeRows rows of x (the rest of x is read again from L1). A single forward stream is what the hardware
 // prefetcher follows best: interleaving four weight rows ran at half the bandwidth here.
@@ -302,6 +316,12 @@ inline void Transpose8x8(__m256 rows[8]) {
 // Shuffles move bits exactly, so the AVX512-BF16 path packs bfloat16 pairs with it as if they were floats.
 template <typename W>
 void PackPanel(const W* rows, int64_t cols, int64_t k_size, float* panel) {
+  // The rows are one contiguous block: request it front to back first, as the transposes below read sixteen
+  // short strided streams that the hardware prefetcher follows poorly.
+  const char* block = reinterpret_cast<const char*>(rows);
+  for (int64_t offset = 0; offset < cols * k_size * static_cast<int64_t>(sizeof(W)); offset += 64) {
+    _mm_prefetch(block + offset, _MM_HINT_T0);
+  }
   if (cols == kPanel && k_size % 8 == 0) {
     for (int64_t k = 0; k < k_size; k += 8) {
       for (int64_t half = 0; half < 2; ++half) {
@@ -382,8 +402,7 @@ void MatmulPanel(const MatmulJob<X, W>& job, int64_t n_begin) {
     const X* x = TileRows(job, m, kTileRows, x_tail);
     PanelTile(x, job.k_size, panel.data(), tile);
     const int64_t rows = std::min(kTileRows, job.m_size - m);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < cols; ++c) Emit(job, m + r, n_begin + c, tile[r][c]);
+    for (int64_t r = 0; r < rows; ++r) EmitRow(job, m + r, n_begin, tile[r], cols);
   }
 }
 
@@ -442,12 +461,20 @@ void MatmulPanel(const MatmulJob<uint16_t, uint16_t>& job, int64_t n_begin) {
     }
   }
   float tile[kBf16TileRows][2 * kPanel];
+  const float* panel_b = panels.data() + kPanel * pairs;
   for (int64_t m = 0; m < job.m_size; m += kBf16TileRows) {
-    const uint16_t* x = TileRows(job, m, kBf16TileRows, x_tail);
-    PanelTileBf16<kBf16TileRows>(x, k_size, panels.data(), panels.data() + kPanel * pairs, tile);
+    // The last rows take the smallest tile of 4, 8 or 12 that holds them; only 1-3 rows past M are padding.
     const int64_t rows = std::min(kBf16TileRows, job.m_size - m);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < cols; ++c) Emit(job, m + r, n_begin + c, tile[r][c]);
+    const int64_t tile_rows = rows > 8 ? 12 : rows > 4 ? 8 : 4;
+    const uint16_t* x = TileRows(job, m, tile_rows, x_tail);
+    if (tile_rows == 12) {
+      PanelTileBf16<12>(x, k_size, panels.data(), panel_b, tile);
+    } else if (tile_rows == 8) {
+      PanelTileBf16<8>(x, k_size, panels.data(), panel_b, tile);
+    } else {
+      PanelTileBf16<4>(x, k_size, panels.data(), panel_b, tile);
+    }
+    for (int64_t r = 0; r < rows; ++r) EmitRow(job, m + r, n_begin, tile[r], cols);
   }
 }
 constexpr int64_t kBf16PanelCols = 2 * kPanel;
@@ -515,7 +542,13 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
 // with a flash-attention style running max and sum per row.
 
 constexpr int64_t kQueryBlock = 16;
-constexpr int64_t kPrefetchPages = 4;   // pages of K/V requested ahead of the one being read
+#ifndef PFP
+#define PFP 4
+#endif
+#ifndef PFH
+#define PFH _MM_HINT_T0
+#endif
+constexpr int64_t kPrefetchPages = PFP;  // pages of K/V requested ahead of the one being read
 
 // exp(x) for x <= 0 (scores minus their running max), to ~1e-7 relative: 2^n * P(r) with a degree-6 polynomial.
 inline __m256 ExpNonPositive(__m256 x) {
@@ -565,6 +598,12 @@ inline const float* KvRow(const AttentionArgs& a, const void* pages, int64_t pag
   if (!a.kv_bf16) return static_cast<const float*>(pages) + offset;
   const uint16_t* row = static_cast<const uint16_t*>(pages) + offset;
   int64_t d = 0;
+#ifdef __AVX512F__
+  for (; d + 16 <= a.head_dim; d += 16) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + d));
+    _mm512_storeu_ps(scratch + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
+  }
+#endif
   for (; d + 8 <= a.head_dim; d += 8) _mm256_storeu_ps(scratch + d, LoadBf16x8(row + d));
   for (; d < a.head_dim; ++d) scratch[d] = Bf16ToFloat(row[d]);
   return scratch;
@@ -579,18 +618,32 @@ inline void PrefetchPage(const AttentionArgs& a, int64_t page, int64_t kv_head) 
   for (const void* pages : {a.k_pages, a.v_pages}) {
     const char* base = static_cast<const char*>(pages) + page * a.page_size * slot_bytes;
     if (kv_head < 0) {
-      for (int64_t offset = 0; offset < a.page_size * slot_bytes; offset += 64) _mm_prefetch(base + offset, _MM_HINT_T0);
+      for (int64_t offset = 0; offset < a.page_size * slot_bytes; offset += 64) _mm_prefetch(base + offset, PFH);
       continue;
     }
     for (int64_t slot = 0; slot < a.page_size; ++slot) {
       const char* row = base + slot * slot_bytes + kv_head * row_bytes;
-      for (int64_t offset = 0; offset < row_bytes; offset += 64) _mm_prefetch(row + offset, _MM_HINT_T0);
+      for (int64_t offset = 0; offset < row_bytes; offset += 64) _mm_prefetch(row + offset, PFH);
     }
   }
 }
 
-// Four dot products q . k_i at once; the four horizontal sums share three hadds.
-inline __m128 Dot4(const float* q, const float* const* k, int64_t size) {
+inline float MaxOf(const float* x, int64_t n) {
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  if (n >= 8) {
+    __m256 m = _mm256_loadu_ps(x);
+    for (i = 8; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    best = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  }
+  for (; i < n; ++i) best = std::max(best, x[i]);
+  return best;
+}
+
+// Four dot products q . k_i at once (size a multiple of 8); the four horizontal sums share three hadds.
+inline __m128 Dot4Avx2(const float* q, const float* const* k, int64_t size) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   for (int64_t i = 0; i < size; i += 8) {
     const __m256 qv = _mm256_loadu_ps(q + i);
@@ -603,8 +656,37 @@ inline __m128 Dot4(const float* q, const float* const* k, int64_t size) {
   return _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
 }
 
+#ifdef __AVX512F__
+// Four dot products q . k_i at once: 16 lanes where the size allows.
+inline __m128 Dot4(const float* q, const float* const* k, int64_t size) {
+  if (size % 16 != 0) return Dot4Avx2(q, k, size);
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t i = 0; i < size; i += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + i);
+    a0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[0] + i), a0);
+    a1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[1] + i), a1);
+    a2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[2] + i), a2);
+    a3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[3] + i), a3);
+  }
+  auto fold = [](__m512 v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); };
+  const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(fold(a0), fold(a1)), _mm256_hadd_ps(fold(a2), fold(a3)));
+  return _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
+}
+#else
+inline __m128 Dot4(const float* q, const float* const* k, int64_t size) { return Dot4Avx2(q, k, size); }
+#endif
+
 // out[0..64) += sum_j weights[j] * v[j][0..64), with the output row held in eight registers.
 inline void AccumulateRow64(float* out, const float* weights, const float* const* v, int64_t keys) {
+#ifdef __AVX512F__
+  __m512 o[4];
+  for (int64_t i = 0; i < 4; ++i) o[i] = _mm512_loadu_ps(out + 16 * i);
+  for (int64_t j = 0; j < keys; ++j) {
+    const __m512 w = _mm512_set1_ps(weights[j]);
+    for (int64_t i = 0; i < 4; ++i) o[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v[j] + 16 * i), o[i]);
+  }
+  for (int64_t i = 0; i < 4; ++i) _mm512_storeu_ps(out + 16 * i, o[i]);
+#else
   __m256 o[8];
   for (int64_t i = 0; i < 8; ++i) o[i] = _mm256_loadu_ps(out + 8 * i);
   for (int64_t j = 0; j < keys; ++j) {
@@ -612,6 +694,7 @@ inline void AccumulateRow64(float* out, const float* weights, const float* const
     for (int64_t i = 0; i < 8; ++i) o[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v[j] + 8 * i), o[i]);
   }
   for (int64_t i = 0; i < 8; ++i) _mm256_storeu_ps(out + 8 * i, o[i]);
+#endif
 }
 
 // One KV head of an item; prefetch_head: the head argument of PrefetchPage (-1: whole pages, for the heads after).
@@ -671,13 +754,19 @@ void AttendHead(const AttentionArgs& a, const AttentionItem& item, int64_t kv_he
         for (; j4 + 4 <= keys; j4 += 4) _mm_storeu_ps(s + j4, Dot4(q + r * d_size, k_rows + j4, d_size));
       }
       for (int64_t j = j4; j < keys; ++j) s[j] = DotRow(q + r * d_size, k_rows[j], d_size);
-      for (int64_t j = 0; j < keys; ++j) {
-        const int64_t key_pos = key_begin + j;
-        const bool visible = key_pos <= pos && (a.sliding_window <= 0 || key_pos > pos - a.sliding_window);
-        float score = -std::numeric_limits<float>::infinity();
-        if (visible) score = a.soft_cap > 0 ? a.soft_cap * std::tanh(s[j] / a.soft_cap) : s[j];
-        s[j] = score;
-        page_max = std::max(page_max, score);
+      const bool all_visible = a.soft_cap <= 0 && key_begin + keys - 1 <= pos &&
+                               (a.sliding_window <= 0 || key_begin > pos - a.sliding_window);
+      if (all_visible) {  // the usual case, without a branch per key
+        page_max = MaxOf(s, keys);
+      } else {
+        for (int64_t j = 0; j < keys; ++j) {
+          const int64_t key_pos = key_begin + j;
+          const bool visible = key_pos <= pos && (a.sliding_window <= 0 || key_pos > pos - a.sliding_window);
+          float score = -std::numeric_limits<float>::infinity();
+          if (visible) score = a.soft_cap > 0 ? a.soft_cap * std::tanh(s[j] / a.soft_cap) : s[j];
+          s[j] = score;
+          page_max = std::max(page_max, score);
+        }
       }
       for (int64_t j = keys; j < b_size; ++j) s[j] = -std::numeric_limits<float>::infinity();
       if (page_max == -std::numeric_limits<float>::infinity()) {

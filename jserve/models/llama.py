@@ -12,7 +12,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 import cpu_kernels
-
 from jserve.config import ModelConfig
 from jserve.models.batch import KVCache, StepBatch
 from jserve.models.layers import (
