@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, Sharding
 
+import cpu_kernels
 from checkpoints.safetensors_loader import ParamSource, load_state
 from jserve.config import ModelConfig, ModelLoadError
 from jserve.models import model_class
@@ -61,9 +62,12 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
     shapes = {path: (leaf.shape, np.dtype(leaf.dtype)) for path, leaf in _flatten(pure)}
     axes = {tuple(path): var.get_metadata().get("logical_axes") for path, var in nnx.to_flat_state(state)}
 
+    packed = _packed_paths(config) if _packs_weights(attention_backend, param_dtype, mesh) else set()
+
     def place(path: tuple, source: ParamSource) -> jax.Array:
         if mesh is None:
-            return jax.device_put(source.read())
+            array = source.read()
+            return jax.device_put(cpu_kernels.pack_weight(array) if path in packed else array)
         return place_sharded(source, logical_sharding(mesh, axes[path], source.shape))
 
     placed = load_state(model_dir, config, shapes, place)
@@ -71,6 +75,22 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
         _assign(pure, path, array)
     nnx.replace_by_pure_dict(state, pure)
     return LoadedModel(config=config, graphdef=graphdef, state=state, attention_backend=attention_backend)
+
+
+def _packs_weights(attention_backend: str, dtype: jnp.dtype, mesh: Mesh | None) -> bool:
+    """The cpu backend packs bfloat16 matmul weights once for its kernels (cpu_kernels.pack_weight), unsharded."""
+    return attention_backend == "cpu" and dtype == jnp.bfloat16 and mesh is None and cpu_kernels.packs_weights()
+
+
+def _packed_paths(config: ModelConfig) -> set[tuple]:
+    """The parameters only the kernels' matmuls read: every projection and the LM head (a tied embedding table
+    too: its lookup reads the packed rows, cpu_kernels.packed_rows)."""
+    projections = [("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj")]
+    paths = {("layers", i, *module, "weight") for i in range(config.num_layers) for module in projections}
+    paths.add(("embed_tokens",) if config.tie_word_embeddings else ("lm_head",))
+    if any(size % 2 for size in (config.hidden_size, config.q_size, config.intermediate_size)):
+        return set()  # the packed layout pairs adjacent inputs
+    return paths
 
 
 def place_sharded(source: ParamSource, sharding: Sharding) -> jax.Array:

@@ -95,6 +95,41 @@ def _load() -> ctypes.CDLL | KernelUnavailable:
     return lib
 
 
+def packs_weights() -> bool:
+    """Whether bfloat16 matmul weights are packed once at load time (pack_weight): on CPUs with AVX512-BF16, where
+    the kernels take every batch size (not with AMX, whose large batches go to XLA's dot on plain weights)."""
+    flags = _cpu_flags()
+    return available() and {"avx512f", "avx512bw", "avx512_bf16"} <= flags and "amx_bf16" not in flags
+
+
+PANEL_ROWS = 16  # weight rows per packed panel (kPanel in kernels.cc); N is padded to whole pairs of panels
+
+
+def pack_weight(w: np.ndarray) -> np.ndarray:
+    """A bfloat16 [N, K] weight (K even) in the kernels' panel layout: uint32 [N_pad / 16, K / 2, 16], where panel p
+    holds rows 16p .. 16p + 15 as bfloat16 pairs (w[n, 2k], w[n, 2k + 1]) and N_pad rounds N up to a multiple of 32.
+    Packed once, the weight is read front to back by every matmul, with no per-call repacking."""
+    n, k = w.shape
+    if w.dtype != jnp.bfloat16 or k % 2:
+        raise ValueError(f"pack_weight: a bfloat16 [N, K] weight with K even expected, got {w.shape} {w.dtype}")
+    n_pad = -(-n // (2 * PANEL_ROWS)) * 2 * PANEL_ROWS
+    bits = np.zeros((n_pad, k), np.uint16)
+    bits[:n] = np.asarray(w).view(np.uint16)
+    pairs = bits.view(np.uint32)  # [N_pad, K / 2]: little-endian, so the low half is the even k
+    return np.ascontiguousarray(pairs.reshape(n_pad // PANEL_ROWS, PANEL_ROWS, k // 2).transpose(0, 2, 1))
+
+
+def is_packed(w: jax.Array) -> bool:
+    return w.dtype == jnp.uint32 and w.ndim == 3 and w.shape[2] == PANEL_ROWS
+
+
+def packed_rows(w: jax.Array, ids: jax.Array) -> jax.Array:
+    """Rows ids[T] of a packed weight as float32 [T, K] (an embedding lookup in a tied, packed table)."""
+    pairs = w[ids // PANEL_ROWS, :, ids % PANEL_ROWS]  # [T, K / 2] uint32
+    halves = jax.lax.bitcast_convert_type(pairs, jnp.uint16)  # [T, K / 2, 2], low half first
+    return jax.lax.bitcast_convert_type(halves.reshape(ids.shape[0], -1), jnp.bfloat16).astype(jnp.float32)
+
+
 def max_kernel_rows() -> int:
     """The most rows of x a matmul sends to the kernel; larger batches use XLA's dot (docs/benchmarks.md)."""
     return AMX_KERNEL_ROWS if "amx_bf16" in _cpu_flags() else 1 << 62
@@ -122,17 +157,25 @@ def matmul_ref(x: jax.Array, w: jax.Array) -> jax.Array:
                                preferred_element_type=jnp.float32)
 
 
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x[..., K] @ w[N, K]^T -> float32[..., N]. w is float32 or bfloat16; for bfloat16 weights x is rounded to
-    bfloat16 (as the XLA path's x.astype(w.dtype) does) and the products accumulate in float32."""
+def matmul(x: jax.Array, w: jax.Array, out_features: int | None = None) -> jax.Array:
+    """x[..., K] @ w[N, K]^T -> float32[..., N]. w is float32 or bfloat16, or packed by pack_weight (then
+    out_features gives N); for bfloat16 weights x is rounded to bfloat16 (as the XLA path's x.astype(w.dtype) does)
+    and the products accumulate in float32."""
     _require()
-    if w.ndim != 2 or x.shape[-1] != w.shape[1] or w.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"matmul: x[..., {w.shape[-1]}] and a float32/bfloat16 w[N, K] expected, "
-                         f"got {x.shape} and {w.shape} {w.dtype}")
+    if is_packed(w):
+        k, n = 2 * w.shape[1], out_features
+        if n is None or w.shape[0] * PANEL_ROWS != -(-n // (2 * PANEL_ROWS)) * 2 * PANEL_ROWS:
+            raise ValueError(f"matmul: a packed weight {w.shape} needs the out_features it was packed from, got {n}")
+    elif w.ndim == 2 and w.dtype in (jnp.float32, jnp.bfloat16):
+        k, n = w.shape[1], w.shape[0]
+    else:
+        raise ValueError(f"matmul: a float32/bfloat16 w[N, K] (or a packed one) expected, got {w.shape} {w.dtype}")
+    if x.shape[-1] != k:
+        raise ValueError(f"matmul: x[..., {k}] expected for w {w.shape}, got {x.shape}")
     lead = x.shape[:-1]
-    rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    out = jax.ShapeDtypeStruct((rows.shape[0], w.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call("jserve_matmul", out)(rows, w).reshape(*lead, w.shape[0])
+    rows = x.reshape(-1, k).astype(jnp.float32)
+    out = jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32)
+    return jax.ffi.ffi_call("jserve_matmul", out)(rows, w).reshape(*lead, n)
 
 
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
@@ -152,7 +195,7 @@ class LayerWeights(NamedTuple):
     """One decoder layer's parameters as `decoder_layer` takes them; biases and q/k norms may be None."""
 
     input_norm: jax.Array  # f32[E]
-    qkv: jax.Array  # [Q + 2 KV, E] float32 or bfloat16: q rows, then k, then v
+    qkv: jax.Array  # [Q + 2 KV, E] float32 or bfloat16 (or all four packed by pack_weight): q, then k, then v rows
     o: jax.Array  # [E, Q]
     post_norm: jax.Array  # f32[E]
     gate_up: jax.Array  # [2 I, E]: gate rows, then up rows
@@ -177,9 +220,9 @@ def decoder_layer(x: jax.Array, weights: LayerWeights, k_pages: jax.Array, v_pag
     The batch arrays follow pallas_kernels.interface; weights are all float32 or all bfloat16."""
     _require()
     dtype = weights.qkv.dtype
-    if any(w.dtype != dtype for w in (weights.o, weights.gate_up, weights.down)) or dtype not in (jnp.float32,
-                                                                                                   jnp.bfloat16):
-        raise ValueError(f"decoder_layer: the layer's matmul weights must all be float32 or all bfloat16, got "
+    if any(w.dtype != dtype for w in (weights.o, weights.gate_up, weights.down)) or dtype not in (
+            jnp.float32, jnp.bfloat16, jnp.uint32):
+        raise ValueError(f"decoder_layer: the layer's matmul weights must all be float32, bfloat16 or packed, got "
                          f"{[w.dtype for w in (weights.qkv, weights.o, weights.gate_up, weights.down)]}")
     none = jnp.zeros((0,), jnp.float32)
 

@@ -488,6 +488,39 @@ int64_t PanelCols() {
   return kPanel;
 }
 
+#ifdef JSERVE_AVX512_BF16
+// Weights packed once at load time (cpu_kernels.pack_weight): uint32 [N_pad / 16, K / 2, 16], panel p holding rows
+// 16p .. 16p + 15 as bfloat16 pairs (w[n, 2kp], w[n, 2kp + 1]), N_pad a multiple of 32. Every batch size runs the
+// same tiles straight over them: nothing is packed per call, and each pair of panels is one forward stream.
+using PackedJob = MatmulJob<uint16_t, uint32_t>;
+
+void MatmulPacked(const PackedJob& job, int64_t pair) {
+  thread_local std::vector<uint16_t> x_tail;
+  const int64_t pairs = job.k_size / 2, n_begin = pair * 2 * kPanel;
+  const float* panel_a = reinterpret_cast<const float*>(job.w + 2 * pair * pairs * kPanel);
+  const float* panel_b = panel_a + pairs * kPanel;
+  const int64_t cols = std::min(2 * kPanel, job.n_size - n_begin);
+  float tile[kBf16TileRows][2 * kPanel];
+  for (int64_t m = 0; m < job.m_size; m += kBf16TileRows) {
+    const int64_t rows = std::min(kBf16TileRows, job.m_size - m);
+    const int64_t tile_rows = rows > 8 ? 12 : rows > 4 ? 8 : rows > 2 ? 4 : rows;  // decode: exactly its rows
+    const uint16_t* x = TileRows(job, m, tile_rows, x_tail);
+    switch (tile_rows) {
+      case 12: PanelTileBf16<12>(x, job.k_size, panel_a, panel_b, tile); break;
+      case 8: PanelTileBf16<8>(x, job.k_size, panel_a, panel_b, tile); break;
+      case 4: PanelTileBf16<4>(x, job.k_size, panel_a, panel_b, tile); break;
+      case 2: PanelTileBf16<2>(x, job.k_size, panel_a, panel_b, tile); break;
+      default: PanelTileBf16<1>(x, job.k_size, panel_a, panel_b, tile); break;
+    }
+    for (int64_t r = 0; r < rows; ++r) EmitRow(job, m + r, n_begin, tile[r], cols);
+  }
+}
+
+Phase MatmulPhase(const PackedJob& job) {
+  return {Blocks(job.n_size, 2 * kPanel), [job](int64_t pair) { MatmulPacked(job, pair); }};
+}
+#endif
+
 // The job as parallel items: column blocks streamed for few rows, packed panels for many.
 template <typename X, typename W>
 Phase MatmulPhase(const MatmulJob<X, W>& job) {
@@ -512,15 +545,46 @@ Phase RoundRowsPhase(const float* x, uint16_t* out, int64_t rows, int64_t cols) 
           }};
 }
 
+// A weight's [N, K] as stored: plain [N, K], or packed uint32 [N_pad / 16, K / 2, 16] holding N_pad >= N rows.
+struct WeightShape {
+  int64_t rows = -1, cols = -1;
+  bool packed = false;
+};
+
+WeightShape ShapeOf(const ffi::AnyBuffer& w) {
+  const auto dims = w.dimensions();
+  if (w.element_type() == ffi::DataType::U32 && dims.size() == 3 && dims[2] == kPanel) {
+    return {dims[0] * kPanel, dims[1] * 2, true};
+  }
+  if (dims.size() == 2 && w.element_type() != ffi::DataType::U32) return {dims[0], dims[1], false};
+  return {};
+}
+
+// Whether the weight is an [n, k] matrix (packed: padded to whole pairs of panels).
+bool Holds(const WeightShape& w, int64_t n, int64_t k) {
+  if (w.cols != k) return false;
+  return w.packed ? w.rows == Blocks(n, 2 * kPanel) * 2 * kPanel : w.rows == n;
+}
+
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                       ffi::ResultBuffer<ffi::F32> y) {
   const auto x_dims = x.dimensions();
-  const auto w_dims = w.dimensions();
-  if (x_dims.size() != 2 || w_dims.size() != 2 || x_dims[1] != w_dims[1]) {
-    return ffi::Error::InvalidArgument("jserve_matmul: expected x[M, K] and w[N, K]");
+  const WeightShape shape = ShapeOf(w);
+  if (x_dims.size() != 2 || y->dimensions().size() != 2 || !Holds(shape, y->dimensions()[1], x_dims[1])) {
+    return ffi::Error::InvalidArgument("jserve_matmul: expected x[M, K], w[N, K] (or packed) and y[M, N]");
   }
-  const int64_t m_size = x_dims[0], k_size = x_dims[1], n_size = w_dims[0];
-  if (IsBf16Bits(w.element_type())) {
+  const int64_t m_size = x_dims[0], k_size = x_dims[1], n_size = y->dimensions()[1];
+  if (shape.packed) {
+#ifdef JSERVE_AVX512_BF16
+    thread_local std::vector<uint16_t> x_bf16;
+    x_bf16.resize(static_cast<size_t>(m_size * k_size));
+    const PackedJob job{x_bf16.data(), static_cast<const uint32_t*>(w.untyped_data()), y->typed_data(), nullptr,
+                        false, m_size, n_size, k_size};
+    RunPhases(pool, {RoundRowsPhase(x.typed_data(), x_bf16.data(), m_size, k_size), MatmulPhase(job)});
+#else
+    return ffi::Error::InvalidArgument("jserve_matmul: packed weights need a CPU with AVX512-BF16");
+#endif
+  } else if (IsBf16Bits(w.element_type())) {
     thread_local std::vector<uint16_t> x_bf16;
     x_bf16.resize(static_cast<size_t>(m_size * k_size));
     const MatmulJob<uint16_t, uint16_t> job{x_bf16.data(), static_cast<const uint16_t*>(w.untyped_data()),
@@ -697,12 +761,15 @@ inline void AccumulateRow64(float* out, const float* weights, const float* const
 #endif
 }
 
-// One KV head of an item; prefetch_head: the head argument of PrefetchPage (-1: whole pages, for the heads after).
-void AttendHead(const AttentionArgs& a, const AttentionItem& item, int64_t kv_head, int64_t prefetch_head) {
+// An item's rows are, for each of its KV heads, its tokens times the query heads of the group. Pages are visited
+// once, in order, with every head of the item on a page before the next page: with all heads, a page's K (then V)
+// is one contiguous run read front to back, which the prefetchers follow.
+void AttendItem(const AttentionArgs& a, const AttentionItem& item) {
   const int64_t group = a.num_heads / a.kv_heads, d_size = a.head_dim, b_size = a.page_size;
   const int64_t q_len = a.query_start[item.seq + 1] - a.query_start[item.seq];
   const int64_t first_pos = a.seq_lens[item.seq] - q_len;  // position of the sequence's first new token
-  const int64_t tokens = item.token_end - item.token_begin, rows = tokens * group;
+  const int64_t heads = item.kv_head_end - item.kv_head_begin, tokens = item.token_end - item.token_begin;
+  const int64_t head_rows = tokens * group, rows = heads * head_rows;
   thread_local std::vector<float> buffer;
   // q rows (pre-scaled) | accumulators | scores of one page | running max | running sum | K and V of one page
   buffer.resize(static_cast<size_t>(2 * rows * d_size + rows * b_size + 2 * rows + 2 * b_size * d_size));
@@ -712,21 +779,24 @@ void AttendHead(const AttentionArgs& a, const AttentionItem& item, int64_t kv_he
   float* row_max = scores + rows * b_size;
   float* row_sum = row_max + rows;
   float* kv_scratch = row_sum + rows;
-  thread_local std::vector<int64_t> row_pos;
-  row_pos.resize(static_cast<size_t>(rows));
-  for (int64_t t = 0; t < tokens; ++t) {
-    const int64_t token = item.token_begin + t;
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t r = t * group + g;
-      const float* src = a.q + token * a.q_stride + (kv_head * group + g) * d_size;
-      for (int64_t d = 0; d < d_size; ++d) q[r * d_size + d] = src[d] * a.scale;
-      row_pos[r] = first_pos + (token - a.query_start[item.seq]);
+  thread_local std::vector<int64_t> row_pos;  // [head_rows]: the same for every head
+  row_pos.resize(static_cast<size_t>(head_rows));
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t token = item.token_begin + t;
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = h * head_rows + t * group + g;
+        const float* src = a.q + token * a.q_stride + ((item.kv_head_begin + h) * group + g) * d_size;
+        for (int64_t d = 0; d < d_size; ++d) q[r * d_size + d] = src[d] * a.scale;
+        row_pos[t * group + g] = first_pos + (token - a.query_start[item.seq]);
+      }
     }
   }
   std::fill(acc, acc + rows * d_size, 0.0f);
   std::fill(row_max, row_max + rows, -std::numeric_limits<float>::infinity());
   std::fill(row_sum, row_sum + rows, 0.0f);
-  const int64_t last_pos = row_pos[rows - 1];
+  const int64_t last_pos = row_pos[head_rows - 1];
+  const int64_t prefetch_head = heads == a.kv_heads ? -1 : item.kv_head_begin;  // -1: whole pages
   int64_t lowest_key = 0;
   if (a.sliding_window > 0) lowest_key = std::max<int64_t>(0, row_pos[0] - a.sliding_window + 1);
   const int32_t* pages = a.page_table + item.seq * a.pages_per_seq;
@@ -740,82 +810,85 @@ void AttendHead(const AttentionArgs& a, const AttentionItem& item, int64_t kv_he
     if (p + kPrefetchPages < end_page) PrefetchPage(a, pages[p + kPrefetchPages], prefetch_head);
     if (page < 0 || page >= a.num_pages) continue;  // never for a valid table; keeps a bad one in bounds
     const int64_t key_begin = p * b_size, keys = std::min(b_size, last_pos + 1 - key_begin);
-    const float* k_rows[64];
-    const float* v_rows[64];
-    for (int64_t j = 0; j < keys; ++j) {
-      k_rows[j] = KvRow(a, a.k_pages, page, j, kv_head, kv_scratch + j * d_size);
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      float* s = scores + r * b_size;
-      const int64_t pos = row_pos[r];
-      float page_max = -std::numeric_limits<float>::infinity();
-      int64_t j4 = 0;
-      if (d_size % 8 == 0) {
-        for (; j4 + 4 <= keys; j4 += 4) _mm_storeu_ps(s + j4, Dot4(q + r * d_size, k_rows + j4, d_size));
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t kv_head = item.kv_head_begin + h;
+      const float* k_rows[64];
+      const float* v_rows[64];
+      for (int64_t j = 0; j < keys; ++j) {
+        k_rows[j] = KvRow(a, a.k_pages, page, j, kv_head, kv_scratch + j * d_size);
       }
-      for (int64_t j = j4; j < keys; ++j) s[j] = DotRow(q + r * d_size, k_rows[j], d_size);
-      const bool all_visible = a.soft_cap <= 0 && key_begin + keys - 1 <= pos &&
-                               (a.sliding_window <= 0 || key_begin > pos - a.sliding_window);
-      if (all_visible) {  // the usual case, without a branch per key
-        page_max = MaxOf(s, keys);
-      } else {
-        for (int64_t j = 0; j < keys; ++j) {
-          const int64_t key_pos = key_begin + j;
-          const bool visible = key_pos <= pos && (a.sliding_window <= 0 || key_pos > pos - a.sliding_window);
-          float score = -std::numeric_limits<float>::infinity();
-          if (visible) score = a.soft_cap > 0 ? a.soft_cap * std::tanh(s[j] / a.soft_cap) : s[j];
-          s[j] = score;
-          page_max = std::max(page_max, score);
+      for (int64_t r = h * head_rows; r < (h + 1) * head_rows; ++r) {
+        float* s = scores + r * b_size;
+        const int64_t pos = row_pos[r - h * head_rows];
+        float page_max = -std::numeric_limits<float>::infinity();
+        int64_t j4 = 0;
+        if (d_size % 8 == 0) {
+          for (; j4 + 4 <= keys; j4 += 4) _mm_storeu_ps(s + j4, Dot4(q + r * d_size, k_rows + j4, d_size));
         }
-      }
-      for (int64_t j = keys; j < b_size; ++j) s[j] = -std::numeric_limits<float>::infinity();
-      if (page_max == -std::numeric_limits<float>::infinity()) {
-        for (int64_t j = 0; j < b_size; ++j) s[j] = 0.0f;  // nothing visible in this page for this row
-        continue;
-      }
-      const float new_max = std::max(row_max[r], page_max);
-      const float correction = std::exp(row_max[r] - new_max);  // 0 on the first visible page (max was -inf)
-      row_max[r] = new_max;
-      float page_sum = 0.0f;
-      int64_t j = 0;
-      for (; j + 8 <= b_size; j += 8) {
-        const __m256 score = _mm256_loadu_ps(s + j);
-        const __m256 masked = _mm256_cmp_ps(score, _mm256_set1_ps(-std::numeric_limits<float>::infinity()),
-                                            _CMP_EQ_OQ);
-        const __m256 e = _mm256_andnot_ps(masked, ExpNonPositive(_mm256_sub_ps(score, _mm256_set1_ps(new_max))));
-        _mm256_storeu_ps(s + j, e);
-        page_sum += HorizontalSum(e);
-      }
-      for (; j < b_size; ++j) {
-        s[j] = std::exp(s[j] - new_max);
-        page_sum += s[j];
-      }
-      row_sum[r] = row_sum[r] * correction + page_sum;
-      float* out_row = acc + r * d_size;
-      if (correction != 1.0f) {
-        for (int64_t d = 0; d < d_size; ++d) out_row[d] *= correction;
-      }
-    }
-    for (int64_t j = 0; j < keys; ++j) {
-      v_rows[j] = KvRow(a, a.v_pages, page, j, kv_head, kv_scratch + (b_size + j) * d_size);
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      float* out_row = acc + r * d_size;
-      const float* s = scores + r * b_size;
-      if (d_size == 64) {
-        AccumulateRow64(out_row, s, v_rows, keys);
-        continue;
+        for (int64_t j = j4; j < keys; ++j) s[j] = DotRow(q + r * d_size, k_rows[j], d_size);
+        const bool all_visible = a.soft_cap <= 0 && key_begin + keys - 1 <= pos &&
+                                 (a.sliding_window <= 0 || key_begin > pos - a.sliding_window);
+        if (all_visible) {  // the usual case, without a branch per key
+          page_max = MaxOf(s, keys);
+        } else {
+          for (int64_t j = 0; j < keys; ++j) {
+            const int64_t key_pos = key_begin + j;
+            const bool visible = key_pos <= pos && (a.sliding_window <= 0 || key_pos > pos - a.sliding_window);
+            float score = -std::numeric_limits<float>::infinity();
+            if (visible) score = a.soft_cap > 0 ? a.soft_cap * std::tanh(s[j] / a.soft_cap) : s[j];
+            s[j] = score;
+            page_max = std::max(page_max, score);
+          }
+        }
+        for (int64_t j = keys; j < b_size; ++j) s[j] = -std::numeric_limits<float>::infinity();
+        if (page_max == -std::numeric_limits<float>::infinity()) {
+          for (int64_t j = 0; j < b_size; ++j) s[j] = 0.0f;  // nothing visible in this page for this row
+          continue;
+        }
+        const float new_max = std::max(row_max[r], page_max);
+        const float correction = std::exp(row_max[r] - new_max);  // 0 on the first visible page (max was -inf)
+        row_max[r] = new_max;
+        float page_sum = 0.0f;
+        int64_t j = 0;
+        for (; j + 8 <= b_size; j += 8) {
+          const __m256 score = _mm256_loadu_ps(s + j);
+          const __m256 masked = _mm256_cmp_ps(score, _mm256_set1_ps(-std::numeric_limits<float>::infinity()),
+                                              _CMP_EQ_OQ);
+          const __m256 e = _mm256_andnot_ps(masked, ExpNonPositive(_mm256_sub_ps(score, _mm256_set1_ps(new_max))));
+          _mm256_storeu_ps(s + j, e);
+          page_sum += HorizontalSum(e);
+        }
+        for (; j < b_size; ++j) {
+          s[j] = std::exp(s[j] - new_max);
+          page_sum += s[j];
+        }
+        row_sum[r] = row_sum[r] * correction + page_sum;
+        float* out_row = acc + r * d_size;
+        if (correction != 1.0f) {
+          for (int64_t d = 0; d < d_size; ++d) out_row[d] *= correction;
+        }
       }
       for (int64_t j = 0; j < keys; ++j) {
-        const float weight = s[j];
-        if (weight == 0.0f) continue;
-        const __m256 wv = _mm256_set1_ps(weight);
-        int64_t d = 0;
-        for (; d + 8 <= d_size; d += 8) {
-          _mm256_storeu_ps(out_row + d,
-                           _mm256_fmadd_ps(wv, _mm256_loadu_ps(v_rows[j] + d), _mm256_loadu_ps(out_row + d)));
+        v_rows[j] = KvRow(a, a.v_pages, page, j, kv_head, kv_scratch + (b_size + j) * d_size);
+      }
+      for (int64_t r = h * head_rows; r < (h + 1) * head_rows; ++r) {
+        float* out_row = acc + r * d_size;
+        const float* s = scores + r * b_size;
+        if (d_size == 64) {
+          AccumulateRow64(out_row, s, v_rows, keys);
+          continue;
         }
-        for (; d < d_size; ++d) out_row[d] += weight * v_rows[j][d];
+        for (int64_t j = 0; j < keys; ++j) {
+          const float weight = s[j];
+          if (weight == 0.0f) continue;
+          const __m256 wv = _mm256_set1_ps(weight);
+          int64_t d = 0;
+          for (; d + 8 <= d_size; d += 8) {
+            _mm256_storeu_ps(out_row + d,
+                             _mm256_fmadd_ps(wv, _mm256_loadu_ps(v_rows[j] + d), _mm256_loadu_ps(out_row + d)));
+          }
+          for (; d < d_size; ++d) out_row[d] += weight * v_rows[j][d];
+        }
       }
     }
   }
@@ -823,24 +896,19 @@ void AttendHead(const AttentionArgs& a, const AttentionItem& item, int64_t kv_he
     const float inv = row_sum[r] > 0 ? 1.0f / row_sum[r] : 0.0f;
     for (int64_t d = 0; d < d_size; ++d) acc[r * d_size + d] *= inv;
   }
-  for (int64_t t = 0; t < tokens; ++t) {
-    const int64_t offset = ((item.token_begin + t) * a.num_heads + kv_head * group) * d_size;
-    const float* rows_of_token = acc + t * group * d_size;  // the group's heads are adjacent in the output too
-    if (a.out_bf16) {
-      StoreRow(static_cast<uint16_t*>(a.out) + offset, rows_of_token, group * d_size);
-    } else {
-      StoreRow(static_cast<float*>(a.out) + offset, rows_of_token, group * d_size);
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t offset = ((item.token_begin + t) * a.num_heads + (item.kv_head_begin + h) * group) * d_size;
+      const float* rows_of_token = acc + (h * head_rows + t * group) * d_size;  // the group's heads are adjacent
+      if (a.out_bf16) {
+        StoreRow(static_cast<uint16_t*>(a.out) + offset, rows_of_token, group * d_size);
+      } else {
+        StoreRow(static_cast<float*>(a.out) + offset, rows_of_token, group * d_size);
+      }
     }
   }
 }
 
-void AttendItem(const AttentionArgs& a, const AttentionItem& item) {
-  const bool whole_pages = item.kv_head_end - item.kv_head_begin == a.kv_heads && a.kv_heads > 1;
-  for (int64_t h = item.kv_head_begin; h < item.kv_head_end; ++h) {
-    // The first head pulls in whole pages; the heads after it find their rows in cache.
-    AttendHead(a, item, h, whole_pages && h == item.kv_head_begin ? -1 : h);
-  }
-}
 
 // The work items of a batch, after checking its metadata; real_tokens: tokens before the padding.
 ffi::Error AttentionItems(const AttentionArgs& a, int64_t num_seqs, int64_t real_tokens, int64_t threads,
@@ -1023,7 +1091,8 @@ void StoreKv(void* pages, bool bf16, int64_t slot, const float* src, int64_t n) 
 template <typename W>
 void RunDecoderLayer(ffi::ThreadPool& pool, const LayerShape& s, const LayerWeights<W>& w, AttentionArgs& a,
                      const std::vector<AttentionItem>& items, void* k_pages, void* v_pages) {
-  using X = W;  // matmul inputs: float32, or bfloat16 bits for bfloat16 weights
+  // Matmul inputs: float32, or bfloat16 bits for bfloat16 weights (plain, or packed as uint32 pairs).
+  using X = std::conditional_t<std::is_same_v<W, float>, float, uint16_t>;
   const int64_t t_size = s.tokens, e = s.hidden, i_size = s.intermediate, d = a.head_dim;
   const int64_t q_size = a.num_heads * d, kv_size = a.kv_heads * d, qkv_size = q_size + 2 * kv_size;
   const int64_t num_slots = a.num_pages * a.page_size;
@@ -1119,25 +1188,23 @@ ffi::Error DecoderLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
                             ffi::Result<ffi::AnyBuffer> k_pages, ffi::Result<ffi::AnyBuffer> v_pages,
                             int64_t num_heads, float eps, float scale, int64_t sliding_window, float soft_cap) {
   const auto x_dims = x.dimensions();
-  const auto qkv_dims = qkv.dimensions();
-  const auto gate_up_dims = gate_up.dimensions();
-  if (x_dims.size() != 2 || qkv_dims.size() != 2 || gate_up_dims.size() != 2 || num_heads <= 0) {
-    return ffi::Error::InvalidArgument("jserve_decoder_layer: expected x[T, E] and 2-D weights");
-  }
+  if (x_dims.size() != 2 || num_heads <= 0) return ffi::Error::InvalidArgument("jserve_decoder_layer: expected x[T, E]");
   const auto kv_dims = k_pages->dimensions();
   AttentionArgs a;
   ffi::Error shapes = AttentionShapes(a, num_heads, kv_dims.size() == 4 ? kv_dims[3] : 0, kv_dims,
                                       page_table.dimensions(), k_pages->element_type(), v_pages->element_type());
   if (shapes.failure()) return shapes;
-  const int64_t num_tokens = x_dims[0], e = x_dims[1], d = a.head_dim, i_size = gate_up_dims[0] / 2;
+  const WeightShape qkv_shape = ShapeOf(qkv), o_shape = ShapeOf(o), gate_up_shape = ShapeOf(gate_up),
+                    down_shape = ShapeOf(down);
+  const int64_t num_tokens = x_dims[0], e = x_dims[1], d = a.head_dim, i_size = down_shape.cols;
   const int64_t q_size = num_heads * d, kv_size = a.kv_heads * d;
   const ffi::DataType w_type = qkv.element_type();
   const bool same_type = o.element_type() == w_type && gate_up.element_type() == w_type &&
                          down.element_type() == w_type;
-  if (!same_type || (!IsBf16Bits(w_type) && w_type != ffi::DataType::F32) || d > 512 || d % 2 != 0 ||
-      qkv_dims[0] != q_size + 2 * kv_size || qkv_dims[1] != e || o.dimensions()[0] != e ||
-      o.dimensions()[1] != q_size || gate_up_dims[1] != e || down.dimensions()[0] != e ||
-      down.dimensions()[1] != i_size || static_cast<int64_t>(inv_freq.element_count()) != d / 2 ||
+  if (!same_type || !(IsBf16Bits(w_type) || w_type == ffi::DataType::F32 || qkv_shape.packed) || d > 512 ||
+      d % 2 != 0 || !Holds(qkv_shape, q_size + 2 * kv_size, e) || !Holds(o_shape, e, q_size) ||
+      !Holds(gate_up_shape, 2 * i_size, e) || !Holds(down_shape, e, i_size) ||
+      static_cast<int64_t>(inv_freq.element_count()) != d / 2 ||
       (q_norm.element_count() != 0 && (static_cast<int64_t>(q_norm.element_count()) != d ||
                                         static_cast<int64_t>(k_norm.element_count()) != d))) {
     return ffi::Error::InvalidArgument("jserve_decoder_layer: weight shapes or dtypes disagree with the layer");
@@ -1160,7 +1227,15 @@ ffi::Error DecoderLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   if (valid.failure()) return valid;
   const LayerShape shape{real_tokens, e, i_size, eps, x.typed_data(), x_out->typed_data(), positions.typed_data(),
                          slot_mapping.typed_data(), inv_freq.typed_data()};
-  if (IsBf16Bits(w_type)) {
+  if (qkv_shape.packed) {
+#ifdef JSERVE_AVX512_BF16
+    RunDecoderLayer(pool, shape, Weights<uint32_t>(input_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, post_norm,
+                                                   gate_up, gate_up_bias, down, down_bias),
+                    a, items, k_pages->untyped_data(), v_pages->untyped_data());
+#else
+    return ffi::Error::InvalidArgument("jserve_decoder_layer: packed weights need a CPU with AVX512-BF16");
+#endif
+  } else if (IsBf16Bits(w_type)) {
     RunDecoderLayer(pool, shape, Weights<uint16_t>(input_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, post_norm,
                                                    gate_up, gate_up_bias, down, down_bias),
                     a, items, k_pages->untyped_data(), v_pages->untyped_data());

@@ -37,6 +37,50 @@ def test_matmul_matches_numpy(rows, in_features, out_features, dtype):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.sqrt(in_features))
 
 
+packed_only = pytest.mark.skipif(not cpu_kernels.packs_weights(), reason="weights are packed on AVX512-BF16 CPUs only")
+
+
+@packed_only
+@pytest.mark.parametrize(("rows", "in_features", "out_features"),
+                         [(1, 576, 960), (2, 64, 4), (3, 34, 7), (5, 576, 33), (9, 1536, 576), (12, 100, 64),
+                          (13, 576, 3072), (32, 576, 100), (300, 200, 129)])
+def test_packed_matmul_matches_numpy(rows, in_features, out_features):
+    """Weights packed at load time: every tile height (1, 2, 4, 8, 12 rows and their tails), widths off the 32-row
+    pairs of panels, and inputs rounded to bfloat16 as for plain bfloat16 weights."""
+    rng = np.random.default_rng(rows * 7 + out_features)
+    x = rng.standard_normal((rows, in_features)).astype(np.float32)
+    w = jnp.asarray(rng.standard_normal((out_features, in_features)), jnp.bfloat16)
+    packed = cpu_kernels.pack_weight(np.asarray(w))
+    assert packed.dtype == np.uint32 and packed.shape == (-(-out_features // 32) * 2, in_features // 2, 16)
+    x_in = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    expected = x_in @ np.asarray(w.astype(jnp.float32), np.float64).T
+    got = np.asarray(jax.jit(cpu_kernels.matmul, static_argnums=2)(jnp.asarray(x), jnp.asarray(packed), out_features))
+    assert got.shape == (rows, out_features)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.sqrt(in_features))
+    with pytest.raises(ValueError, match="out_features"):
+        cpu_kernels.matmul(jnp.asarray(x), jnp.asarray(packed), out_features + 32)
+
+
+@packed_only
+def test_packed_rows_are_the_table_rows():
+    """A tied embedding table packed for the LM head still answers lookups with its own rows."""
+    rng = np.random.default_rng(3)
+    table = jnp.asarray(rng.standard_normal((50, 64)), jnp.bfloat16)
+    ids = jnp.asarray([0, 49, 17, 16, 31, 32, 5], jnp.int32)
+    got = jax.jit(cpu_kernels.packed_rows)(jnp.asarray(cpu_kernels.pack_weight(np.asarray(table))), ids)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(table[ids].astype(jnp.float32)))
+
+
+@packed_only
+def test_bfloat16_models_load_with_packed_weights(hf_model_dir):
+    """So the bfloat16 parity tests against transformers run the packed kernels here."""
+    from checkpoints.loading import load_model
+
+    model = load_model(hf_model_dir("qwen2"), "bfloat16", "cpu")  # tied embeddings: the table is packed too
+    dtypes = {str(leaf.dtype) for leaf in jax.tree.leaves(model.state) if leaf.ndim > 1}
+    assert dtypes == {"uint32"}
+
+
 def test_matmul_keeps_leading_axes_and_rejects_bad_shapes():
     x = jnp.ones((2, 3, 8), jnp.float32)
     w = jnp.full((5, 8), 0.5, jnp.float32)

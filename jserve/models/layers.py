@@ -26,11 +26,14 @@ def param(shape: tuple[int, ...], dtype: jnp.dtype, axes: tuple[str | None, ...]
     return nnx.Param(jnp.zeros(shape, dtype), logical_axes=axes)
 
 
-def matmul(x: jax.Array, w: jax.Array, cpu_kernel: bool = False) -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array, cpu_kernel: bool = False, out_features: int | None = None) -> jax.Array:
     """x[..., in] @ w[out, in]^T -> float32[..., out].
 
     cpu_kernel: use cpu_kernels.matmul when it takes this many rows (cpu_kernels.max_kernel_rows; a static shape) and
-    the weight is whole on this device (under tensor parallelism XLA must partition the dot itself)."""
+    the weight is whole on this device (under tensor parallelism XLA must partition the dot itself). A weight packed
+    at load time (cpu_kernels.pack_weight) always goes to the kernel, with out_features its real row count."""
+    if cpu_kernels.is_packed(w):
+        return cpu_kernels.matmul(x, w, out_features)
     rows = math.prod(x.shape[:-1])
     if cpu_kernel and rows <= cpu_kernels.max_kernel_rows() and model_parallel_mesh() is None:
         return cpu_kernels.matmul(x, w)
@@ -40,7 +43,9 @@ def matmul(x: jax.Array, w: jax.Array, cpu_kernel: bool = False) -> jax.Array:
 
 def embed_lookup(table: jax.Array, token_ids: jax.Array) -> jax.Array:
     """Rows of the embedding table as float32. A bfloat16 table is gathered as uint16 bits: XLA CPU would
-    otherwise convert the whole table to float32 on every step."""
+    otherwise convert the whole table to float32 on every step. A tied table may be packed for the LM head."""
+    if cpu_kernels.is_packed(table):
+        return cpu_kernels.packed_rows(table, token_ids)
     if table.dtype != jnp.bfloat16:
         return table[token_ids].astype(jnp.float32)
     bits = jax.lax.bitcast_convert_type(table, jnp.uint16)[token_ids]
@@ -67,9 +72,10 @@ class Linear(nnx.Module):
         self.weight = param((out_features, in_features), dtype, axes)
         self.bias = param((out_features,), jnp.float32, axes[:1]) if bias else None
         self.cpu_kernel = cpu_kernel  # static in the graphdef (see matmul)
+        self.out_features = out_features  # static: the weight may be packed (cpu_kernels.pack_weight)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = matmul(x, self.weight[...], self.cpu_kernel)
+        y = matmul(x, self.weight[...], self.cpu_kernel, self.out_features)
         return y if self.bias is None else y + self.bias[...]
 
 

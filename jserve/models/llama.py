@@ -138,5 +138,5 @@ class LlamaForCausalLM(nnx.Module):
             x, k_cache[i], v_cache[i] = layer(x, k_cache[i], v_cache[i], batch, inv_freq)
         last = self.norm(x[batch.logits_indices])  # only the positions that produce a next token
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = matmul(last, head[...], self.cpu_kernel)
+        logits = matmul(last, head[...], self.cpu_kernel, self.config.vocab_size)
         return KVCache(k=k_cache, v=v_cache), logits
