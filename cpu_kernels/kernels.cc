@@ -601,18 +601,12 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Ragged paged attention. One work item is (sequence, KV head, block of up to kQueryBlock query tokens): its rows
-// are those tokens times the query heads sharing the KV head (GQA). Pages are visited once per item, in order,
+// Ragged paged attention. One work item is (sequence, block of up to kQueryBlock query tokens, KV heads): its rows
+// are those tokens times the query heads sharing each KV head (GQA). Pages are visited once per item, in order,
 // with a flash-attention style running max and sum per row.
 
 constexpr int64_t kQueryBlock = 16;
-#ifndef PFP
-#define PFP 4
-#endif
-#ifndef PFH
-#define PFH _MM_HINT_T0
-#endif
-constexpr int64_t kPrefetchPages = PFP;  // pages of K/V requested ahead of the one being read
+constexpr int64_t kPrefetchPages = 2;  // pages of K/V requested ahead of the one being read
 
 // exp(x) for x <= 0 (scores minus their running max), to ~1e-7 relative: 2^n * P(r) with a degree-6 polynomial.
 inline __m256 ExpNonPositive(__m256 x) {
@@ -631,6 +625,26 @@ inline __m256 ExpNonPositive(__m256 x) {
   const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2));
 }
+
+#ifdef __AVX512F__
+// ExpNonPositive on sixteen lanes.
+inline __m512 ExpNonPositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i pow2 = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(pow2));
+}
+#endif
 
 struct AttentionArgs {
   const float* q;              // [T, q_stride]: token t's head h at q[t * q_stride + h * D]
@@ -682,12 +696,12 @@ inline void PrefetchPage(const AttentionArgs& a, int64_t page, int64_t kv_head) 
   for (const void* pages : {a.k_pages, a.v_pages}) {
     const char* base = static_cast<const char*>(pages) + page * a.page_size * slot_bytes;
     if (kv_head < 0) {
-      for (int64_t offset = 0; offset < a.page_size * slot_bytes; offset += 64) _mm_prefetch(base + offset, PFH);
+      for (int64_t offset = 0; offset < a.page_size * slot_bytes; offset += 64) _mm_prefetch(base + offset, _MM_HINT_T0);
       continue;
     }
     for (int64_t slot = 0; slot < a.page_size; ++slot) {
       const char* row = base + slot * slot_bytes + kv_head * row_bytes;
-      for (int64_t offset = 0; offset < row_bytes; offset += 64) _mm_prefetch(row + offset, PFH);
+      for (int64_t offset = 0; offset < row_bytes; offset += 64) _mm_prefetch(row + offset, _MM_HINT_T0);
     }
   }
 }
@@ -761,6 +775,81 @@ inline void AccumulateRow64(float* out, const float* weights, const float* const
 #endif
 }
 
+#ifdef __AVX512F__
+// A bfloat16 cache read straight into registers (head_dim 64 or 128: C = head_dim / 16 vectors a row), for the
+// page-heads of decode and short prefill blocks: no widened copy of the page, and each K or V row is widened once
+// for all the item's rows of that head.
+
+inline __m512 WidenBf16x16(const uint16_t* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// scores[r * stride_s + j] = q_r . k_j for `rows` rows of q (pre-scaled, [rows, 16 C]) and keys j < keys, the K row
+// of key j at k + j * stride_k (bfloat16 bits); 16 / C keys at a time, their four sums folded together.
+template <int C>
+void ScoresBf16(const float* q, int64_t rows, const uint16_t* k, int64_t stride_k, int64_t keys, float* scores,
+                int64_t stride_s) {
+  constexpr int kKeys = 16 / C;  // keys held widened in registers at once: 16 vectors
+  for (int64_t j0 = 0; j0 < keys; j0 += kKeys) {
+    const int64_t count = std::min<int64_t>(kKeys, keys - j0);
+    __m512 kv[kKeys][C];
+    for (int kk = 0; kk < kKeys; ++kk)
+      for (int c = 0; c < C; ++c) {
+        kv[kk][c] = kk < count ? WidenBf16x16(k + (j0 + kk) * stride_k + 16 * c) : _mm512_setzero_ps();
+      }
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* qr = q + r * 16 * C;
+      float sums[kKeys];
+      for (int kk = 0; kk < kKeys; ++kk) {
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qr), kv[kk][0]);
+        for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), kv[kk][c], acc);
+        sums[kk] = _mm512_reduce_add_ps(acc);
+      }
+      for (int64_t kk = 0; kk < count; ++kk) scores[r * stride_s + j0 + kk] = sums[kk];
+    }
+  }
+}
+
+// out_r += sum_j p[r * stride_p + j] * v_j for R rows whose outputs ([R, 16 C]) stay in registers.
+template <int C, int R>
+void AccumulateBf16(float* out, const float* p, int64_t stride_p, const uint16_t* v, int64_t stride_v,
+                    int64_t keys) {
+  __m512 o[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) o[r][c] = _mm512_loadu_ps(out + (r * C + c) * 16);
+  for (int64_t j = 0; j < keys; ++j) {
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = WidenBf16x16(v + j * stride_v + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512 w = _mm512_set1_ps(p[r * stride_p + j]);
+      for (int c = 0; c < C; ++c) o[r][c] = _mm512_fmadd_ps(w, vv[c], o[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + (r * C + c) * 16, o[r][c]);
+}
+
+// The same for any number of rows: blocks of up to 24 / C rows (the registers' worth).
+template <int C>
+void AccumulateRowsBf16(float* out, int64_t rows, const float* p, int64_t stride_p, const uint16_t* v,
+                        int64_t stride_v, int64_t keys) {
+  constexpr int kMax = 24 / C;
+  for (int64_t r = 0; r < rows; r += kMax) {
+    float* o = out + r * 16 * C;
+    const float* pr = p + r * stride_p;
+    switch (std::min<int64_t>(kMax, rows - r)) {
+      case 1: AccumulateBf16<C, 1>(o, pr, stride_p, v, stride_v, keys); break;
+      case 2: AccumulateBf16<C, 2>(o, pr, stride_p, v, stride_v, keys); break;
+      case 3: AccumulateBf16<C, 3>(o, pr, stride_p, v, stride_v, keys); break;
+      case 4: AccumulateBf16<C, (4 <= kMax ? 4 : kMax)>(o, pr, stride_p, v, stride_v, keys); break;
+      case 5: AccumulateBf16<C, (5 <= kMax ? 5 : kMax)>(o, pr, stride_p, v, stride_v, keys); break;
+      default: AccumulateBf16<C, kMax>(o, pr, stride_p, v, stride_v, keys); break;
+    }
+  }
+}
+#endif
+
 // An item's rows are, for each of its KV heads, its tokens times the query heads of the group. Pages are visited
 // once, in order, with every head of the item on a page before the next page: with all heads, a page's K (then V)
 // is one contiguous run read front to back, which the prefetchers follow.
@@ -814,18 +903,41 @@ void AttendItem(const AttentionArgs& a, const AttentionItem& item) {
       const int64_t kv_head = item.kv_head_begin + h;
       const float* k_rows[64];
       const float* v_rows[64];
-      for (int64_t j = 0; j < keys; ++j) {
-        k_rows[j] = KvRow(a, a.k_pages, page, j, kv_head, kv_scratch + j * d_size);
-      }
-      for (int64_t r = h * head_rows; r < (h + 1) * head_rows; ++r) {
-        float* s = scores + r * b_size;
-        const int64_t pos = row_pos[r - h * head_rows];
-        float page_max = -std::numeric_limits<float>::infinity();
-        int64_t j4 = 0;
-        if (d_size % 8 == 0) {
-          for (; j4 + 4 <= keys; j4 += 4) _mm_storeu_ps(s + j4, Dot4(q + r * d_size, k_rows + j4, d_size));
+      const int64_t row_begin = h * head_rows;
+      const int64_t kv_offset = (page * b_size * a.kv_heads + kv_head) * d_size;  // slot 0's row of this head
+#ifdef __AVX512F__
+      const bool in_registers = a.kv_bf16 && (d_size == 64 || d_size == 128);
+#else
+      const bool in_registers = false;
+#endif
+      if (in_registers) {
+#ifdef __AVX512F__
+        const uint16_t* k_page = static_cast<const uint16_t*>(a.k_pages) + kv_offset;
+        const float* q_rows = q + row_begin * d_size;
+        float* s_rows = scores + row_begin * b_size;
+        if (d_size == 64) {
+          ScoresBf16<4>(q_rows, head_rows, k_page, a.kv_heads * d_size, keys, s_rows, b_size);
+        } else {
+          ScoresBf16<8>(q_rows, head_rows, k_page, a.kv_heads * d_size, keys, s_rows, b_size);
         }
-        for (int64_t j = j4; j < keys; ++j) s[j] = DotRow(q + r * d_size, k_rows[j], d_size);
+#endif
+      } else {
+        for (int64_t j = 0; j < keys; ++j) {
+          k_rows[j] = KvRow(a, a.k_pages, page, j, kv_head, kv_scratch + j * d_size);
+        }
+        for (int64_t r = row_begin; r < row_begin + head_rows; ++r) {
+          float* s = scores + r * b_size;
+          int64_t j4 = 0;
+          if (d_size % 8 == 0) {
+            for (; j4 + 4 <= keys; j4 += 4) _mm_storeu_ps(s + j4, Dot4(q + r * d_size, k_rows + j4, d_size));
+          }
+          for (int64_t j = j4; j < keys; ++j) s[j] = DotRow(q + r * d_size, k_rows[j], d_size);
+        }
+      }
+      for (int64_t r = row_begin; r < row_begin + head_rows; ++r) {
+        float* s = scores + r * b_size;
+        const int64_t pos = row_pos[r - row_begin];
+        float page_max = -std::numeric_limits<float>::infinity();
         const bool all_visible = a.soft_cap <= 0 && key_begin + keys - 1 <= pos &&
                                  (a.sliding_window <= 0 || key_begin > pos - a.sliding_window);
         if (all_visible) {  // the usual case, without a branch per key
@@ -850,6 +962,16 @@ void AttendItem(const AttentionArgs& a, const AttentionItem& item) {
         row_max[r] = new_max;
         float page_sum = 0.0f;
         int64_t j = 0;
+#ifdef __AVX512F__
+        for (; j + 16 <= b_size; j += 16) {
+          const __m512 score = _mm512_loadu_ps(s + j);
+          const __mmask16 visible = _mm512_cmp_ps_mask(score, _mm512_set1_ps(-std::numeric_limits<float>::infinity()),
+                                                       _CMP_NEQ_OQ);
+          const __m512 e = _mm512_maskz_mov_ps(visible, ExpNonPositive16(_mm512_sub_ps(score, _mm512_set1_ps(new_max))));
+          _mm512_storeu_ps(s + j, e);
+          page_sum += _mm512_reduce_add_ps(e);
+        }
+#endif
         for (; j + 8 <= b_size; j += 8) {
           const __m256 score = _mm256_loadu_ps(s + j);
           const __m256 masked = _mm256_cmp_ps(score, _mm256_set1_ps(-std::numeric_limits<float>::infinity()),
@@ -868,10 +990,23 @@ void AttendItem(const AttentionArgs& a, const AttentionItem& item) {
           for (int64_t d = 0; d < d_size; ++d) out_row[d] *= correction;
         }
       }
+      if (in_registers) {
+#ifdef __AVX512F__
+        const uint16_t* v_page = static_cast<const uint16_t*>(a.v_pages) + kv_offset;
+        float* out_rows = acc + row_begin * d_size;
+        const float* p_rows = scores + row_begin * b_size;
+        if (d_size == 64) {
+          AccumulateRowsBf16<4>(out_rows, head_rows, p_rows, b_size, v_page, a.kv_heads * d_size, keys);
+        } else {
+          AccumulateRowsBf16<8>(out_rows, head_rows, p_rows, b_size, v_page, a.kv_heads * d_size, keys);
+        }
+#endif
+        continue;
+      }
       for (int64_t j = 0; j < keys; ++j) {
         v_rows[j] = KvRow(a, a.v_pages, page, j, kv_head, kv_scratch + (b_size + j) * d_size);
       }
-      for (int64_t r = h * head_rows; r < (h + 1) * head_rows; ++r) {
+      for (int64_t r = row_begin; r < row_begin + head_rows; ++r) {
         float* out_row = acc + r * d_size;
         const float* s = scores + r * b_size;
         if (d_size == 64) {
