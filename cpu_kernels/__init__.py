@@ -90,6 +90,7 @@ def _load() -> ctypes.CDLL | KernelUnavailable:
                                     platform="cpu")
         jax.ffi.register_ffi_target("jserve_decoder_layer", jax.ffi.pycapsule(lib.JserveDecoderLayer),
                                     platform="cpu")
+        jax.ffi.register_ffi_target("jserve_argmax", jax.ffi.pycapsule(lib.JserveArgmax), platform="cpu")
     except (OSError, AttributeError, KernelUnavailable) as error:
         return error if isinstance(error, KernelUnavailable) else KernelUnavailable(str(error))
     return lib
@@ -176,6 +177,16 @@ def matmul(x: jax.Array, w: jax.Array, out_features: int | None = None) -> jax.A
     rows = x.reshape(-1, k).astype(jnp.float32)
     out = jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32)
     return jax.ffi.ffi_call("jserve_matmul", out)(rows, w).reshape(*lead, n)
+
+
+def argmax(x: jax.Array) -> jax.Array:
+    """jnp.argmax(x, axis=-1) of float32 x[S, V] -> int32[S]: the first index of each row's maximum, a NaN counting
+    as the maximum. XLA CPU's argmax ran at ~1 ns an element (3.7 ms for 32 rows of a 49,152-token vocabulary)."""
+    _require()
+    if x.ndim != 2:
+        raise ValueError(f"argmax: x[S, V] expected, got {x.shape}")
+    out = jax.ShapeDtypeStruct((x.shape[0],), jnp.int32)
+    return jax.ffi.ffi_call("jserve_argmax", out)(x.astype(jnp.float32))
 
 
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,

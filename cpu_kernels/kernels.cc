@@ -600,6 +600,72 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   return ffi::Error::Success();
 }
 
+inline float MaxOf(const float* x, int64_t n) {
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  if (n >= 8) {
+    __m256 m = _mm256_loadu_ps(x);
+    for (i = 8; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    best = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  }
+  for (; i < n; ++i) best = std::max(best, x[i]);
+  return best;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Greedy sampling: the first index of each row's maximum, a NaN counting as the maximum (jnp.argmax's answer).
+// XLA CPU's argmax is a variadic reduce that ran at ~1 ns an element; this is two vector passes over the row.
+
+// The first i with pred(x[i .. i + 8)) set in its lane mask, or -1.
+template <typename Pred>
+int64_t FirstLane(const float* x, int64_t n, Pred pred) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const int mask = _mm256_movemask_ps(pred(_mm256_loadu_ps(x + i)));
+    if (mask != 0) return i + __builtin_ctz(static_cast<unsigned>(mask));
+  }
+  for (; i < n; ++i) {
+    const int mask = _mm256_movemask_ps(pred(_mm256_set1_ps(x[i])));
+    if (mask != 0) return i;
+  }
+  return -1;
+}
+
+int32_t ArgmaxRow(const float* x, int64_t n) {
+  __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 nan = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    best = _mm256_max_ps(best, v);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  float top = MaxOf(reinterpret_cast<const float*>(&best), 8);
+  bool has_nan = _mm256_movemask_ps(nan) != 0;
+  for (; i < n; ++i) {
+    has_nan |= std::isnan(x[i]);
+    top = std::max(top, x[i]);
+  }
+  if (has_nan) {
+    return static_cast<int32_t>(FirstLane(x, n, [](__m256 v) { return _mm256_cmp_ps(v, v, _CMP_UNORD_Q); }));
+  }
+  const __m256 target = _mm256_set1_ps(top);
+  const int64_t first = FirstLane(x, n, [target](__m256 v) { return _mm256_cmp_ps(v, target, _CMP_EQ_OQ); });
+  return static_cast<int32_t>(std::max<int64_t>(first, 0));  // a row of -inf: index 0, as jnp.argmax
+}
+
+ffi::Error ArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> out) {
+  const auto dims = x.dimensions();
+  if (dims.size() != 2 || dims[1] == 0) return ffi::Error::InvalidArgument("jserve_argmax: expected x[S, V > 0]");
+  const float* rows = x.typed_data();
+  int32_t* ids = out->typed_data();
+  const int64_t vocab = dims[1];
+  RunPhases(pool, {{dims[0], [=](int64_t r) { ids[r] = ArgmaxRow(rows + r * vocab, vocab); }}});
+  return ffi::Error::Success();
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Ragged paged attention. One work item is (sequence, block of up to kQueryBlock query tokens, KV heads): its rows
 // are those tokens times the query heads sharing each KV head (GQA). Pages are visited once per item, in order,
@@ -706,19 +772,6 @@ inline void PrefetchPage(const AttentionArgs& a, int64_t page, int64_t kv_head) 
   }
 }
 
-inline float MaxOf(const float* x, int64_t n) {
-  float best = -std::numeric_limits<float>::infinity();
-  int64_t i = 0;
-  if (n >= 8) {
-    __m256 m = _mm256_loadu_ps(x);
-    for (i = 8; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    best = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-  }
-  for (; i < n; ++i) best = std::max(best, x[i]);
-  return best;
-}
 
 // Four dot products q . k_i at once (size a multiple of 8); the four horizontal sums share three hadds.
 inline __m128 Dot4Avx2(const float* q, const float* const* k, int64_t size) {
@@ -1404,6 +1457,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JservePagedAttention, PagedAttentionImpl,
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveArgmax, ArgmaxImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveDecoderLayer, DecoderLayerImpl,
                               ffi::Ffi::Bind()

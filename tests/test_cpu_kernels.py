@@ -81,6 +81,21 @@ def test_bfloat16_models_load_with_packed_weights(hf_model_dir):
     assert dtypes == {"uint32"}
 
 
+def test_argmax_matches_numpy_with_ties_nans_and_infinities():
+    """The greedy sampler's argmax: numpy's answer (first maximum; a NaN counts as the maximum)."""
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((7, 1037)).astype(np.float32)
+    x[1, [5, 900]] = 50.0  # a tie: the first wins
+    x[2, 1036] = 60.0  # in the scalar tail
+    x[3, [17, 400]] = np.nan  # the first NaN wins
+    x[4] = -np.inf
+    x[5, 3] = np.inf
+    x[6, 1030] = np.nan
+    got = np.asarray(jax.jit(cpu_kernels.argmax)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    assert got.dtype == np.int32
+
+
 def test_matmul_keeps_leading_axes_and_rejects_bad_shapes():
     x = jnp.ones((2, 3, 8), jnp.float32)
     w = jnp.full((5, 8), 0.5, jnp.float32)

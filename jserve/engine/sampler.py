@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import cpu_kernels
 from jserve.engine.sequence import Sequence
 from jserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -57,6 +58,7 @@ class SamplingMetadata:
     needs_penalties: bool = _static(False)  # some row has a penalty and a non-empty history
     needs_filters: bool = _static(False)  # some sampled row uses top-k, top-p or min-p (costs a sort)
     num_logprobs: int = _static(0)  # K of the top-K logprobs returned: 0 or MAX_LOGPROBS
+    needs_logprobs: bool = _static(False)  # some row wants logprobs (else they are not computed: zeros)
 
 
 @jax.tree_util.register_dataclass
@@ -117,6 +119,7 @@ def build_metadata(seqs: list[Sequence], pad_to: int,
         needs_penalties=history_ids.shape[1] > 0,
         needs_filters=any(_has_filter(*d[1:]) for d in draw),
         num_logprobs=MAX_LOGPROBS if any(p.logprobs for p in params) else 0,
+        needs_logprobs=any(p.logprobs is not None for p in params),
     )
 
 
@@ -203,16 +206,27 @@ def _bias(seqs: list[Sequence], pad_to: int) -> tuple[np.ndarray, np.ndarray]:
 def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
     """Pick one token per row of logits f32[S, V]; the static flags in meta choose which work is compiled."""
     logits = logits.astype(jnp.float32)
-    lse = jax.nn.logsumexp(logits, axis=-1)  # normaliser of the raw logprobs
     x = _apply_bias(logits, meta.bias_ids, meta.bias_values)
     if meta.needs_penalties:
         x = _apply_penalties(x, meta)
-    token_ids = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    token_ids = _argmax(x)
     if not meta.all_greedy:
         token_ids = jnp.where(meta.temperature == 0, token_ids, _draw(x, meta))
+    if not meta.needs_logprobs:  # a logsumexp over the whole vocabulary is not free: skip it when nobody asks
+        rows = logits.shape[0]
+        return SamplerOutput(token_ids=token_ids, logprobs=jnp.zeros(rows, jnp.float32),
+                             top_ids=jnp.zeros((rows, 0), jnp.int32), top_logprobs=jnp.zeros((rows, 0), jnp.float32))
+    lse = jax.nn.logsumexp(logits, axis=-1)  # normaliser of the raw logprobs
     chosen = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0] - lse
     top_ids, top_logprobs = _top_logprobs(logits, lse, meta.num_logprobs)
     return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)
+
+
+def _argmax(x: jax.Array) -> jax.Array:
+    """jnp.argmax over the vocabulary; on CPU the C++ kernel (XLA CPU's argmax is ~20x slower; same answer)."""
+    if jax.default_backend() == "cpu" and cpu_kernels.available():
+        return cpu_kernels.argmax(x)
+    return jnp.argmax(x, axis=-1).astype(jnp.int32)
 
 
 def _drop_padding(ids: jax.Array, vocab: int) -> jax.Array:
