@@ -4,8 +4,10 @@
 
 Matmuls: each of the model's weights ([out, in]) times x[M, in] for decode (M = 1..32) and prefill (M = 64..512)
 row counts, XLA's dot_general (bf16 x with an f32 result, as the reference path runs it) against
-cpu_kernels.matmul. Attention: one layer of 32 decodes over 200 cached tokens, the gathering reference against the
-kernel, with a bf16 (uint16 bits) cache. Each figure is the mean of 30 calls after one untimed call.
+cpu_kernels.matmul, and on a CPU that packs weights (cpu_kernels.packs_weights) the same kernel on the weight
+packed once (cpu_kernels.pack_weight, as the loader does). Attention: one layer of 32 decodes over 200
+cached tokens, the gathering reference against the kernel, with a bf16 (uint16 bits) cache. Each figure is the
+mean of 30 calls after one untimed call.
 """
 
 from __future__ import annotations
@@ -39,17 +41,20 @@ def main() -> None:
     rng = np.random.default_rng(0)
     xla = jax.jit(lambda x, w: jax.lax.dot_general(x.astype(w.dtype), w, (((1,), (1,)), ((), ())),
                                                    preferred_element_type=jnp.float32))
-    kernel = jax.jit(cpu_kernels.matmul)
-    print("matmul, ms per call as XLA / kernel")
+    kernel = jax.jit(cpu_kernels.matmul, static_argnums=2)
+    print("matmul, ms per call as XLA / kernel (/ kernel on the weight packed, where this CPU packs that dtype)")
     for dtype in ("float32", "bfloat16"):
         for name, (out_features, in_features) in SHAPES.items():
             w = jnp.asarray(rng.standard_normal((out_features, in_features), np.float32)).astype(dtype)
+            packed = jnp.asarray(cpu_kernels.pack_weight(np.asarray(w))) if cpu_kernels.packs_weights(dtype) else None
             cells = []
             for rows in ROWS:
                 x = jnp.asarray(rng.standard_normal((rows, in_features), np.float32))
                 calls = 5 if name == "lm_head" else 30
-                xla_ms, kernel_ms = mean_ms(xla, x, w, calls=calls), mean_ms(kernel, x, w, calls=calls)
-                cells.append(f"M={rows}: {xla_ms:.3f}/{kernel_ms:.3f}")
+                times = [mean_ms(xla, x, w, calls=calls), mean_ms(kernel, x, w, None, calls=calls)]
+                if packed is not None:
+                    times.append(mean_ms(kernel, x, packed, out_features, calls=calls))
+                cells.append(f"M={rows}: " + "/".join(f"{t:.3f}" for t in times))
             print(f"{dtype:9s} {name:8s}", " | ".join(cells), flush=True)
 
     seqs, context, heads, kv_heads, head_dim, page_size = 32, 200, 9, 3, 64, 16

@@ -43,15 +43,16 @@ serve_bench() {  # URL NAME [extra bench flags]
   echo "-- $name"
   grep -E "Successful|Failed|duration|Output token|Median TTFT|P99 TTFT|Median TPOT|Median ITL" "$OUT/serve_$name.txt"
 }
-jserve_server() {  # TREE DTYPE PORT NAME [extra server flags]; prints the pid
+jserve_server() {  # TREE DTYPE PORT NAME [extra server flags]; sets SERVER to its pid
   local tree=$1 dtype=$2 port=$3 name=$4
   shift 4
   (cd "$tree" && exec python3 -m jserve serve --model $M --dtype $dtype --port $port --served-model-name bench \
     --max-num-seqs 32 --max-num-batched-tokens 512 --kv-cache-memory-bytes 268435456 "$@" \
     > "$OUT/server_$name.log" 2>&1) &
-  echo $!
+  SERVER=$!
 }
 wait_healthy() { for _ in $(seq 1 150); do curl -sf "localhost:$1/health" > /dev/null && return; sleep 2; done; }
+stop_server() { kill $SERVER; wait $SERVER 2> /dev/null; }  # waits out the drain: the next server takes the port
 RANDOM_128=(--dataset random --random-input-len 128 --random-output-len 128 --num-prompts $N --max-concurrency 32)
 
 for dtype in bfloat16 float32; do
@@ -60,17 +61,17 @@ for dtype in bfloat16 float32; do
   echo "### serving, $dtype, 128 in / 128 out, $N requests at 32 concurrent"
   for tree in "${trees[@]}"; do
     name=jserve-$dtype-$(basename "$tree")
-    SERVER=$(jserve_server "$tree" $dtype 8301 $name --max-model-len 512)
+    jserve_server "$tree" $dtype 8301 $name --max-model-len 512
     wait_healthy 8301
     serve_bench http://127.0.0.1:8301 $name "${RANDOM_128[@]}"
-    kill $SERVER; wait $SERVER 2> /dev/null
+    stop_server
   done
   LD_LIBRARY_PATH=$B $B/llama-server -m ~/.cache/jserve/bench-135m-$gguf.gguf --port 8302 -np 32 -c 12288 -t 2 \
     > "$OUT/llama_server_$dtype.log" 2>&1 &
   SERVER=$!
   wait_healthy 8302
   serve_bench http://127.0.0.1:8302 llama-server-$dtype "${RANDOM_128[@]}"
-  kill $SERVER; wait $SERVER 2> /dev/null
+  stop_server
 done
 
 offline() {  # TREE ARGS...: jserve bench throughput's summary line
@@ -101,10 +102,10 @@ echo "### TTFT with a shared 1,024-token prefix (16 requests one at a time), pre
 PREFIX=(--dataset prefix-repetition --prefix-repetition-prefix-len 1024 --prefix-repetition-suffix-len 16
   --prefix-repetition-num-prefixes 1 --prefix-repetition-output-len 16 --num-prompts 16 --max-concurrency 1)
 for flag in --enable-prefix-caching --no-enable-prefix-caching; do
-  SERVER=$(jserve_server "$HERE" bfloat16 8303 prefix$flag --max-model-len 2048 $flag)
+  jserve_server "$HERE" bfloat16 8303 prefix$flag --max-model-len 2048 $flag
   wait_healthy 8303
   serve_bench http://127.0.0.1:8303 prefix$flag "${PREFIX[@]}"
-  kill $SERVER; wait $SERVER 2> /dev/null
+  stop_server
 done
 
 echo "### warm-up, bf16, max_model_len 512, max_num_batched_tokens 512: cold, then with the compile cache"

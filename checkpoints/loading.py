@@ -62,7 +62,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
     shapes = {path: (leaf.shape, np.dtype(leaf.dtype)) for path, leaf in _flatten(pure)}
     axes = {tuple(path): var.get_metadata().get("logical_axes") for path, var in nnx.to_flat_state(state)}
 
-    packed = _packed_paths(config) if _packs_weights(attention_backend, param_dtype, mesh) else set()
+    packed = _packed_paths(config, param_dtype) if _packs_weights(attention_backend, param_dtype, mesh) else set()
 
     def place(path: tuple, source: ParamSource) -> jax.Array:
         if mesh is None:
@@ -78,18 +78,19 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
 
 
 def _packs_weights(attention_backend: str, dtype: jnp.dtype, mesh: Mesh | None) -> bool:
-    """The cpu backend packs bfloat16 matmul weights once for its kernels (cpu_kernels.pack_weight), unsharded."""
-    return attention_backend == "cpu" and dtype == jnp.bfloat16 and mesh is None and cpu_kernels.packs_weights()
+    """The cpu backend packs matmul weights once for its kernels (cpu_kernels.pack_weight), unsharded."""
+    return attention_backend == "cpu" and mesh is None and cpu_kernels.packs_weights(dtype)
 
 
-def _packed_paths(config: ModelConfig) -> set[tuple]:
+def _packed_paths(config: ModelConfig, dtype: jnp.dtype) -> set[tuple]:
     """The parameters only the kernels' matmuls read: every projection and the LM head (a tied embedding table
     too: its lookup reads the packed rows, cpu_kernels.packed_rows)."""
     projections = [("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj")]
     paths = {("layers", i, *module, "weight") for i in range(config.num_layers) for module in projections}
     paths.add(("embed_tokens",) if config.tie_word_embeddings else ("lm_head",))
-    if any(size % 2 for size in (config.hidden_size, config.q_size, config.intermediate_size)):
-        return set()  # the packed layout pairs adjacent inputs
+    sizes = (config.hidden_size, config.q_size, config.intermediate_size)
+    if dtype == jnp.bfloat16 and any(size % 2 for size in sizes):
+        return set()  # the bfloat16 layout pairs adjacent inputs
     return paths
 
 

@@ -96,38 +96,51 @@ def _load() -> ctypes.CDLL | KernelUnavailable:
     return lib
 
 
-def packs_weights() -> bool:
-    """Whether bfloat16 matmul weights are packed once at load time (pack_weight): on CPUs with AVX512-BF16, where
-    the kernels take every batch size (not with AMX, whose large batches go to XLA's dot on plain weights)."""
+def packs_weights(dtype: str | jnp.dtype) -> bool:
+    """Whether matmul weights of this dtype are packed once at load time (pack_weight): bfloat16 on CPUs with
+    AVX512-BF16, float32 on CPUs with AVX-512, where the kernels take every batch size (not with AMX, whose large
+    batches go to XLA's dot on plain weights)."""
     flags = _cpu_flags()
-    return available() and {"avx512f", "avx512bw", "avx512_bf16"} <= flags and "amx_bf16" not in flags
+    if not available() or "amx_bf16" in flags:
+        return False
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.bfloat16:
+        return {"avx512f", "avx512bw", "avx512_bf16"} <= flags
+    return dtype == jnp.float32 and "avx512f" in flags
 
 
-PANEL_ROWS = 16  # weight rows per packed panel (kPanel in kernels.cc); N is padded to whole pairs of panels
+PACKED_ROWS = 32  # weight rows per packed block (two 16-row panels in kernels.cc); N is padded to whole blocks
 
 
 def pack_weight(w: np.ndarray) -> np.ndarray:
-    """A bfloat16 [N, K] weight (K even) in the kernels' panel layout: uint32 [N_pad / 16, K / 2, 16], where panel p
-    holds rows 16p .. 16p + 15 as bfloat16 pairs (w[n, 2k], w[n, 2k + 1]) and N_pad rounds N up to a multiple of 32.
-    Packed once, the weight is read front to back by every matmul, with no per-call repacking."""
+    """A [N, K] weight in the kernels' packed layout: N padded to a multiple of 32 and block b holding rows
+    32b .. 32b + 31 k-major: bfloat16 (K even) as uint32 [N_pad / 32, K / 2, 32] pairs (w[n, 2k], w[n, 2k + 1]),
+    float32 as float32 [N_pad / 32, K, 32]. Packed once, the weight is read front to back by every matmul."""
     n, k = w.shape
-    if w.dtype != jnp.bfloat16 or k % 2:
-        raise ValueError(f"pack_weight: a bfloat16 [N, K] weight with K even expected, got {w.shape} {w.dtype}")
-    n_pad = -(-n // (2 * PANEL_ROWS)) * 2 * PANEL_ROWS
-    bits = np.zeros((n_pad, k), np.uint16)
-    bits[:n] = np.asarray(w).view(np.uint16)
-    pairs = bits.view(np.uint32)  # [N_pad, K / 2]: little-endian, so the low half is the even k
-    return np.ascontiguousarray(pairs.reshape(n_pad // PANEL_ROWS, PANEL_ROWS, k // 2).transpose(0, 2, 1))
+    if w.dtype not in (jnp.bfloat16, jnp.float32) or (w.dtype == jnp.bfloat16 and k % 2):
+        raise ValueError(f"pack_weight: a float32 or bfloat16 [N, K] weight (K even) expected, got {w.shape} "
+                         f"{w.dtype}")
+    n_pad = -(-n // PACKED_ROWS) * PACKED_ROWS
+    if w.dtype == jnp.float32:
+        rows = np.zeros((n_pad, k), np.float32)
+        rows[:n] = w
+    else:
+        bits = np.zeros((n_pad, k), np.uint16)
+        bits[:n] = np.asarray(w).view(np.uint16)
+        rows = bits.view(np.uint32)  # [N_pad, K / 2]: little-endian, so the low half is the even k
+    return np.ascontiguousarray(rows.reshape(n_pad // PACKED_ROWS, PACKED_ROWS, -1).transpose(0, 2, 1))
 
 
 def is_packed(w: jax.Array) -> bool:
-    return w.dtype == jnp.uint32 and w.ndim == 3 and w.shape[2] == PANEL_ROWS
+    return w.ndim == 3 and w.shape[2] == PACKED_ROWS and w.dtype in (jnp.uint32, jnp.float32)
 
 
 def packed_rows(w: jax.Array, ids: jax.Array) -> jax.Array:
     """Rows ids[T] of a packed weight as float32 [T, K] (an embedding lookup in a tied, packed table)."""
-    pairs = w[ids // PANEL_ROWS, :, ids % PANEL_ROWS]  # [T, K / 2] uint32
-    halves = jax.lax.bitcast_convert_type(pairs, jnp.uint16)  # [T, K / 2, 2], low half first
+    rows = w[ids // PACKED_ROWS, :, ids % PACKED_ROWS]  # [T, K / 2] uint32 pairs, or [T, K] float32
+    if w.dtype == jnp.float32:
+        return rows
+    halves = jax.lax.bitcast_convert_type(rows, jnp.uint16)  # [T, K / 2, 2], low half first
     return jax.lax.bitcast_convert_type(halves.reshape(ids.shape[0], -1), jnp.bfloat16).astype(jnp.float32)
 
 
@@ -164,8 +177,8 @@ def matmul(x: jax.Array, w: jax.Array, out_features: int | None = None) -> jax.A
     and the products accumulate in float32."""
     _require()
     if is_packed(w):
-        k, n = 2 * w.shape[1], out_features
-        if n is None or w.shape[0] * PANEL_ROWS != -(-n // (2 * PANEL_ROWS)) * 2 * PANEL_ROWS:
+        k, n = (2 if w.dtype == jnp.uint32 else 1) * w.shape[1], out_features
+        if n is None or w.shape[0] * PACKED_ROWS != -(-n // PACKED_ROWS) * PACKED_ROWS:
             raise ValueError(f"matmul: a packed weight {w.shape} needs the out_features it was packed from, got {n}")
     elif w.ndim == 2 and w.dtype in (jnp.float32, jnp.bfloat16):
         k, n = w.shape[1], w.shape[0]

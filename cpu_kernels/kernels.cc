@@ -7,7 +7,9 @@
 // and run a whole decoder layer in one call, so a step pays per-op costs once per layer, not fifteen times.
 //
 //   jserve_matmul:          y f32[M, N] = x[M, K] . w[N, K]^T   (w float32, or bfloat16 as uint16 bits: then x is
-//                           rounded to bfloat16 first, as XLA's dot of x.astype(bfloat16) does)
+//                           rounded to bfloat16 first, as XLA's dot of x.astype(bfloat16) does; or w packed once
+//                           at load time, cpu_kernels.pack_weight)
+//   jserve_argmax:          the first index of each row's maximum (the greedy sampler's argmax)
 //   jserve_paged_attention: the spec of pallas_kernels/interface.py, with float32 q and out, K/V f32 or bf16 bits.
 //   jserve_decoder_layer:   one Llama-family decoder layer (jserve/models/llama.py's DecoderLayer) over a ragged
 //                           batch: norm, qkv, q/k norm, rotary, the K/V write, attention, o, norm, gate/up, SiLU,
@@ -413,15 +415,15 @@ void MatmulPanel(const MatmulJob<X, W>& job, int64_t n_begin) {
 constexpr int64_t kBf16TileRows = 12;  // 24 accumulators + 2 weight vectors + 1 broadcast of 32 registers
 
 template <int64_t R>
-void PanelTileBf16(const uint16_t* x, int64_t k_size, const float* panel_a, const float* panel_b,
+void PackedTile(const uint16_t* x, int64_t k_size, const float* panel_a, const float* panel_b, int64_t stride,
                    float tile[][2 * kPanel]) {
   __m512 acc[R][2];
 #pragma GCC unroll 16
   for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const int64_t pairs = k_size / 2;
   for (int64_t kp = 0; kp < pairs; ++kp) {
-    const __m512bh wa = reinterpret_cast<__m512bh>(_mm512_loadu_ps(panel_a + kp * kPanel));
-    const __m512bh wb = reinterpret_cast<__m512bh>(_mm512_loadu_ps(panel_b + kp * kPanel));
+    const __m512bh wa = reinterpret_cast<__m512bh>(_mm512_loadu_ps(panel_a + kp * stride));
+    const __m512bh wb = reinterpret_cast<__m512bh>(_mm512_loadu_ps(panel_b + kp * stride));
 #pragma GCC unroll 16
     for (int64_t r = 0; r < R; ++r) {
       int32_t pair;
@@ -468,11 +470,11 @@ void MatmulPanel(const MatmulJob<uint16_t, uint16_t>& job, int64_t n_begin) {
     const int64_t tile_rows = rows > 8 ? 12 : rows > 4 ? 8 : 4;
     const uint16_t* x = TileRows(job, m, tile_rows, x_tail);
     if (tile_rows == 12) {
-      PanelTileBf16<12>(x, k_size, panels.data(), panel_b, tile);
+      PackedTile<12>(x, k_size, panels.data(), panel_b, kPanel, tile);
     } else if (tile_rows == 8) {
-      PanelTileBf16<8>(x, k_size, panels.data(), panel_b, tile);
+      PackedTile<8>(x, k_size, panels.data(), panel_b, kPanel, tile);
     } else {
-      PanelTileBf16<4>(x, k_size, panels.data(), panel_b, tile);
+      PackedTile<4>(x, k_size, panels.data(), panel_b, kPanel, tile);
     }
     for (int64_t r = 0; r < rows; ++r) EmitRow(job, m + r, n_begin, tile[r], cols);
   }
@@ -488,35 +490,70 @@ int64_t PanelCols() {
   return kPanel;
 }
 
-#ifdef JSERVE_AVX512_BF16
-// Weights packed once at load time (cpu_kernels.pack_weight): uint32 [N_pad / 16, K / 2, 16], panel p holding rows
-// 16p .. 16p + 15 as bfloat16 pairs (w[n, 2kp], w[n, 2kp + 1]), N_pad a multiple of 32. Every batch size runs the
-// same tiles straight over them: nothing is packed per call, and each pair of panels is one forward stream.
-using PackedJob = MatmulJob<uint16_t, uint32_t>;
+// Weights packed once at load time (cpu_kernels.pack_weight), N_pad a multiple of 32, block b holding rows
+// 32b .. 32b + 31 k-major: bfloat16 as uint32 pairs [N_pad / 32, K / 2, 32] (w[n, 2kp], w[n, 2kp + 1]), float32 as
+// [N_pad / 32, K, 32]. Every batch size runs the same 1-12 row tiles straight over them: nothing is packed per call,
+// and each block is one forward stream (two 16-column panels interleaved a k at a time).
+struct F32Panels {};  // the weight type of a packed float32 job (its pointer is the panels' floats)
 
-void MatmulPacked(const PackedJob& job, int64_t pair) {
-  thread_local std::vector<uint16_t> x_tail;
-  const int64_t pairs = job.k_size / 2, n_begin = pair * 2 * kPanel;
-  const float* panel_a = reinterpret_cast<const float*>(job.w + 2 * pair * pairs * kPanel);
-  const float* panel_b = panel_a + pairs * kPanel;
+#ifdef __AVX512F__
+template <int64_t R>
+void PackedTile(const float* x, int64_t k_size, const float* panel_a, const float* panel_b, int64_t stride,
+                float tile[][2 * kPanel]) {
+  __m512 acc[R][2];
+#pragma GCC unroll 16
+  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_size; ++k) {
+    const __m512 wa = _mm512_loadu_ps(panel_a + k * stride);
+    const __m512 wb = _mm512_loadu_ps(panel_b + k * stride);
+#pragma GCC unroll 16
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * k_size + k]);
+      acc[r][0] = _mm512_fmadd_ps(xv, wa, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xv, wb, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int64_t r = 0; r < R; ++r) {
+    _mm512_storeu_ps(tile[r], acc[r][0]);
+    _mm512_storeu_ps(tile[r] + kPanel, acc[r][1]);
+  }
+}
+
+inline int64_t PanelLength(const uint16_t*, int64_t k_size) { return k_size / 2 * kPanel; }  // in 4-byte units
+inline int64_t PanelLength(const float*, int64_t k_size) { return k_size * kPanel; }
+
+template <typename X, typename W>
+void MatmulPacked(const MatmulJob<X, W>& job, int64_t pair) {
+  thread_local std::vector<X> x_tail;
+  const int64_t length = PanelLength(job.x, job.k_size), n_begin = pair * 2 * kPanel;
+  const float* panel_a = reinterpret_cast<const float*>(job.w) + 2 * pair * length;  // 32 columns a k, interleaved
+  const float* panel_b = panel_a + kPanel;
   const int64_t cols = std::min(2 * kPanel, job.n_size - n_begin);
-  float tile[kBf16TileRows][2 * kPanel];
-  for (int64_t m = 0; m < job.m_size; m += kBf16TileRows) {
-    const int64_t rows = std::min(kBf16TileRows, job.m_size - m);
+  constexpr int64_t kMaxRows = 12;
+  float tile[kMaxRows][2 * kPanel];
+  for (int64_t m = 0; m < job.m_size; m += kMaxRows) {
+    const int64_t rows = std::min(kMaxRows, job.m_size - m);
     const int64_t tile_rows = rows > 8 ? 12 : rows > 4 ? 8 : rows > 2 ? 4 : rows;  // decode: exactly its rows
-    const uint16_t* x = TileRows(job, m, tile_rows, x_tail);
+    const X* x = TileRows(job, m, tile_rows, x_tail);
     switch (tile_rows) {
-      case 12: PanelTileBf16<12>(x, job.k_size, panel_a, panel_b, tile); break;
-      case 8: PanelTileBf16<8>(x, job.k_size, panel_a, panel_b, tile); break;
-      case 4: PanelTileBf16<4>(x, job.k_size, panel_a, panel_b, tile); break;
-      case 2: PanelTileBf16<2>(x, job.k_size, panel_a, panel_b, tile); break;
-      default: PanelTileBf16<1>(x, job.k_size, panel_a, panel_b, tile); break;
+      case 12: PackedTile<12>(x, job.k_size, panel_a, panel_b, 2 * kPanel, tile); break;
+      case 8: PackedTile<8>(x, job.k_size, panel_a, panel_b, 2 * kPanel, tile); break;
+      case 4: PackedTile<4>(x, job.k_size, panel_a, panel_b, 2 * kPanel, tile); break;
+      case 2: PackedTile<2>(x, job.k_size, panel_a, panel_b, 2 * kPanel, tile); break;
+      default: PackedTile<1>(x, job.k_size, panel_a, panel_b, 2 * kPanel, tile); break;
     }
     for (int64_t r = 0; r < rows; ++r) EmitRow(job, m + r, n_begin, tile[r], cols);
   }
 }
 
-Phase MatmulPhase(const PackedJob& job) {
+Phase MatmulPhase(const MatmulJob<float, F32Panels>& job) {
+  return {Blocks(job.n_size, 2 * kPanel), [job](int64_t pair) { MatmulPacked(job, pair); }};
+}
+#endif
+
+#ifdef JSERVE_AVX512_BF16
+Phase MatmulPhase(const MatmulJob<uint16_t, uint32_t>& job) {
   return {Blocks(job.n_size, 2 * kPanel), [job](int64_t pair) { MatmulPacked(job, pair); }};
 }
 #endif
@@ -545,7 +582,8 @@ Phase RoundRowsPhase(const float* x, uint16_t* out, int64_t rows, int64_t cols) 
           }};
 }
 
-// A weight's [N, K] as stored: plain [N, K], or packed uint32 [N_pad / 16, K / 2, 16] holding N_pad >= N rows.
+// A weight's [N, K] as stored: plain [N, K], or packed (N_pad >= N rows): bfloat16 pairs uint32 [N_pad / 32, K / 2,
+// 32] or float32 [N_pad / 32, K, 32].
 struct WeightShape {
   int64_t rows = -1, cols = -1;
   bool packed = false;
@@ -553,10 +591,11 @@ struct WeightShape {
 
 WeightShape ShapeOf(const ffi::AnyBuffer& w) {
   const auto dims = w.dimensions();
-  if (w.element_type() == ffi::DataType::U32 && dims.size() == 3 && dims[2] == kPanel) {
-    return {dims[0] * kPanel, dims[1] * 2, true};
+  const ffi::DataType type = w.element_type();
+  if (dims.size() == 3 && dims[2] == 2 * kPanel && (type == ffi::DataType::U32 || type == ffi::DataType::F32)) {
+    return {dims[0] * 2 * kPanel, type == ffi::DataType::U32 ? dims[1] * 2 : dims[1], true};
   }
-  if (dims.size() == 2 && w.element_type() != ffi::DataType::U32) return {dims[0], dims[1], false};
+  if (dims.size() == 2 && type != ffi::DataType::U32) return {dims[0], dims[1], false};
   return {};
 }
 
@@ -574,15 +613,23 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
     return ffi::Error::InvalidArgument("jserve_matmul: expected x[M, K], w[N, K] (or packed) and y[M, N]");
   }
   const int64_t m_size = x_dims[0], k_size = x_dims[1], n_size = y->dimensions()[1];
-  if (shape.packed) {
+  if (shape.packed && w.element_type() == ffi::DataType::U32) {
 #ifdef JSERVE_AVX512_BF16
     thread_local std::vector<uint16_t> x_bf16;
     x_bf16.resize(static_cast<size_t>(m_size * k_size));
-    const PackedJob job{x_bf16.data(), static_cast<const uint32_t*>(w.untyped_data()), y->typed_data(), nullptr,
-                        false, m_size, n_size, k_size};
+    const MatmulJob<uint16_t, uint32_t> job{x_bf16.data(), static_cast<const uint32_t*>(w.untyped_data()),
+                                            y->typed_data(), nullptr, false, m_size, n_size, k_size};
     RunPhases(pool, {RoundRowsPhase(x.typed_data(), x_bf16.data(), m_size, k_size), MatmulPhase(job)});
 #else
-    return ffi::Error::InvalidArgument("jserve_matmul: packed weights need a CPU with AVX512-BF16");
+    return ffi::Error::InvalidArgument("jserve_matmul: packed bfloat16 weights need a CPU with AVX512-BF16");
+#endif
+  } else if (shape.packed) {
+#ifdef __AVX512F__
+    const MatmulJob<float, F32Panels> job{x.typed_data(), static_cast<const F32Panels*>(w.untyped_data()),
+                                          y->typed_data(), nullptr, false, m_size, n_size, k_size};
+    RunPhases(pool, {MatmulPhase(job)});
+#else
+    return ffi::Error::InvalidArgument("jserve_matmul: packed float32 weights need a CPU with AVX-512");
 #endif
   } else if (IsBf16Bits(w.element_type())) {
     thread_local std::vector<uint16_t> x_bf16;
@@ -1280,7 +1327,7 @@ template <typename W>
 void RunDecoderLayer(ffi::ThreadPool& pool, const LayerShape& s, const LayerWeights<W>& w, AttentionArgs& a,
                      const std::vector<AttentionItem>& items, void* k_pages, void* v_pages) {
   // Matmul inputs: float32, or bfloat16 bits for bfloat16 weights (plain, or packed as uint32 pairs).
-  using X = std::conditional_t<std::is_same_v<W, float>, float, uint16_t>;
+  using X = std::conditional_t<std::is_same_v<W, float> || std::is_same_v<W, F32Panels>, float, uint16_t>;
   const int64_t t_size = s.tokens, e = s.hidden, i_size = s.intermediate, d = a.head_dim;
   const int64_t q_size = a.num_heads * d, kv_size = a.kv_heads * d, qkv_size = q_size + 2 * kv_size;
   const int64_t num_slots = a.num_pages * a.page_size;
@@ -1389,7 +1436,9 @@ ffi::Error DecoderLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   const ffi::DataType w_type = qkv.element_type();
   const bool same_type = o.element_type() == w_type && gate_up.element_type() == w_type &&
                          down.element_type() == w_type;
-  if (!same_type || !(IsBf16Bits(w_type) || w_type == ffi::DataType::F32 || qkv_shape.packed) || d > 512 ||
+  const bool all_packed = qkv_shape.packed && o_shape.packed && gate_up_shape.packed && down_shape.packed;
+  if (!same_type || qkv_shape.packed != all_packed || !(IsBf16Bits(w_type) || w_type == ffi::DataType::F32 ||
+                                                       all_packed) || d > 512 ||
       d % 2 != 0 || !Holds(qkv_shape, q_size + 2 * kv_size, e) || !Holds(o_shape, e, q_size) ||
       !Holds(gate_up_shape, 2 * i_size, e) || !Holds(down_shape, e, i_size) ||
       static_cast<int64_t>(inv_freq.element_count()) != d / 2 ||
@@ -1415,13 +1464,21 @@ ffi::Error DecoderLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   if (valid.failure()) return valid;
   const LayerShape shape{real_tokens, e, i_size, eps, x.typed_data(), x_out->typed_data(), positions.typed_data(),
                          slot_mapping.typed_data(), inv_freq.typed_data()};
-  if (qkv_shape.packed) {
+  if (qkv_shape.packed && w_type == ffi::DataType::U32) {
 #ifdef JSERVE_AVX512_BF16
     RunDecoderLayer(pool, shape, Weights<uint32_t>(input_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, post_norm,
                                                    gate_up, gate_up_bias, down, down_bias),
                     a, items, k_pages->untyped_data(), v_pages->untyped_data());
 #else
-    return ffi::Error::InvalidArgument("jserve_decoder_layer: packed weights need a CPU with AVX512-BF16");
+    return ffi::Error::InvalidArgument("jserve_decoder_layer: packed bfloat16 weights need a CPU with AVX512-BF16");
+#endif
+  } else if (qkv_shape.packed) {
+#ifdef __AVX512F__
+    RunDecoderLayer(pool, shape, Weights<F32Panels>(input_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, post_norm,
+                                                    gate_up, gate_up_bias, down, down_bias),
+                    a, items, k_pages->untyped_data(), v_pages->untyped_data());
+#else
+    return ffi::Error::InvalidArgument("jserve_decoder_layer: packed float32 weights need a CPU with AVX-512");
 #endif
   } else if (IsBf16Bits(w_type)) {
     RunDecoderLayer(pool, shape, Weights<uint16_t>(input_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, post_norm,

@@ -37,22 +37,26 @@ def test_matmul_matches_numpy(rows, in_features, out_features, dtype):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.sqrt(in_features))
 
 
-packed_only = pytest.mark.skipif(not cpu_kernels.packs_weights(), reason="weights are packed on AVX512-BF16 CPUs only")
+def _skip_unless_packed(dtype) -> None:
+    if not cpu_kernels.packs_weights(dtype):
+        pytest.skip(f"{jnp.dtype(dtype).name} weights are not packed on this CPU (cpu_kernels.packs_weights)")
 
 
-@packed_only
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize(("rows", "in_features", "out_features"),
                          [(1, 576, 960), (2, 64, 4), (3, 34, 7), (5, 576, 33), (9, 1536, 576), (12, 100, 64),
                           (13, 576, 3072), (32, 576, 100), (300, 200, 129)])
-def test_packed_matmul_matches_numpy(rows, in_features, out_features):
+def test_packed_matmul_matches_numpy(rows, in_features, out_features, dtype):
     """Weights packed at load time: every tile height (1, 2, 4, 8, 12 rows and their tails), widths off the 32-row
-    pairs of panels, and inputs rounded to bfloat16 as for plain bfloat16 weights."""
+    pairs of panels, and for bfloat16 inputs rounded to bfloat16 as for plain bfloat16 weights."""
+    _skip_unless_packed(dtype)
     rng = np.random.default_rng(rows * 7 + out_features)
     x = rng.standard_normal((rows, in_features)).astype(np.float32)
-    w = jnp.asarray(rng.standard_normal((out_features, in_features)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((out_features, in_features)), dtype)
     packed = cpu_kernels.pack_weight(np.asarray(w))
-    assert packed.dtype == np.uint32 and packed.shape == (-(-out_features // 32) * 2, in_features // 2, 16)
-    x_in = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    width = in_features // 2 if dtype == jnp.bfloat16 else in_features
+    assert packed.shape == (-(-out_features // 32), width, 32)
+    x_in = np.asarray(jnp.asarray(x).astype(dtype).astype(jnp.float32), np.float64)
     expected = x_in @ np.asarray(w.astype(jnp.float32), np.float64).T
     got = np.asarray(jax.jit(cpu_kernels.matmul, static_argnums=2)(jnp.asarray(x), jnp.asarray(packed), out_features))
     assert got.shape == (rows, out_features)
@@ -61,24 +65,26 @@ def test_packed_matmul_matches_numpy(rows, in_features, out_features):
         cpu_kernels.matmul(jnp.asarray(x), jnp.asarray(packed), out_features + 32)
 
 
-@packed_only
-def test_packed_rows_are_the_table_rows():
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_packed_rows_are_the_table_rows(dtype):
     """A tied embedding table packed for the LM head still answers lookups with its own rows."""
+    _skip_unless_packed(dtype)
     rng = np.random.default_rng(3)
-    table = jnp.asarray(rng.standard_normal((50, 64)), jnp.bfloat16)
+    table = jnp.asarray(rng.standard_normal((50, 64)), dtype)
     ids = jnp.asarray([0, 49, 17, 16, 31, 32, 5], jnp.int32)
     got = jax.jit(cpu_kernels.packed_rows)(jnp.asarray(cpu_kernels.pack_weight(np.asarray(table))), ids)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(table[ids].astype(jnp.float32)))
 
 
-@packed_only
-def test_bfloat16_models_load_with_packed_weights(hf_model_dir):
-    """So the bfloat16 parity tests against transformers run the packed kernels here."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_models_load_with_packed_weights(hf_model_dir, dtype):
+    """So the parity tests against transformers run the packed kernels here."""
     from checkpoints.loading import load_model
 
-    model = load_model(hf_model_dir("qwen2"), "bfloat16", "cpu")  # tied embeddings: the table is packed too
-    dtypes = {str(leaf.dtype) for leaf in jax.tree.leaves(model.state) if leaf.ndim > 1}
-    assert dtypes == {"uint32"}
+    _skip_unless_packed(dtype)
+    model = load_model(hf_model_dir("qwen2"), dtype, "cpu")  # tied embeddings: the table is packed too
+    matrices = [leaf for leaf in jax.tree.leaves(model.state) if leaf.ndim > 1]
+    assert matrices and all(cpu_kernels.is_packed(leaf) for leaf in matrices)
 
 
 def test_argmax_matches_numpy_with_ties_nans_and_infinities():
