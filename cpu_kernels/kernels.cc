@@ -409,10 +409,9 @@ void MatmulPanel(const MatmulJob<X, W>& job, int64_t n_begin) {
 }
 
 #ifdef JSERVE_AVX512_BF16
-// bfloat16 panels for vdpbf16ps: a panel holds 16 weight rows as k-pairs, panel[kp * 16 + j] = (w[j, 2kp],
-// w[j, 2kp + 1]), one 512-bit vector per pair of k. A tile is kBf16TileRows rows of x by two panels (32 columns):
-// per pair of k, two weight loads and kBf16TileRows broadcast pairs feed 2 * kBf16TileRows vdpbf16ps.
-constexpr int64_t kBf16TileRows = 12;  // 24 accumulators + 2 weight vectors + 1 broadcast of 32 registers
+// bfloat16 panels for vdpbf16ps: a panel holds 16 weight rows as k-pairs, (w[j, 2kp], w[j, 2kp + 1]) for j < 16,
+// one 512-bit vector per pair of k. A tile is R <= 12 rows of x by two panels (32 columns): per pair of k, two
+// weight loads and R broadcast pairs feed 2R vdpbf16ps (at 12 rows: 24 accumulators of the 32 registers).
 
 template <int64_t R>
 void PackedTile(const uint16_t* x, int64_t k_size, const float* panel_a, const float* panel_b, int64_t stride,
@@ -440,52 +439,12 @@ void PackedTile(const uint16_t* x, int64_t k_size, const float* panel_a, const f
   }
 }
 
-template <>
-void MatmulPanel(const MatmulJob<uint16_t, uint16_t>& job, int64_t n_begin) {
-  const int64_t k_size = job.k_size;
-  if (k_size % 2 != 0) {  // no whole pairs: stream the columns instead (never for a real model's hidden sizes)
-    MatmulColumns(job, n_begin, std::min(job.n_size, n_begin + 2 * kPanel));
-    return;
-  }
-  thread_local std::vector<float> panels;
-  thread_local std::vector<uint16_t> x_tail;
-  const int64_t pairs = k_size / 2;
-  panels.resize(static_cast<size_t>(2 * kPanel * pairs));
-  const float* w_pairs = reinterpret_cast<const float*>(job.w);  // row n, pair kp at w_pairs[n * pairs + kp]
-  const int64_t cols = std::min(2 * kPanel, job.n_size - n_begin);
-  for (int64_t half = 0; half < 2; ++half) {
-    const int64_t half_cols = std::clamp<int64_t>(cols - half * kPanel, 0, kPanel);
-    float* panel = panels.data() + half * kPanel * pairs;
-    if (half_cols == 0) {
-      std::fill(panel, panel + kPanel * pairs, 0.0f);
-    } else {
-      PackPanel(w_pairs + (n_begin + half * kPanel) * pairs, half_cols, pairs, panel);
-    }
-  }
-  float tile[kBf16TileRows][2 * kPanel];
-  const float* panel_b = panels.data() + kPanel * pairs;
-  for (int64_t m = 0; m < job.m_size; m += kBf16TileRows) {
-    // The last rows take the smallest tile of 4, 8 or 12 that holds them; only 1-3 rows past M are padding.
-    const int64_t rows = std::min(kBf16TileRows, job.m_size - m);
-    const int64_t tile_rows = rows > 8 ? 12 : rows > 4 ? 8 : 4;
-    const uint16_t* x = TileRows(job, m, tile_rows, x_tail);
-    if (tile_rows == 12) {
-      PackedTile<12>(x, k_size, panels.data(), panel_b, kPanel, tile);
-    } else if (tile_rows == 8) {
-      PackedTile<8>(x, k_size, panels.data(), panel_b, kPanel, tile);
-    } else {
-      PackedTile<4>(x, k_size, panels.data(), panel_b, kPanel, tile);
-    }
-    for (int64_t r = 0; r < rows; ++r) EmitRow(job, m + r, n_begin, tile[r], cols);
-  }
-}
-constexpr int64_t kBf16PanelCols = 2 * kPanel;
 #endif
 
 template <typename X, typename W>
 int64_t PanelCols() {
 #ifdef JSERVE_AVX512_BF16
-  if (std::is_same_v<X, uint16_t>) return kBf16PanelCols;
+  if (std::is_same_v<X, uint16_t>) return 2 * kPanel;
 #endif
   return kPanel;
 }
@@ -520,31 +479,37 @@ void PackedTile(const float* x, int64_t k_size, const float* panel_a, const floa
   }
 }
 
-inline int64_t PanelLength(const uint16_t*, int64_t k_size) { return k_size / 2 * kPanel; }  // in 4-byte units
-inline int64_t PanelLength(const float*, int64_t k_size) { return k_size * kPanel; }
-
+// The 1-12 row tiles of every row of x over one 32-column block of packed weight (its two 16-column panels at
+// panel_a and panel_b, `stride` floats from one k to the next).
 template <typename X, typename W>
-void MatmulPacked(const MatmulJob<X, W>& job, int64_t pair) {
+void BlockTiles(const MatmulJob<X, W>& job, int64_t n_begin, const float* panel_a, const float* panel_b,
+                int64_t stride) {
   thread_local std::vector<X> x_tail;
-  const int64_t length = PanelLength(job.x, job.k_size), n_begin = pair * 2 * kPanel;
-  const float* panel_a = reinterpret_cast<const float*>(job.w) + 2 * pair * length;  // 32 columns a k, interleaved
-  const float* panel_b = panel_a + kPanel;
   const int64_t cols = std::min(2 * kPanel, job.n_size - n_begin);
   constexpr int64_t kMaxRows = 12;
   float tile[kMaxRows][2 * kPanel];
   for (int64_t m = 0; m < job.m_size; m += kMaxRows) {
     const int64_t rows = std::min(kMaxRows, job.m_size - m);
-    const int64_t tile_rows = rows > 8 ? 12 : rows > 4 ? 8 : rows > 2 ? 4 : rows;  // decode: exactly its rows
+    const int64_t tile_rows = rows > 8 ? 12 : rows > 4 ? 8 : rows > 2 ? 4 : rows;  // at most 3 rows of padding
     const X* x = TileRows(job, m, tile_rows, x_tail);
     switch (tile_rows) {
-      case 12: PackedTile<12>(x, job.k_size, panel_a, panel_b, 2 * kPanel, tile); break;
-      case 8: PackedTile<8>(x, job.k_size, panel_a, panel_b, 2 * kPanel, tile); break;
-      case 4: PackedTile<4>(x, job.k_size, panel_a, panel_b, 2 * kPanel, tile); break;
-      case 2: PackedTile<2>(x, job.k_size, panel_a, panel_b, 2 * kPanel, tile); break;
-      default: PackedTile<1>(x, job.k_size, panel_a, panel_b, 2 * kPanel, tile); break;
+      case 12: PackedTile<12>(x, job.k_size, panel_a, panel_b, stride, tile); break;
+      case 8: PackedTile<8>(x, job.k_size, panel_a, panel_b, stride, tile); break;
+      case 4: PackedTile<4>(x, job.k_size, panel_a, panel_b, stride, tile); break;
+      case 2: PackedTile<2>(x, job.k_size, panel_a, panel_b, stride, tile); break;
+      default: PackedTile<1>(x, job.k_size, panel_a, panel_b, stride, tile); break;
     }
     for (int64_t r = 0; r < rows; ++r) EmitRow(job, m + r, n_begin, tile[r], cols);
   }
+}
+
+inline int64_t PanelLength(const uint16_t*, int64_t k_size) { return k_size / 2 * kPanel; }  // in 4-byte units
+inline int64_t PanelLength(const float*, int64_t k_size) { return k_size * kPanel; }
+
+template <typename X, typename W>
+void MatmulPacked(const MatmulJob<X, W>& job, int64_t pair) {
+  const float* block = reinterpret_cast<const float*>(job.w) + 2 * pair * PanelLength(job.x, job.k_size);
+  BlockTiles(job, pair * 2 * kPanel, block, block + kPanel, 2 * kPanel);  // 32 columns a k, interleaved
 }
 
 Phase MatmulPhase(const MatmulJob<float, F32Panels>& job) {
@@ -553,6 +518,31 @@ Phase MatmulPhase(const MatmulJob<float, F32Panels>& job) {
 #endif
 
 #ifdef JSERVE_AVX512_BF16
+// bfloat16 weights not packed at load time: each call packs its 32-column blocks (two panels) first.
+template <>
+void MatmulPanel(const MatmulJob<uint16_t, uint16_t>& job, int64_t n_begin) {
+  const int64_t k_size = job.k_size;
+  if (k_size % 2 != 0) {  // no whole pairs: stream the columns instead (never for a real model's hidden sizes)
+    MatmulColumns(job, n_begin, std::min(job.n_size, n_begin + 2 * kPanel));
+    return;
+  }
+  thread_local std::vector<float> panels;
+  const int64_t pairs = k_size / 2;
+  panels.resize(static_cast<size_t>(2 * kPanel * pairs));
+  const float* w_pairs = reinterpret_cast<const float*>(job.w);  // row n, pair kp at w_pairs[n * pairs + kp]
+  const int64_t cols = std::min(2 * kPanel, job.n_size - n_begin);
+  for (int64_t half = 0; half < 2; ++half) {
+    const int64_t half_cols = std::clamp<int64_t>(cols - half * kPanel, 0, kPanel);
+    float* panel = panels.data() + half * kPanel * pairs;
+    if (half_cols == 0) {
+      std::fill(panel, panel + kPanel * pairs, 0.0f);
+    } else {
+      PackPanel(w_pairs + (n_begin + half * kPanel) * pairs, half_cols, pairs, panel);
+    }
+  }
+  BlockTiles(job, n_begin, panels.data(), panels.data() + kPanel * pairs, kPanel);
+}
+
 Phase MatmulPhase(const MatmulJob<uint16_t, uint32_t>& job) {
   return {Blocks(job.n_size, 2 * kPanel), [job](int64_t pair) { MatmulPacked(job, pair); }};
 }
@@ -1004,7 +994,7 @@ void AttendItem(const AttentionArgs& a, const AttentionItem& item) {
       const float* k_rows[64];
       const float* v_rows[64];
       const int64_t row_begin = h * head_rows;
-      const int64_t kv_offset = (page * b_size * a.kv_heads + kv_head) * d_size;  // slot 0's row of this head
+      [[maybe_unused]] const int64_t kv_offset = (page * b_size * a.kv_heads + kv_head) * d_size;  // slot 0, this head
 #ifdef __AVX512F__
       const bool in_registers = a.kv_bf16 && (d_size == 64 || d_size == 128);
 #else
