@@ -412,10 +412,9 @@ void MatmulPanel(const MatmulJob<X, W>& job, int64_t n_begin) {
 // bfloat16 panels for vdpbf16ps: a panel holds 16 weight rows as k-pairs, (w[j, 2kp], w[j, 2kp + 1]) for j < 16,
 // one 512-bit vector per pair of k. A tile is R <= 12 rows of x by two panels (32 columns): per pair of k, two
 // weight loads and R broadcast pairs feed 2R vdpbf16ps (at 12 rows: 24 accumulators of the 32 registers).
-
 template <int64_t R>
 void PackedTile(const uint16_t* x, int64_t k_size, const float* panel_a, const float* panel_b, int64_t stride,
-                   float tile[][2 * kPanel]) {
+                float tile[][2 * kPanel]) {
   __m512 acc[R][2];
 #pragma GCC unroll 16
   for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -438,7 +437,6 @@ void PackedTile(const uint16_t* x, int64_t k_size, const float* panel_a, const f
     _mm512_storeu_ps(tile[r] + kPanel, acc[r][1]);
   }
 }
-
 #endif
 
 template <typename X, typename W>
@@ -728,26 +726,6 @@ inline __m256 ExpNonPositive(__m256 x) {
   const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2));
 }
-
-#ifdef __AVX512F__
-// ExpNonPositive on sixteen lanes.
-inline __m512 ExpNonPositive16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i pow2 = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(pow2));
-}
-#endif
 
 struct AttentionArgs {
   const float* q;              // [T, q_stride]: token t's head h at q[t * q_stride + h * D]
@@ -1052,16 +1030,6 @@ void AttendItem(const AttentionArgs& a, const AttentionItem& item) {
         row_max[r] = new_max;
         float page_sum = 0.0f;
         int64_t j = 0;
-#ifdef __AVX512F__
-        for (; j + 16 <= b_size; j += 16) {
-          const __m512 score = _mm512_loadu_ps(s + j);
-          const __mmask16 visible = _mm512_cmp_ps_mask(score, _mm512_set1_ps(-std::numeric_limits<float>::infinity()),
-                                                       _CMP_NEQ_OQ);
-          const __m512 e = _mm512_maskz_mov_ps(visible, ExpNonPositive16(_mm512_sub_ps(score, _mm512_set1_ps(new_max))));
-          _mm512_storeu_ps(s + j, e);
-          page_sum += _mm512_reduce_add_ps(e);
-        }
-#endif
         for (; j + 8 <= b_size; j += 8) {
           const __m256 score = _mm256_loadu_ps(s + j);
           const __m256 masked = _mm256_cmp_ps(score, _mm256_set1_ps(-std::numeric_limits<float>::infinity()),
