@@ -241,7 +241,8 @@ def decoder_layer(x: jax.Array, weights: LayerWeights, k_pages: jax.Array, v_pag
 
     x f32[T, E] is the residual stream; the new tokens' K/V are written to their slots (out of range: dropped) and
     the pages come back updated in place (aliased: inside a jitted step with a donated cache nothing is copied).
-    The batch arrays follow pallas_kernels.interface; weights are all float32 or all bfloat16."""
+    The batch arrays follow pallas_kernels.interface; the matmul weights are all float32, all bfloat16, or all
+    packed by pack_weight."""
     _require()
     dtype = weights.qkv.dtype
     if any(w.dtype != dtype for w in (weights.o, weights.gate_up, weights.down)) or dtype not in (
