@@ -12,6 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh, Sharding
 
 import cpu_kernels
+from checkpoints.host_arena import HugePageArena
 from checkpoints.safetensors_loader import ParamSource, load_state
 from jserve.config import ModelConfig, ModelLoadError
 from jserve.models import model_class
@@ -64,10 +65,13 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
 
     packed = _packed_paths(config, param_dtype) if _packs_weights(attention_backend, param_dtype, mesh) else set()
 
+    arena = HugePageArena() if attention_backend == "cpu" and mesh is None else None
+
     def place(path: tuple, source: ParamSource) -> jax.Array:
         if mesh is None:
             array = source.read()
-            return jax.device_put(cpu_kernels.pack_weight(array) if path in packed else array)
+            array = cpu_kernels.pack_weight(array) if path in packed else array
+            return jax.device_put(array) if arena is None else arena.place(array)
         return place_sharded(source, logical_sharding(mesh, axes[path], source.shape))
 
     placed = load_state(model_dir, config, shapes, place)

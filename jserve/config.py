@@ -183,6 +183,10 @@ class EngineConfig:
       max_num_batched_tokens: the most tokens (prefill chunks + decodes) in one step.
       enable_prefix_caching: share KV blocks between requests with a common prompt prefix.
       enable_chunked_prefill: split long prompts across steps so decodes keep flowing.
+      decode_burst: decode steps run on the device in one call when every scheduled sequence is decoding and no
+        request waits (1 = off). Saves the host's per-step work (dispatch, batch building) on all but one step in
+        `decode_burst`; streams then receive tokens that many at a time. Only a single-device step with one page
+        width (the CPU kernels) takes bursts; requests with penalties, logprobs or a pending min_tokens step singly.
       compilation_cache_dir: JAX's persistent compilation cache; "" disables it.
       warmup: compile every step shape at start-up so serving never stalls on a compile.
       attention_backend: "auto" (the Pallas kernel on TPU/GPU, the C++ kernels on CPU where they build, else the
@@ -208,6 +212,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    decode_burst: int = 8
     compilation_cache_dir: str = field(default_factory=lambda: os.path.expanduser("~/.cache/jserve/xla"))
     warmup: bool = True
     attention_backend: str = "auto"
@@ -222,7 +227,7 @@ class EngineConfig:
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
-                     "data_parallel_size", "num_processes"):
+                     "data_parallel_size", "num_processes", "decode_burst"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.max_model_len is not None and self.max_model_len < 1:

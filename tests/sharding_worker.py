@@ -101,7 +101,7 @@ def tpu_export(model_dir: str, tp: int) -> dict:
     platform = interface.jax.default_backend
     interface.jax.default_backend = lambda: "tpu"  # "pallas" picks the kernel of the platform it believes it is on
     try:
-        text = jax.export.export(runner._step, platforms=["tpu"])(runner.state, runner.kv_cache, batch).mlir_module()
+        text = jax.export.export(runner._step, platforms=["tpu"])(runner.params, runner.kv_cache, batch).mlir_module()
     finally:
         interface.jax.default_backend = platform
     return {"mosaic_kernel": "tpu_custom_call" in text, "per_device_shard_map": "manual_computation" in text}

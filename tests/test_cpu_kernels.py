@@ -45,7 +45,8 @@ def _skip_unless_packed(dtype) -> None:
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize(("rows", "in_features", "out_features"),
                          [(1, 576, 960), (2, 64, 4), (3, 34, 7), (5, 576, 33), (9, 1536, 576), (12, 100, 64),
-                          (13, 576, 3072), (32, 576, 100), (300, 200, 129)])
+                          (13, 576, 3072), (32, 576, 100), (300, 200, 129),
+                          (2, 64, 1181), (4, 576, 4000)])
 def test_packed_matmul_matches_numpy(rows, in_features, out_features, dtype):
     """Weights packed at load time: every tile height (1, 2, 4, 8, 12 rows and their tails), widths off the 32-row
     pairs of panels, and for bfloat16 inputs rounded to bfloat16 as for plain bfloat16 weights."""

@@ -136,6 +136,37 @@ def test_n_samples_share_the_prompt_and_differ(hf_model_dir, llm_factory):
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
 
 
+def test_decode_bursts_give_the_tokens_and_text_of_single_steps(hf_model_dir, llm_factory, monkeypatch):
+    """Several decode steps in one device call (decode_burst): greedy and seeded draws, stop tokens, stop strings
+    and length limits falling inside a burst all end exactly where single steps end, and every block comes back."""
+    rng = np.random.default_rng(21)
+    prompts = [{"prompt_token_ids": rng.integers(3, 500, int(n)).tolist()} for n in rng.integers(1, 120, 6)]
+    single = llm_factory(hf_model_dir("llama"), decode_burst=1)
+    free = single.generate(prompts[0], greedy(40), use_tqdm=False)[0].outputs[0]
+    params = [greedy(37), SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=50, ignore_eos=True),
+              SamplingParams(temperature=0.7, seed=8, n=2, max_tokens=45, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[free.token_ids[13]]),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[free.text[-12:][:2]]),
+              SamplingParams(temperature=1.0, top_k=5, seed=2, max_tokens=9, ignore_eos=True)]
+    prompts[3] = prompts[4] = prompts[0]
+    expected = single.generate(prompts, params, use_tqdm=False)
+
+    bursts = llm_factory(hf_model_dir("llama"), decode_burst=8)
+    runner, calls = bursts.engine.runner, []
+    run_burst = runner.run_burst
+    monkeypatch.setattr(runner, "run_burst", lambda *args: calls.append(args[2]) or run_burst(*args))
+    for together in (True, False):  # all at once, and each alone (a batch of one bursts the most)
+        got = bursts.generate(prompts, params, use_tqdm=False) if together else \
+            [bursts.generate(p, sp, use_tqdm=False)[0] for p, sp in zip(prompts, params, strict=True)]
+        for want, have in zip(expected, got, strict=True):
+            assert [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in have.outputs] == \
+                   [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in want.outputs]
+    assert calls and set(calls) == {8}
+    assert expected[3].outputs[0].finish_reason == "stop" and expected[4].outputs[0].finish_reason == "stop"
+    assert bursts.engine.block_manager.num_free_blocks == bursts.engine.block_manager.num_blocks
+    bursts.engine.block_manager.check_invariants()
+
+
 def test_stop_strings_and_stop_tokens_end_generation(hf_model_dir, llm_factory):
     llm = llm_factory(hf_model_dir("llama"))
     tokenizer = llm.get_tokenizer()

@@ -22,7 +22,7 @@ from checkpoints.loading import load_model, resolve_model_path
 from jserve.config import EngineConfig, ModelLoadError
 from jserve.engine.kv_cache import BlockManager
 from jserve.engine.runner import ModelRunner, kv_bytes_per_block
-from jserve.engine.sampler import build_metadata, sample, token_logprobs, warmup_metadata
+from jserve.engine.sampler import build_metadata, has_penalty, sample, token_logprobs, warmup_metadata
 from jserve.engine.scheduler import Scheduler, SchedulerOutput
 from jserve.engine.sequence import Sequence
 from jserve.outputs import CompletionOutput, RequestOutput
@@ -152,15 +152,18 @@ class LLMEngine:
         """Compile every step shape now, so serving never waits on the compiler."""
         start = time.perf_counter()
         batches = list(self.runner.warmup_batches())
+        bursts = [(b, meta, self.config.decode_burst) for b in self.runner.burst_batches()
+                  for meta in warmup_metadata(len(b.seq_lens))] if self.config.decode_burst > 1 else []
         if self.runner.mesh is None:
-            logits_shapes = set(self.runner.compile_ahead(batches))
+            logits_shapes = set(self.runner.compile_ahead(batches, bursts))
         else:  # a sharded (or multi-process) step compiles on its first run, in lockstep on every process
             logits_shapes = {tuple(self.runner.run(batch).shape) for batch in batches}
         for shape in sorted(logits_shapes):
             logits = jnp.zeros(shape, jnp.float32)
             for meta in warmup_metadata(shape[0]):
                 jax.block_until_ready(sample(logits, meta))
-        logger.info("warm-up compiled %d step shapes in %.1f s", len(batches), time.perf_counter() - start)
+        logger.info("warm-up compiled %d step shapes and %d decode bursts in %.1f s", len(batches), len(bursts),
+                    time.perf_counter() - start)
 
     # ----- requests -----
 
@@ -248,6 +251,9 @@ class LLMEngine:
         plan: SchedulerOutput = self.scheduler.schedule()
         if not plan.scheduled:
             return []
+        burst = self._burst_length(plan)
+        if burst > 1:
+            return self._step_burst(plan, burst)
         wants_prompt_logprobs = [self._wants_prompt_logprobs(c) for c in plan.scheduled]
         batch = self.runner.prepare(plan.scheduled, all_logits=any(wants_prompt_logprobs))
         logits = self.runner.run(batch)
@@ -273,6 +279,46 @@ class LLMEngine:
             stream = state.streams[chunk.seq.index]
             self._append_token(stream, int(token_ids[row]), None if logprob_rows is None else logprob_rows[row])
             state.first_token_time = state.first_token_time or now
+            changed[state.request_id] = state
+        return [self._emit(state) for state in changed.values()]
+
+    def _burst_length(self, plan: SchedulerOutput) -> int:
+        """config.decode_burst when every scheduled sequence decodes one token with parameters a burst keeps fixed,
+        none would stop on a length limit inside it, no request waits and the cache has the slots; else 1."""
+        length = self.config.decode_burst
+        if length <= 1 or not self.runner.supports_burst or self.scheduler.num_waiting:
+            return 1
+        for chunk in plan.scheduled:
+            seq, params = chunk.seq, chunk.seq.params
+            if chunk.num_new_tokens != 1 or not chunk.sample or params.logprobs is not None or \
+                    has_penalty(params) or seq.num_output_tokens < params.min_tokens:
+                return 1  # penalties and min_tokens change the sampling metadata every step
+            # Only whole bursts (one compiled length); the last tokens before max_tokens go singly.
+            if seq.num_output_tokens + length > params.max_tokens or seq.num_tokens + length > self.max_model_len:
+                return 1
+        bm = self.block_manager
+        if sum(bm.num_new_blocks(chunk.seq, length) for chunk in plan.scheduled) > bm.num_free_blocks:
+            return 1
+        return length
+
+    def _step_burst(self, plan: SchedulerOutput, length: int) -> list[RequestOutput]:
+        """`length` decode steps in one device call; tokens after a sequence stops are computed but dropped."""
+        for chunk in plan.scheduled:
+            allocated = self.block_manager.allocate_slots(chunk.seq, length)
+            assert allocated, "_burst_length checked the free blocks"
+        batch = self.runner.prepare(plan.scheduled, lookahead=length - 1)
+        meta = build_metadata([c.seq for c in plan.scheduled], pad_to=self.runner.seq_rows_for(len(batch.token_ids)))
+        tokens = np.asarray(self.runner.run_burst(batch, meta, length))  # [length, S]: one host round-trip
+        self.stats.num_steps += length
+        changed: dict[str, RequestState] = {}
+        for row, chunk in enumerate(plan.scheduled):
+            seq = chunk.seq
+            state = self.requests[seq.request_id]
+            for token in tokens[:, row].tolist():
+                if seq.is_finished:  # stopped on EOS, a stop token or a stop string inside the burst
+                    break
+                self.block_manager.mark_computed(seq, 1)  # the token fed at this step of the burst
+                self._append_token(state.streams[seq.index], token, None)
             changed[state.request_id] = state
         return [self._emit(state) for state in changed.values()]
 

@@ -6,6 +6,7 @@ step after warm-up reuses a compiled program. The KV cache is donated to the ste
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -21,6 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from checkpoints.loading import LoadedModel
+from jserve.engine.sampler import SamplingMetadata, sample
 from jserve.engine.sequence import Sequence
 from jserve.models.batch import KVCache, StepBatch
 from pallas_kernels.reference import kv_storage_dtype
@@ -59,6 +61,11 @@ def _shape_key(batch: StepBatch) -> tuple:
     return tuple(np.shape(leaf) for leaf in jax.tree.leaves(batch))
 
 
+def _burst_key(batch: StepBatch, meta: SamplingMetadata, num_steps: int) -> tuple:
+    # The metadata's static flags live in its tree structure; its array widths (history, bias) vary too.
+    return _shape_key(batch), jax.tree.structure(meta), tuple(np.shape(a) for a in jax.tree.leaves(meta)), num_steps
+
+
 def kv_bytes_per_block(config, block_size: int, dtype: str) -> int:
     return 2 * config.num_layers * block_size * config.kv_size * jnp.dtype(dtype).itemsize
 
@@ -69,7 +76,9 @@ class ModelRunner:
         """mesh: the [data=1, model] mesh the model was loaded onto (None: one device, no sharding)."""
         self.config = model.config
         self.graphdef = model.graphdef
-        self.state = model.state
+        # The step takes the parameters as a flat list: flattening an nnx.State runs Python code per leaf (0.36 ms
+        # a step for the 135M model's 182 arrays), a list flattens in C++. The tree is rebuilt inside the trace.
+        self.params, self._params_tree = jax.tree.flatten(model.state)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_slots = num_blocks * block_size
@@ -103,26 +112,68 @@ class ModelRunner:
         max_pages = math.ceil(max_model_len / block_size)
         self.page_buckets = [max_pages] if cpu_kernels else pow2_buckets(1, max_pages)
         self._compiled: dict[tuple, Callable] = {}  # step executables compiled ahead, by batch shape
+        # A decode burst runs several steps in one call, so it needs one page width for all of them.
+        self.supports_burst = mesh is None and len(self.page_buckets) == 1
+        self._burst = jax.jit(self._burst_steps, donate_argnums=(1,), static_argnums=(4,))
+        self._compiled_bursts: dict[tuple, Callable] = {}  # burst executables compiled ahead (_burst_key)
 
-    def _forward(self, state: nnx.State, kv_cache: KVCache, batch: StepBatch) -> tuple[KVCache, jax.Array]:
-        model = nnx.merge(self.graphdef, state)
+    def _forward(self, params: list[jax.Array], kv_cache: KVCache, batch: StepBatch) -> tuple[KVCache, jax.Array]:
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._params_tree, params))
         if self.mesh is None:
             return model(kv_cache, batch)
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # kernels split over heads (sharding/kernels.py)
             return model(kv_cache, batch)
 
+    def _burst_steps(self, params: list[jax.Array], kv_cache: KVCache, batch: StepBatch, meta: SamplingMetadata,
+                     num_steps: int) -> tuple[KVCache, jax.Array]:
+        """num_steps decode steps, each feeding the tokens it samples to the next -> (kv_cache, i32[num_steps, S]).
+
+        Step i samples as the i-th of that many single steps would (meta.steps + i keys the draw)."""
+        real = jnp.arange(batch.token_ids.shape[0]) < batch.query_start[-1]  # [T] tokens before the padding
+
+        def one_step(i, carry):
+            kv_cache, batch, tokens = carry
+            kv_cache, logits = self._forward(params, kv_cache, batch)
+            sampled = sample(logits, dataclasses.replace(meta, steps=meta.steps + i)).token_ids  # [S]
+            return kv_cache, self._next_decode_batch(batch, sampled, real), tokens.at[i].set(sampled)
+
+        tokens = jnp.zeros((num_steps, batch.seq_lens.shape[0]), jnp.int32)
+        kv_cache, _, tokens = jax.lax.fori_loop(0, num_steps, one_step, (kv_cache, batch, tokens))
+        return kv_cache, tokens
+
+    def _next_decode_batch(self, batch: StepBatch, sampled: jax.Array, real: jax.Array) -> StepBatch:
+        """The decode batch one token later: each real token (one per sequence row) is replaced by its row's sample,
+        one position on, in the slot its page holds for that position; padding stays padding."""
+        positions = jnp.where(real, batch.positions + 1, 0)
+        pages = batch.page_table[batch.token_seq, positions // self.block_size]
+        return dataclasses.replace(
+            batch, token_ids=jnp.where(real, sampled[batch.token_seq], 0), positions=positions,
+            slot_mapping=jnp.where(real, pages * self.block_size + positions % self.block_size, self.num_slots),
+            seq_lens=jnp.where(batch.seq_lens > 0, batch.seq_lens + 1, 0))
+
+    def run_burst(self, batch: StepBatch, meta: SamplingMetadata, num_steps: int) -> jax.Array:
+        """Run a decode-only batch num_steps steps on the device -> sampled token ids i32[num_steps, S]. The batch's
+        sequences must hold slots for num_steps tokens (prepare with lookahead=num_steps - 1)."""
+        compiled = self._compiled_bursts.get(_burst_key(batch, meta, num_steps))
+        if compiled is None:  # a shape or sampler variant not compiled ahead goes through jit
+            self.kv_cache, tokens = self._burst(self.params, self.kv_cache, batch, meta, num_steps)
+        else:
+            self.kv_cache, tokens = compiled(self.params, self.kv_cache, batch, meta)
+        return tokens
+
     def seq_rows_for(self, num_tokens_bucket: int) -> int:
         return min(num_tokens_bucket, pick_bucket(pow2_buckets(1, self.max_seq_rows), self.max_seq_rows))
 
-    def prepare(self, chunks: Seq[ScheduledChunk], all_logits: bool = False) -> StepBatch:
+    def prepare(self, chunks: Seq[ScheduledChunk], all_logits: bool = False, lookahead: int = 0) -> StepBatch:
         """Flatten the scheduled chunks into one padded ragged batch (host-side numpy, then one transfer).
 
         With all_logits the step returns logits for every token (for prompt logprobs), not one row per sequence.
+        lookahead: tokens past this step the page table must reach (a decode burst's later steps).
         """
         num_tokens = sum(c.num_new_tokens for c in chunks)
         t_pad = pick_bucket(self.token_buckets, num_tokens)
         s_pad = self.seq_rows_for(t_pad)
-        pages_needed = max(math.ceil((c.seq.num_computed_tokens + c.num_new_tokens) / self.block_size)
+        pages_needed = max(math.ceil((c.seq.num_computed_tokens + c.num_new_tokens + lookahead) / self.block_size)
                            for c in chunks)
         p_pad = pick_bucket(self.page_buckets, pages_needed)
         token_ids = np.zeros(t_pad, np.int32)
@@ -159,21 +210,31 @@ class ModelRunner:
     def run(self, batch: StepBatch) -> jax.Array:
         """Run one step; returns float32 logits [S, V] (rows past the real sequences are padding)."""
         step = self._compiled.get(_shape_key(batch), self._step)  # a shape not compiled ahead goes through jit
-        self.kv_cache, logits = step(self.state, self.kv_cache, batch)
+        self.kv_cache, logits = step(self.params, self.kv_cache, batch)
         return logits
 
-    def compile_ahead(self, batches: list[StepBatch], workers: int | None = None) -> list[tuple[int, int]]:
-        """Compile the step for each batch's shapes without running it; returns the (rows, vocab) of each logits.
+    def compile_ahead(self, batches: list[StepBatch], bursts: Seq[tuple[StepBatch, SamplingMetadata, int]] = (),
+                      workers: int | None = None) -> list[tuple[int, int]]:
+        """Compile the step for each batch's shapes, and each (batch, meta, num_steps) burst, without running them;
+        returns the (rows, vocab) of each step's logits.
 
         Tracing runs one shape at a time; XLA compiles several at once on worker threads (it releases the GIL).
         Only a single-device step is compiled this way: sharded steps warm up by running (see LLMEngine.warmup).
         """
-        lowered = [(_shape_key(b), self._step.lower(self.state, self.kv_cache, b)) for b in batches]
+        lowered = [(_shape_key(b), self._step.lower(self.params, self.kv_cache, b)) for b in batches]
+        lowered += [(_burst_key(b, meta, n), self._burst.lower(self.params, self.kv_cache, b, meta, n))
+                    for b, meta, n in bursts]
         workers = workers or min(4, os.cpu_count() or 1)
         with ThreadPoolExecutor(workers, thread_name_prefix="jserve-compile") as pool:
             compiled = list(pool.map(lambda item: (item[0], item[1].compile()), lowered))
-        self._compiled.update(compiled)
-        return [tuple(exe.out_info[1].shape) for _, exe in compiled]
+        steps, burst_executables = compiled[:len(batches)], compiled[len(batches):]
+        self._compiled.update(steps)
+        self._compiled_bursts.update(burst_executables)
+        return [tuple(exe.out_info[1].shape) for _, exe in steps]
+
+    def burst_batches(self):
+        """The warm-up batches a decode burst can take: one token per sequence row."""
+        return (b for b in self.warmup_batches() if self.supports_burst and len(b.token_ids) <= len(b.seq_lens))
 
     def warmup_batches(self):
         """One all-padding batch per (tokens, pages) bucket: compiling them all up front means no step recompiles."""

@@ -146,7 +146,7 @@ def _has_filter(top_k: int, top_p: float, min_p: float) -> bool:
     return top_k > 0 or top_p < 1.0 or min_p > 0.0
 
 
-def _has_penalty(p: SamplingParams) -> bool:
+def has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
@@ -159,7 +159,7 @@ def _history(seqs: list[Sequence], pad_to: int,
     """history_ids i32[S, M] and num_prompt i32[S], filled only for rows that have a penalty."""
     # Without a repetition penalty only output tokens matter, so the (long) prompt is left out.
     rows = [(i, seq, seq.params.repetition_penalty != 1.0)
-            for i, seq in enumerate(seqs) if _has_penalty(seq.params)]
+            for i, seq in enumerate(seqs) if has_penalty(seq.params)]
     width = max((seq.num_tokens if rep else seq.num_output_tokens for _, seq, rep in rows), default=0)
     num_prompt = np.zeros(pad_to, np.int32)
     if width == 0:
