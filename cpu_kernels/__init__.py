@@ -144,6 +144,18 @@ def packed_rows(w: jax.Array, ids: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(halves.reshape(ids.shape[0], -1), jnp.bfloat16).astype(jnp.float32)
 
 
+def read_bandwidth(nbytes: int = 256 << 20, threads: int | None = None, repeats: int = 5) -> float:
+    """Bytes/s this machine's memory is read at: every core (or `threads` threads) summing its share of an
+    nbytes buffer on 2 MiB pages, best of `repeats` passes. A decode step that reads every weight once can go no
+    faster (jserve bench latency's roofline)."""
+    lib = _load()
+    if isinstance(lib, Exception):
+        raise lib
+    lib.JserveReadBandwidth.restype = ctypes.c_double
+    lib.JserveReadBandwidth.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    return lib.JserveReadBandwidth(nbytes, threads or len(os.sched_getaffinity(0)), repeats)
+
+
 def max_kernel_rows() -> int:
     """The most rows of x a matmul sends to the kernel; larger batches use XLA's dot (docs/benchmarks.md)."""
     return AMX_KERNEL_ROWS if "amx_bf16" in _cpu_flags() else 1 << 62

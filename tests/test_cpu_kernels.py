@@ -155,3 +155,17 @@ def test_unavailable_kernels_fall_back_to_the_reference(monkeypatch):
         resolve_backend("cpu", "cpu")
     with pytest.raises(ValueError, match="CPU only"):
         resolve_backend("cpu", "tpu")
+
+
+def test_read_bandwidth_is_of_the_order_of_a_numpy_copy():
+    """The roofline's bandwidth (all cores reading) against what numpy measures on one core: same order."""
+    import time
+
+    bandwidth = cpu_kernels.read_bandwidth(64 << 20, repeats=2)
+    src = np.ones(16 << 20, np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    start = time.perf_counter()
+    np.copyto(dst, src)
+    copy = 2 * src.nbytes / (time.perf_counter() - start)
+    assert 0.2 * copy < bandwidth < 50 * copy

@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 
+import cpu_kernels
 from jserve.config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -34,7 +35,11 @@ def decode_bytes_per_token(cfg: ModelConfig, dtype: str, context_len: float) -> 
 
 
 def stream_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
-    """Bytes/s of a large numpy copy, counted as STREAM does (bytes read + bytes written), best of `repeats`."""
+    """Bytes/s the memory is read at, best of `repeats`. With the CPU kernels: every core reading its share of a
+    buffer on 2 MiB pages (cpu_kernels.read_bandwidth), as a decode step reads the parameters. Without them: one
+    thread's numpy copy counted as STREAM counts it (bytes read + bytes written), a lower bound on the memory."""
+    if cpu_kernels.available():
+        return cpu_kernels.read_bandwidth(nbytes, repeats=repeats)
     src = np.ones(nbytes // 4, dtype=np.float32)
     dst = np.empty_like(src)
     np.copyto(dst, src)  # touch every page first so the timed copies do not pay for page faults
