@@ -515,19 +515,23 @@ void MatmulPacked(const MatmulJob<X, W>& job, int64_t pair) {
 }
 
 // Packed blocks lie one after another, so an item of consecutive blocks is one forward stream. For a few rows of x
-// (bandwidth-bound) items of up to 256 KiB keep the hardware prefetcher running: at one 36 KiB block an item, the
-// 576-wide projections streamed at 35 GB/s, at 96 KiB at 50. Eight items per thread are left to balance them.
-constexpr int64_t kPackedItemBytes = 256 << 10;
-constexpr int64_t kStreamRows = 4;  // at most this many rows of x take the long items
+// (bandwidth-bound) the items are guided: item k takes ceil(remaining / (2 threads)) blocks, so the first items are
+// long streams the hardware prefetcher keeps up with and the last, short ones even out the threads. (With one
+// 36 KiB block an item, the 576-wide projections streamed at 35 GB/s; at 96 KiB, 50.) Many rows are compute-bound:
+// one block an item.
+constexpr int64_t kStreamRows = 4;  // at most this many rows of x take guided items
 
 template <typename X, typename W>
 Phase PackedPhase(const MatmulJob<X, W>& job, int64_t threads) {
   const int64_t blocks = Blocks(job.n_size, 2 * kPanel);
-  const int64_t block_bytes = 2 * PanelLength(job.x, job.k_size) * 4;
-  const int64_t per_item = job.m_size > kStreamRows ? 1 : std::max<int64_t>(
-      1, std::min(kPackedItemBytes / block_bytes, blocks / (8 * threads)));
-  return {Blocks(blocks, per_item), [job, blocks, per_item](int64_t item) {
-            for (int64_t b = item * per_item; b < std::min(blocks, (item + 1) * per_item); ++b) MatmulPacked(job, b);
+  auto starts = std::make_shared<std::vector<int64_t>>();  // item i: blocks [starts[i], starts[i + 1])
+  for (int64_t b = 0; b < blocks;) {
+    starts->push_back(b);
+    b += job.m_size > kStreamRows ? 1 : std::max<int64_t>(1, Blocks(blocks - b, 2 * threads));
+  }
+  starts->push_back(blocks);
+  return {static_cast<int64_t>(starts->size()) - 1, [job, starts](int64_t item) {
+            for (int64_t b = (*starts)[item]; b < (*starts)[item + 1]; ++b) MatmulPacked(job, b);
           }};
 }
 
