@@ -149,6 +149,7 @@ def test_decode_bursts_give_the_tokens_and_text_of_single_steps(hf_model_dir, ll
               SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[free.text[-12:][:2]]),
               SamplingParams(temperature=1.0, top_k=5, seed=2, max_tokens=9, ignore_eos=True)]
     prompts[3] = prompts[4] = prompts[0]
+    prompts[5] = {"prompt_token_ids": [7]}  # a one-token prompt: its first step is a prompt step, not a decode
     expected = single.generate(prompts, params, use_tqdm=False)
 
     bursts = llm_factory(hf_model_dir("llama"), decode_burst=8)

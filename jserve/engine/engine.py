@@ -290,9 +290,10 @@ class LLMEngine:
             return 1
         for chunk in plan.scheduled:
             seq, params = chunk.seq, chunk.seq.params
-            if chunk.num_new_tokens != 1 or not chunk.sample or params.logprobs is not None or \
-                    has_penalty(params) or seq.num_output_tokens < params.min_tokens:
-                return 1  # penalties and min_tokens change the sampling metadata every step
+            if chunk.num_new_tokens != 1 or not chunk.sample or seq.num_computed_tokens < seq.num_prompt_tokens:
+                return 1  # a prompt token (a one-token prompt's only step): not a decode
+            if params.logprobs is not None or has_penalty(params) or seq.num_output_tokens < params.min_tokens:
+                return 1  # logprobs are per step; penalties and min_tokens change the sampling metadata every step
             # Only whole bursts (one compiled length); the last tokens before max_tokens go singly.
             if seq.num_output_tokens + length > params.max_tokens or seq.num_tokens + length > self.max_model_len:
                 return 1
