@@ -14,6 +14,7 @@
 //   jserve_decoder_layer:   one Llama-family decoder layer (jserve/models/llama.py's DecoderLayer) over a ragged
 //                           batch: norm, qkv, q/k norm, rotary, the K/V write, attention, o, norm, gate/up, SiLU,
 //                           down and both residuals; the K/V pages are updated in place (aliased to the outputs).
+//   JserveReadBandwidth:    (plain C, through ctypes) the memory's all-core read bandwidth, for the roofline
 //
 // bfloat16 weights meet bfloat16 activations: with AVX512-BF16 (vdpbf16ps) the pairs multiply in hardware with
 // float32 accumulation; elsewhere both are widened to float32 in registers (the same products, exactly).
@@ -22,13 +23,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <limits>
 #include <memory>
-#include <chrono>
 #include <thread>
 #include <type_traits>
 #include <vector>
