@@ -148,9 +148,8 @@ def read_bandwidth(nbytes: int = 256 << 20, threads: int | None = None, repeats:
     """Bytes/s this machine's memory is read at: every core (or `threads` threads) summing its share of an
     nbytes buffer on 2 MiB pages, best of `repeats` passes. A decode step that reads every weight once can go no
     faster (jserve bench latency's roofline)."""
+    _require()
     lib = _load()
-    if isinstance(lib, Exception):
-        raise lib
     lib.JserveReadBandwidth.restype = ctypes.c_double
     lib.JserveReadBandwidth.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
     return lib.JserveReadBandwidth(nbytes, threads or len(os.sched_getaffinity(0)), repeats)
