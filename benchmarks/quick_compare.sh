@@ -43,11 +43,18 @@ serve_bench() {  # URL NAME [extra bench flags]
   echo "-- $name"
   grep -E "Successful|Failed|duration|Output token|Median TTFT|P99 TTFT|Median TPOT|Median ITL" "$OUT/serve_$name.txt"
 }
+# The KV cache holds as many tokens as llama-server's -c 12288 (384 a slot): its bytes per token, K and V of every
+# layer, at the dtype's width (llama.cpp keeps f16 K/V, so its cache is the bf16 size at either dtype).
+LLAMA_CTX=12288
+kv_bytes() {  # DTYPE
+  python3 -c "import json; c = json.load(open('$M/config.json')); print($LLAMA_CTX * 2 * c['num_hidden_layers'] \
+    * c['num_key_value_heads'] * c['hidden_size'] // c['num_attention_heads'] * {'bfloat16': 2, 'float32': 4}['$1'])"
+}
 jserve_server() {  # TREE DTYPE PORT NAME [extra server flags]; sets SERVER to its pid
   local tree=$1 dtype=$2 port=$3 name=$4
   shift 4
   (cd "$tree" && exec python3 -m jserve serve --model $M --dtype $dtype --port $port --served-model-name bench \
-    --max-num-seqs 32 --max-num-batched-tokens 512 --kv-cache-memory-bytes 268435456 "$@" \
+    --max-num-seqs 32 --max-num-batched-tokens 512 --kv-cache-memory-bytes "$(kv_bytes $dtype)" "$@" \
     > "$OUT/server_$name.log" 2>&1) &
   SERVER=$!
 }
@@ -66,7 +73,7 @@ for dtype in bfloat16 float32; do
     serve_bench http://127.0.0.1:8301 $name "${RANDOM_128[@]}"
     stop_server
   done
-  LD_LIBRARY_PATH=$B $B/llama-server -m ~/.cache/jserve/bench-135m-$gguf.gguf --port 8302 -np 32 -c 12288 -t 2 \
+  LD_LIBRARY_PATH=$B $B/llama-server -m ~/.cache/jserve/bench-135m-$gguf.gguf --port 8302 -np 32 -c $LLAMA_CTX -t 2 \
     > "$OUT/llama_server_$dtype.log" 2>&1 &
   SERVER=$!
   wait_healthy 8302

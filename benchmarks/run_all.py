@@ -197,18 +197,28 @@ def latency_section(runner: Runner, model: Path, plan: Plan, llama: tuple[Path, 
     return out
 
 
+def kv_cache_bytes(model: Path, dtype: str, tokens: int) -> int:
+    """Bytes of a KV cache of `tokens` tokens at `dtype`: K and V of every layer."""
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    width = {"bfloat16": 2, "float32": 4}[dtype]
+    return tokens * 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * width
+
+
 def serving_section(runner: Runner, model: Path, plan: Plan, llama: tuple[Path, dict] | None) -> dict:
     out: dict[str, dict] = {}
     top = max(plan.concurrency)
+    context = top * 2 * (plan.serve_len + 64)  # llama-server's -c; jserve's KV cache holds as many tokens
     for dtype, kind in DTYPES.items():
-        with runner.server(jserve_server_cmd(model, dtype, 8301, plan), 8301, f"server-jserve-{dtype}") as url:
+        kv = ("--kv-cache-memory-bytes", str(kv_cache_bytes(model, dtype, context)))
+        with runner.server(jserve_server_cmd(model, dtype, 8301, plan, *kv), 8301, f"server-jserve-{dtype}") as url:
             for conc in plan.concurrency:
                 plot = ["--plot", str(runner.work / f"serve-jserve-{dtype}.png")] if conc == top else []
                 out[f"jserve-{dtype}-c{conc}"] = serve_bench(runner, url, model, plan, conc,
                                                              f"serve-jserve-{dtype}-c{conc}", *plot)
         if llama:
             cmd = [str(llama[0] / "llama-server"), "-m", str(llama[1][dtype]), "--port", "8302", "-np", str(top),
-                   "-c", str(top * 2 * (plan.serve_len + 64)), "-t", str(os.cpu_count() or 2)]
+                   "-c", str(context), "-t", str(os.cpu_count() or 2)]
             with runner.server(cmd, 8302, f"server-llama-{kind}") as url:
                 for conc in plan.concurrency:
                     out[f"llama.cpp-{dtype}-c{conc}"] = serve_bench(runner, url, model, plan, conc,

@@ -183,10 +183,12 @@ class EngineConfig:
       max_num_batched_tokens: the most tokens (prefill chunks + decodes) in one step.
       enable_prefix_caching: share KV blocks between requests with a common prompt prefix.
       enable_chunked_prefill: split long prompts across steps so decodes keep flowing.
-      decode_burst: decode steps run on the device in one call when every scheduled sequence is decoding and no
-        request waits (1 = off). Saves the host's per-step work (dispatch, batch building) on all but one step in
-        `decode_burst`; streams then receive tokens that many at a time. Only a single-device step with one page
+      decode_burst: the most decode steps run on the device in one call when every scheduled sequence is decoding
+        and no request waits (1 = off). Saves the host's per-step work (dispatch, batch building) on all but one
+        step of a burst; streams then receive tokens several at a time. Only a single-device step with one page
         width (the CPU kernels) takes bursts; requests with penalties, logprobs or a pending min_tokens step singly.
+      decode_burst_ms: a burst holds only the steps that fit this long, by the last measured decode step at that
+        batch size, so a stream's tokens arrive at least this often and a new request waits at most this long.
       compilation_cache_dir: JAX's persistent compilation cache; "" disables it.
       warmup: compile every step shape at start-up so serving never stalls on a compile.
       attention_backend: "auto" (the Pallas kernel on TPU/GPU, the C++ kernels on CPU where they build, else the
@@ -213,6 +215,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     decode_burst: int = 8
+    decode_burst_ms: float = 100.0
     compilation_cache_dir: str = field(default_factory=lambda: os.path.expanduser("~/.cache/jserve/xla"))
     warmup: bool = True
     attention_backend: str = "auto"
@@ -236,6 +239,9 @@ class EngineConfig:
             raise ValueError(f"process_id must be in [0, num_processes={self.num_processes}), got {self.process_id!r}")
         if self.num_processes > 1 and not self.coordinator_address:
             raise ValueError("num_processes > 1 needs coordinator_address (HOST:PORT of process 0)")
+        if isinstance(self.decode_burst_ms, bool) or not isinstance(self.decode_burst_ms, (int, float)) \
+                or not self.decode_burst_ms > 0:
+            raise ValueError(f"decode_burst_ms must be a positive number, got {self.decode_burst_ms!r}")
         if not 0 < self.kv_cache_fraction <= 1:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

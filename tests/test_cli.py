@@ -89,6 +89,16 @@ def test_generate_missing_input_file_is_a_clear_error(tmp_path, capsys):
     assert "no such input file" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag, value", [("--decode-burst", "0"), ("--decode-burst-ms", "0"),
+                                         ("--decode-burst-ms", "nan"), ("--max-num-seqs", "-1")])
+def test_bad_engine_flags_are_clear_errors(tmp_path, flag, value, capsys):
+    write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "hi"}])
+    code = main(["generate", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"),
+                 *ENGINE_FLAGS, flag, value])
+    assert code == 2
+    assert f"{flag[2:].replace('-', '_')} must be a positive" in capsys.readouterr().err
+
+
 @pytest.fixture
 def broken_checkpoints(tmp_path, hf_model_dir):
     """Copies of a good checkpoint, each broken in one way a user might hit."""

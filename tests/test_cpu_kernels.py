@@ -148,6 +148,29 @@ def test_long_prefill_chunk_over_a_cached_prefix():
     assert max_error(cpu_kernels.ragged_paged_attention, args, ref_meta, scale=0.125) <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_decode_attends_to_the_same_bits_alone_and_batched(dtype):
+    """How work is split into items may depend on the batch (a lone decode splits over KV heads), but never a
+    row's arithmetic: each sequence's row is bit-identical alone or among many (prefill chunks, other decodes).
+    The engine's batched == alone parity rests on it."""
+    rng = np.random.default_rng(17)
+    seqs = [(1, 150), (20, 52), (1, 33), (1, 600), (3, 90), (9, 140), (1, 2)] + [(1, 70)] * 9
+    args, ref_meta = make_batch(rng, seqs, heads=9, kv_heads=3, head_dim=64, page_size=16, dtype=dtype)
+    q, k_pages, v_pages, page_table, query_start, seq_lens = args
+    attend = jax.jit(functools.partial(cpu_kernels.ragged_paged_attention, scale=0.125))
+    batched = np.asarray(attend(*args))
+    starts = np.asarray(query_start)
+    for s, (q_len, _) in enumerate(seqs):
+        if q_len > 4:
+            continue
+        tokens = slice(int(starts[s]), int(starts[s]) + q_len)
+        alone = attend(q[tokens], k_pages, v_pages, page_table[s:s + 1], jnp.array([0, q_len], jnp.int32),
+                       seq_lens[s:s + 1])
+        np.testing.assert_array_equal(np.asarray(alone), batched[tokens], err_msg=f"sequence {s}")
+    err = max_error(cpu_kernels.ragged_paged_attention, args, ref_meta, scale=0.125)
+    assert err <= (1e-5 if dtype == jnp.float32 else 2e-2), f"max abs error {err:.3g}"
+
+
 def test_unavailable_kernels_fall_back_to_the_reference(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_load", lambda: cpu_kernels.KernelUnavailable("no C++ compiler"))
     assert resolve_backend("auto", "cpu") == "reference"

@@ -21,7 +21,7 @@ from checkpoints import DEMO_MODEL_DIR
 from checkpoints.loading import load_model, resolve_model_path
 from jserve.config import EngineConfig, ModelLoadError
 from jserve.engine.kv_cache import BlockManager
-from jserve.engine.runner import ModelRunner, kv_bytes_per_block
+from jserve.engine.runner import ModelRunner, kv_bytes_per_block, pick_bucket
 from jserve.engine.sampler import build_metadata, has_penalty, sample, token_logprobs, warmup_metadata
 from jserve.engine.scheduler import Scheduler, SchedulerOutput
 from jserve.engine.sequence import Sequence
@@ -114,6 +114,7 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self.stats = EngineStats()
         self._rng = random.Random(config.seed)
+        self._decode_step_seconds: dict[int, float] = {}  # the last decode step's time, by batch bucket (bursts)
         if config.warmup:
             self.warmup()
 
@@ -254,6 +255,7 @@ class LLMEngine:
         burst = self._burst_length(plan)
         if burst > 1:
             return self._step_burst(plan, burst)
+        start = time.perf_counter()
         wants_prompt_logprobs = [self._wants_prompt_logprobs(c) for c in plan.scheduled]
         batch = self.runner.prepare(plan.scheduled, all_logits=any(wants_prompt_logprobs))
         logits = self.runner.run(batch)
@@ -265,6 +267,8 @@ class LLMEngine:
         meta = build_metadata([c.seq for c in plan.scheduled], pad_to=logits.shape[0])
         sampled = sample(logits, meta)
         token_ids = np.asarray(sampled.token_ids)  # the one host round-trip per step
+        if all(_is_decode(chunk) for chunk in plan.scheduled):
+            self._decode_step_seconds[self._decode_bucket(plan)] = time.perf_counter() - start
         self._count_prompt_tokens(plan)
         self.scheduler.on_step_done(plan)
         self.stats.num_steps += 1
@@ -283,24 +287,33 @@ class LLMEngine:
         return [self._emit(state) for state in changed.values()]
 
     def _burst_length(self, plan: SchedulerOutput) -> int:
-        """config.decode_burst when every scheduled sequence decodes one token with parameters a burst keeps fixed,
-        none would stop on a length limit inside it, no request waits and the cache has the slots; else 1."""
+        """How many decode steps to run in one device call (1: a single step). Up to config.decode_burst when every
+        scheduled sequence decodes one token with parameters a burst keeps fixed, no request waits and the cache
+        has the slots; no more than fit in config.decode_burst_ms at the last measured step time for this batch
+        size, nor past any sequence's max_tokens or max_model_len."""
         length = self.config.decode_burst
         if length <= 1 or not self.runner.supports_burst or self.scheduler.num_waiting:
             return 1
+        step_seconds = self._decode_step_seconds.get(self._decode_bucket(plan))
+        if step_seconds is None:
+            return 1  # this batch size's first decode step runs singly, and is timed
+        fits = self.config.decode_burst_ms / 1e3 / max(step_seconds, 1e-9)  # inf: no time limit
+        length = length if fits >= length else int(fits)
         for chunk in plan.scheduled:
             seq, params = chunk.seq, chunk.seq.params
-            if chunk.num_new_tokens != 1 or not chunk.sample or seq.num_computed_tokens < seq.num_prompt_tokens:
+            if not _is_decode(chunk):
                 return 1  # a prompt token (a one-token prompt's only step): not a decode
             if params.logprobs is not None or has_penalty(params) or seq.num_output_tokens < params.min_tokens:
                 return 1  # logprobs are per step; penalties and min_tokens change the sampling metadata every step
-            # Only whole bursts (one compiled length); the last tokens before max_tokens go singly.
-            if seq.num_output_tokens + length > params.max_tokens or seq.num_tokens + length > self.max_model_len:
-                return 1
+            length = min(length, params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
         bm = self.block_manager
-        if sum(bm.num_new_blocks(chunk.seq, length) for chunk in plan.scheduled) > bm.num_free_blocks:
+        if length <= 1 or sum(bm.num_new_blocks(chunk.seq, length) for chunk in plan.scheduled) > bm.num_free_blocks:
             return 1
         return length
+
+    def _decode_bucket(self, plan: SchedulerOutput) -> int:
+        """The padded batch size a decode-only step of this plan runs at (one token per sequence)."""
+        return pick_bucket(self.runner.token_buckets, len(plan.scheduled))
 
     def _step_burst(self, plan: SchedulerOutput, length: int) -> list[RequestOutput]:
         """`length` decode steps in one device call; tokens after a sequence stops are computed but dropped."""
@@ -309,7 +322,9 @@ class LLMEngine:
             assert allocated, "_burst_length checked the free blocks"
         batch = self.runner.prepare(plan.scheduled, lookahead=length - 1)
         meta = build_metadata([c.seq for c in plan.scheduled], pad_to=self.runner.seq_rows_for(len(batch.token_ids)))
-        tokens = np.asarray(self.runner.run_burst(batch, meta, length))  # [length, S]: one host round-trip
+        start = time.perf_counter()
+        tokens = self.runner.run_burst(batch, meta, length, self.config.decode_burst)  # [length, S]
+        self._decode_step_seconds[self._decode_bucket(plan)] = (time.perf_counter() - start) / length
         self.stats.num_steps += length
         changed: dict[str, RequestState] = {}
         for row, chunk in enumerate(plan.scheduled):
@@ -398,6 +413,12 @@ class LLMEngine:
             output.metrics = dict(state.metrics)
             self.requests.pop(state.request_id, None)
         return output
+
+
+def _is_decode(chunk) -> bool:
+    """Whether a scheduled chunk is one sampled token after the whole prompt (a decode step)."""
+    seq = chunk.seq
+    return chunk.num_new_tokens == 1 and chunk.sample and seq.num_computed_tokens >= seq.num_prompt_tokens
 
 
 def _logprob_rows(sampled) -> list[tuple[float, list[int], list[float]]]:

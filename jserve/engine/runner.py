@@ -61,9 +61,9 @@ def _shape_key(batch: StepBatch) -> tuple:
     return tuple(np.shape(leaf) for leaf in jax.tree.leaves(batch))
 
 
-def _burst_key(batch: StepBatch, meta: SamplingMetadata, num_steps: int) -> tuple:
+def _burst_key(batch: StepBatch, meta: SamplingMetadata, max_steps: int) -> tuple:
     # The metadata's static flags live in its tree structure; its array widths (history, bias) vary too.
-    return _shape_key(batch), jax.tree.structure(meta), tuple(np.shape(a) for a in jax.tree.leaves(meta)), num_steps
+    return _shape_key(batch), jax.tree.structure(meta), tuple(np.shape(a) for a in jax.tree.leaves(meta)), max_steps
 
 
 def kv_bytes_per_block(config, block_size: int, dtype: str) -> int:
@@ -114,7 +114,7 @@ class ModelRunner:
         self._compiled: dict[tuple, Callable] = {}  # step executables compiled ahead, by batch shape
         # A decode burst runs several steps in one call, so it needs one page width for all of them.
         self.supports_burst = mesh is None and len(self.page_buckets) == 1
-        self._burst = jax.jit(self._burst_steps, donate_argnums=(1,), static_argnums=(4,))
+        self._burst = jax.jit(self._burst_steps, donate_argnums=(1,), static_argnums=(5,))
         self._compiled_bursts: dict[tuple, Callable] = {}  # burst executables compiled ahead (_burst_key)
 
     def _forward(self, params: list[jax.Array], kv_cache: KVCache, batch: StepBatch) -> tuple[KVCache, jax.Array]:
@@ -125,8 +125,9 @@ class ModelRunner:
             return model(kv_cache, batch)
 
     def _burst_steps(self, params: list[jax.Array], kv_cache: KVCache, batch: StepBatch, meta: SamplingMetadata,
-                     num_steps: int) -> tuple[KVCache, jax.Array]:
-        """num_steps decode steps, each feeding the tokens it samples to the next -> (kv_cache, i32[num_steps, S]).
+                     num_steps: jax.Array, max_steps: int) -> tuple[KVCache, jax.Array]:
+        """num_steps (<= max_steps, traced: one executable serves every length) decode steps, each feeding the
+        tokens it samples to the next -> (kv_cache, i32[max_steps, S]; rows past num_steps are zeros).
 
         Step i samples as the i-th of that many single steps would (meta.steps + i keys the draw)."""
         real = jnp.arange(batch.token_ids.shape[0]) < batch.query_start[-1]  # [T] tokens before the padding
@@ -137,7 +138,7 @@ class ModelRunner:
             sampled = sample(logits, dataclasses.replace(meta, steps=meta.steps + i)).token_ids  # [S]
             return kv_cache, self._next_decode_batch(batch, sampled, real), tokens.at[i].set(sampled)
 
-        tokens = jnp.zeros((num_steps, batch.seq_lens.shape[0]), jnp.int32)
+        tokens = jnp.zeros((max_steps, batch.seq_lens.shape[0]), jnp.int32)
         kv_cache, _, tokens = jax.lax.fori_loop(0, num_steps, one_step, (kv_cache, batch, tokens))
         return kv_cache, tokens
 
@@ -151,15 +152,17 @@ class ModelRunner:
             slot_mapping=jnp.where(real, pages * self.block_size + positions % self.block_size, self.num_slots),
             seq_lens=jnp.where(batch.seq_lens > 0, batch.seq_lens + 1, 0))
 
-    def run_burst(self, batch: StepBatch, meta: SamplingMetadata, num_steps: int) -> jax.Array:
-        """Run a decode-only batch num_steps steps on the device -> sampled token ids i32[num_steps, S]. The batch's
-        sequences must hold slots for num_steps tokens (prepare with lookahead=num_steps - 1)."""
-        compiled = self._compiled_bursts.get(_burst_key(batch, meta, num_steps))
+    def run_burst(self, batch: StepBatch, meta: SamplingMetadata, num_steps: int, max_steps: int) -> np.ndarray:
+        """Run a decode-only batch num_steps (<= max_steps, the compiled bound) steps on the device -> sampled token
+        ids i32[num_steps, S]. The batch's sequences must hold slots for num_steps tokens (prepare with
+        lookahead=num_steps - 1)."""
+        steps = np.int32(num_steps)
+        compiled = self._compiled_bursts.get(_burst_key(batch, meta, max_steps))
         if compiled is None:  # a shape or sampler variant not compiled ahead goes through jit
-            self.kv_cache, tokens = self._burst(self.params, self.kv_cache, batch, meta, num_steps)
+            self.kv_cache, tokens = self._burst(self.params, self.kv_cache, batch, meta, steps, max_steps)
         else:
-            self.kv_cache, tokens = compiled(self.params, self.kv_cache, batch, meta)
-        return tokens
+            self.kv_cache, tokens = compiled(self.params, self.kv_cache, batch, meta, steps)
+        return np.asarray(tokens)[:num_steps]  # the burst's one host round-trip
 
     def seq_rows_for(self, num_tokens_bucket: int) -> int:
         return min(num_tokens_bucket, pick_bucket(pow2_buckets(1, self.max_seq_rows), self.max_seq_rows))
@@ -215,14 +218,14 @@ class ModelRunner:
 
     def compile_ahead(self, batches: list[StepBatch], bursts: Seq[tuple[StepBatch, SamplingMetadata, int]] = (),
                       workers: int | None = None) -> list[tuple[int, int]]:
-        """Compile the step for each batch's shapes, and each (batch, meta, num_steps) burst, without running them;
+        """Compile the step for each batch's shapes, and each (batch, meta, max_steps) burst, without running them;
         returns the (rows, vocab) of each step's logits.
 
         Tracing runs one shape at a time; XLA compiles several at once on worker threads (it releases the GIL).
         Only a single-device step is compiled this way: sharded steps warm up by running (see LLMEngine.warmup).
         """
         lowered = [(_shape_key(b), self._step.lower(self.params, self.kv_cache, b)) for b in batches]
-        lowered += [(_burst_key(b, meta, n), self._burst.lower(self.params, self.kv_cache, b, meta, n))
+        lowered += [(_burst_key(b, meta, n), self._burst.lower(self.params, self.kv_cache, b, meta, np.int32(n), n))
                     for b, meta, n in bursts]
         workers = workers or min(4, os.cpu_count() or 1)
         with ThreadPoolExecutor(workers, thread_name_prefix="jserve-compile") as pool:
