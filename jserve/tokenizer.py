@@ -57,11 +57,26 @@ def load_tokenizer(path: str | os.PathLike[str], *, trust_remote_code: bool = Fa
     return Tokenizer(hf)
 
 
+def _plain_rust_decode(hf: Any):
+    """The `tokenizers` decode that hf.decode(ids, clean_up_tokenization_spaces=False) comes down to, when hf is a
+    fast tokenizer whose class changes neither step (transformers' TokenizersBackend); else None."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    cls = type(hf)
+    if not isinstance(hf, TokenizersBackend) or cls._decode is not TokenizersBackend._decode or \
+            cls.decode is not TokenizersBackend.decode:
+        return None
+    return hf.backend_tokenizer.decode
+
+
 class Tokenizer:
     """A Hugging Face tokenizer with the few operations serving needs; `.hf` is the tokenizer itself."""
 
     def __init__(self, hf: Any):
         self.hf = hf
+        self._rust_decode = _plain_rust_decode(hf)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -96,8 +111,10 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens,
-                              clean_up_tokenization_spaces=False)
+        ids = [int(i) for i in ids]
+        if self._rust_decode is not None:  # what hf.decode does here, without ~3 us of Python (twice a token)
+            return self._rust_decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
     def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
                     **kwargs: Any) -> str:

@@ -152,6 +152,18 @@ def test_streamed_random_ids_equal_hf_decode(toks, kind: str, skip: bool, prompt
 
 @pytest.mark.parametrize("kind", KINDS)
 @PROPERTY
+@given(data=st.data())
+def test_decode_is_hf_decode(toks, kind: str, data) -> None:
+    """Tokenizer.decode calls the Rust decoder directly for a plain fast tokenizer: the same text as hf.decode."""
+    tok = toks[kind]
+    assert tok._rust_decode is not None
+    ids = data.draw(st.lists(st.integers(0, tok.vocab_size - 1), max_size=30))
+    for skip in (True, False):
+        assert tok.decode(ids, skip_special_tokens=skip) == hf_decode(tok, ids, skip)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@PROPERTY
 @given(text=texts)
 def test_stream_without_prompt_is_plain_decode(toks, kind: str, text: str) -> None:
     tok = toks[kind]
