@@ -188,7 +188,7 @@ class EngineConfig:
         step of a burst; streams then receive tokens several at a time. Only a single-device step with one page
         width (the CPU kernels) takes bursts; requests with penalties, logprobs or a pending min_tokens step singly.
       decode_burst_ms: a burst holds only the steps that fit this long, by the last measured decode step at that
-        batch size, so a stream's tokens arrive at least this often and a new request waits at most this long.
+        batch size, so a burst holds back a stream's tokens, or a newly arrived request, about this long at most.
       compilation_cache_dir: JAX's persistent compilation cache; "" disables it.
       warmup: compile every step shape at start-up so serving never stalls on a compile.
       attention_backend: "auto" (the Pallas kernel on TPU/GPU, the C++ kernels on CPU where they build, else the
