@@ -47,8 +47,8 @@ serve_bench() {  # URL NAME [extra bench flags]
 # layer, at the dtype's width (llama.cpp keeps f16 K/V, so its cache is the bf16 size at either dtype).
 LLAMA_CTX=12288
 kv_bytes() {  # DTYPE
-  python3 -c "import json; c = json.load(open('$M/config.json')); print($LLAMA_CTX * 2 * c['num_hidden_layers'] \
-    * c['num_key_value_heads'] * c['hidden_size'] // c['num_attention_heads'] * {'bfloat16': 2, 'float32': 4}['$1'])"
+  python3 -c "import sys; from pathlib import Path; sys.path.insert(0, '$HERE/benchmarks'); from run_all import kv_cache_bytes
+print(kv_cache_bytes(Path('$M'), '$1', $LLAMA_CTX))"
 }
 jserve_server() {  # TREE DTYPE PORT NAME [extra server flags]; sets SERVER to its pid
   local tree=$1 dtype=$2 port=$3 name=$4

@@ -114,6 +114,7 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self.stats = EngineStats()
         self._rng = random.Random(config.seed)
+        self._bursts_possible = config.decode_burst > 1 and self.runner.supports_burst
         self._decode_step_seconds: dict[int, float] = {}  # the last decode step's time, by batch bucket (bursts)
         if config.warmup:
             self.warmup()
@@ -267,7 +268,7 @@ class LLMEngine:
         meta = build_metadata([c.seq for c in plan.scheduled], pad_to=logits.shape[0])
         sampled = sample(logits, meta)
         token_ids = np.asarray(sampled.token_ids)  # the one host round-trip per step
-        if all(_is_decode(chunk) for chunk in plan.scheduled):
+        if self._bursts_possible and all(_is_decode(chunk) for chunk in plan.scheduled):
             self._decode_step_seconds[self._decode_bucket(plan)] = time.perf_counter() - start
         self._count_prompt_tokens(plan)
         self.scheduler.on_step_done(plan)
@@ -292,7 +293,7 @@ class LLMEngine:
         has the slots; no more than fit in config.decode_burst_ms at the last measured step time for this batch
         size, nor past any sequence's max_tokens or max_model_len."""
         length = self.config.decode_burst
-        if length <= 1 or not self.runner.supports_burst or self.scheduler.num_waiting:
+        if not self._bursts_possible or self.scheduler.num_waiting:
             return 1
         step_seconds = self._decode_step_seconds.get(self._decode_bucket(plan))
         if step_seconds is None:
