@@ -34,14 +34,19 @@ def run_jserve(args: Namespace, requests: list[SampleRequest]) -> dict:
     startup = time.perf_counter() - start
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
-    steps_before = llm.engine.stats.num_steps
+    before = dataclasses.replace(llm.engine.stats)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=not args.disable_tqdm)
     elapsed = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    stats = llm.engine.stats
+    engine_steps = stats.num_engine_steps - before.num_engine_steps
+    # The host's work in a step is its wall time less the time it waited for the device's results.
+    host = (stats.step_seconds - before.step_seconds) - (stats.device_wait_seconds - before.device_wait_seconds)
     return {"backend": "jserve", "dtype": args.dtype, "startup_s": startup, "elapsed_s": elapsed,
             "output_tokens": generated, "generated_tokens": generated,
-            "engine_steps": llm.engine.stats.num_steps - steps_before}
+            "engine_steps": stats.num_steps - before.num_steps, "engine_calls": engine_steps,
+            "host_ms_per_engine_call": 1e3 * host / max(engine_steps, 1)}
 
 
 def static_batches(requests: list[SampleRequest], batch_size: int, sort: bool) -> list[list[SampleRequest]]:
@@ -114,6 +119,9 @@ def run_throughput(args: Namespace) -> int:
           f"{report['output_tokens_per_s']:.2f} output tokens/s, {report['total_tokens_per_s']:.2f} total tokens/s "
           f"({report['num_requests']} requests, {report['prompt_tokens']} prompt + {report['output_tokens']} output "
           f"tokens in {report['elapsed_s']:.2f} s; start-up {report['startup_s']:.1f} s)")
+    if "host_ms_per_engine_call" in report:
+        print(f"Host work: {report['host_ms_per_engine_call']:.3f} ms per engine step ({report['engine_calls']} "
+              f"steps running {report['engine_steps']} model steps; the rest of each step waited for the device)")
     if args.result_json:
         Path(args.result_json).write_text(json.dumps(report, indent=2) + "\n")
     return 0

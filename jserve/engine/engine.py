@@ -78,7 +78,10 @@ class RequestState:
 class EngineStats:
     num_computed_prompt_tokens: int = 0
     num_generated_tokens: int = 0
-    num_steps: int = 0
+    num_steps: int = 0  # model steps (a decode burst counts each of its steps)
+    num_engine_steps: int = 0  # calls of LLMEngine.step that ran something
+    step_seconds: float = 0.0  # their wall time
+    device_wait_seconds: float = 0.0  # of which blocked on the device's results; the rest is the host's work
 
 
 class LLMEngine:
@@ -114,7 +117,9 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self.stats = EngineStats()
         self._rng = random.Random(config.seed)
-        self._bursts_possible = config.decode_burst > 1 and self.runner.supports_burst
+        # Decode-only steps run forward and sample in one device call (a burst of 1 or more steps) where the runner
+        # can: one dispatch instead of two, and the logits never leave the device.
+        self._bursts_possible = self.runner.supports_burst
         self._decode_step_seconds: dict[int, float] = {}  # the last decode step's time, by batch bucket (bursts)
         if config.warmup:
             self.warmup()
@@ -155,7 +160,7 @@ class LLMEngine:
         start = time.perf_counter()
         batches = list(self.runner.warmup_batches())
         bursts = [(b, meta, self.config.decode_burst) for b in self.runner.burst_batches()
-                  for meta in warmup_metadata(len(b.seq_lens))] if self.config.decode_burst > 1 else []
+                  for meta in warmup_metadata(len(b.seq_lens))]
         if self.runner.mesh is None:
             logits_shapes = set(self.runner.compile_ahead(batches, bursts))
         else:  # a sharded (or multi-process) step compiles on its first run, in lockstep on every process
@@ -250,12 +255,25 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs of every request that changed (finished ones last time)."""
+        start = time.perf_counter()
         plan: SchedulerOutput = self.scheduler.schedule()
         if not plan.scheduled:
             return []
         burst = self._burst_length(plan)
-        if burst > 1:
-            return self._step_burst(plan, burst)
+        outputs = self._step_burst(plan, burst) if burst else self._step_single(plan)
+        self.stats.num_engine_steps += 1
+        self.stats.step_seconds += time.perf_counter() - start
+        return outputs
+
+    def _fetch(self, array: jax.Array) -> np.ndarray:
+        """The step's results on the host: the one round-trip per step, timed as the device's share of the step."""
+        start = time.perf_counter()
+        host = np.asarray(array)
+        self.stats.device_wait_seconds += time.perf_counter() - start
+        return host
+
+    def _step_single(self, plan: SchedulerOutput) -> list[RequestOutput]:
+        """One step through the plain forward, then the sampler: prompt chunks, and decodes a burst cannot take."""
         start = time.perf_counter()
         wants_prompt_logprobs = [self._wants_prompt_logprobs(c) for c in plan.scheduled]
         batch = self.runner.prepare(plan.scheduled, all_logits=any(wants_prompt_logprobs))
@@ -267,7 +285,7 @@ class LLMEngine:
             logits = logits[last_rows]
         meta = build_metadata([c.seq for c in plan.scheduled], pad_to=logits.shape[0])
         sampled = sample(logits, meta)
-        token_ids = np.asarray(sampled.token_ids)  # the one host round-trip per step
+        token_ids = self._fetch(sampled.token_ids)
         if self._bursts_possible and all(_is_decode(chunk) for chunk in plan.scheduled):
             self._decode_step_seconds[self._decode_bucket(plan)] = time.perf_counter() - start
         self._count_prompt_tokens(plan)
@@ -288,25 +306,28 @@ class LLMEngine:
         return [self._emit(state) for state in changed.values()]
 
     def _burst_length(self, plan: SchedulerOutput) -> int:
-        """How many decode steps to run in one device call (1: a single step). Up to config.decode_burst when every
-        scheduled sequence decodes one token with parameters a burst keeps fixed, no request waits and the cache
-        has the slots; no more than fit in config.decode_burst_ms at the last measured step time for this batch
-        size, nor past any sequence's max_tokens or max_model_len."""
+        """How many decode steps to run in one fused forward-and-sample device call; 0: this step needs the plain
+        forward and sampler (a prompt chunk; logprobs, which are per step; penalties and a pending min_tokens, which
+        change the sampling metadata every step; a runner that cannot burst).
+
+        Up to config.decode_burst steps when no request waits and the cache has the slots; no more than fit in
+        config.decode_burst_ms at the last measured step time for this batch size, nor past any sequence's
+        max_tokens or max_model_len."""
+        if not self._bursts_possible:
+            return 0
         length = self.config.decode_burst
-        if not self._bursts_possible or self.scheduler.num_waiting:
-            return 1
-        step_seconds = self._decode_step_seconds.get(self._decode_bucket(plan))
-        if step_seconds is None:
-            return 1  # this batch size's first decode step runs singly, and is timed
-        fits = self.config.decode_burst_ms / 1e3 / max(step_seconds, 1e-9)  # inf: no time limit
-        length = length if fits >= length else int(fits)
         for chunk in plan.scheduled:
             seq, params = chunk.seq, chunk.seq.params
             if not _is_decode(chunk):
-                return 1  # a prompt token (a one-token prompt's only step): not a decode
+                return 0  # a prompt token (a one-token prompt's only step): not a decode
             if params.logprobs is not None or has_penalty(params) or seq.num_output_tokens < params.min_tokens:
-                return 1  # logprobs are per step; penalties and min_tokens change the sampling metadata every step
+                return 0
             length = min(length, params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+        step_seconds = self._decode_step_seconds.get(self._decode_bucket(plan))
+        if self.scheduler.num_waiting or step_seconds is None:
+            return 1  # this batch size's first decode step runs alone, and is timed
+        fits = self.config.decode_burst_ms / 1e3 / max(step_seconds, 1e-9)  # inf: no time limit
+        length = length if fits >= length else max(1, int(fits))
         bm = self.block_manager
         if length <= 1 or sum(bm.num_new_blocks(chunk.seq, length) for chunk in plan.scheduled) > bm.num_free_blocks:
             return 1
@@ -324,7 +345,7 @@ class LLMEngine:
         batch = self.runner.prepare(plan.scheduled, lookahead=length - 1)
         meta = build_metadata([c.seq for c in plan.scheduled], pad_to=self.runner.seq_rows_for(len(batch.token_ids)))
         start = time.perf_counter()
-        tokens = self.runner.run_burst(batch, meta, length, self.config.decode_burst)  # [length, S]
+        tokens = self._fetch(self.runner.run_burst(batch, meta, length, self.config.decode_burst))[:length]  # [L, S]
         self._decode_step_seconds[self._decode_bucket(plan)] = (time.perf_counter() - start) / length
         self.stats.num_steps += length
         changed: dict[str, RequestState] = {}

@@ -152,17 +152,17 @@ class ModelRunner:
             slot_mapping=jnp.where(real, pages * self.block_size + positions % self.block_size, self.num_slots),
             seq_lens=jnp.where(batch.seq_lens > 0, batch.seq_lens + 1, 0))
 
-    def run_burst(self, batch: StepBatch, meta: SamplingMetadata, num_steps: int, max_steps: int) -> np.ndarray:
+    def run_burst(self, batch: StepBatch, meta: SamplingMetadata, num_steps: int, max_steps: int) -> jax.Array:
         """Run a decode-only batch num_steps (<= max_steps, the compiled bound) steps on the device -> sampled token
-        ids i32[num_steps, S]. The batch's sequences must hold slots for num_steps tokens (prepare with
-        lookahead=num_steps - 1)."""
+        ids i32[max_steps, S] on the device (rows past num_steps are zeros). The batch's sequences must hold slots
+        for num_steps tokens (prepare with lookahead=num_steps - 1)."""
         steps = np.int32(num_steps)
         compiled = self._compiled_bursts.get(_burst_key(batch, meta, max_steps))
         if compiled is None:  # a shape or sampler variant not compiled ahead goes through jit
             self.kv_cache, tokens = self._burst(self.params, self.kv_cache, batch, meta, steps, max_steps)
         else:
             self.kv_cache, tokens = compiled(self.params, self.kv_cache, batch, meta, steps)
-        return np.asarray(tokens)[:num_steps]  # the burst's one host round-trip
+        return tokens
 
     def seq_rows_for(self, num_tokens_bucket: int) -> int:
         return min(num_tokens_bucket, pick_bucket(pow2_buckets(1, self.max_seq_rows), self.max_seq_rows))
@@ -187,16 +187,22 @@ class ModelRunner:
         seq_lens = np.zeros(s_pad, np.int32)
         query_start = np.zeros(s_pad + 1, np.int32)
         logits_indices = np.zeros(s_pad, np.int32)
-        offset = 0
+        offset, block_size = 0, self.block_size
         for row, chunk in enumerate(chunks):
             seq, n = chunk.seq, chunk.num_new_tokens
-            start = seq.num_computed_tokens
-            pos = np.arange(start, start + n, dtype=np.int32)
-            blocks = np.asarray(seq.block_table, np.int32)
-            token_ids[offset: offset + n] = seq.token_ids[start: start + n]
-            positions[offset: offset + n] = pos
-            slot_mapping[offset: offset + n] = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
-            token_seq[offset: offset + n] = row
+            start, blocks = seq.num_computed_tokens, seq.block_table
+            if n == 1:  # a decode: scalar writes (per-row numpy calls would cost more than the row's work)
+                token_ids[offset] = seq.token_at(start)
+                positions[offset] = start
+                slot_mapping[offset] = blocks[start // block_size] * block_size + start % block_size
+                token_seq[offset] = row
+            else:
+                pos = np.arange(start, start + n, dtype=np.int32)
+                token_ids[offset: offset + n] = seq.token_ids[start: start + n]
+                positions[offset: offset + n] = pos
+                slot_mapping[offset: offset + n] = (np.asarray(blocks, np.int32)[pos // block_size] * block_size
+                                                    + pos % block_size)
+                token_seq[offset: offset + n] = row
             num_pages = min(len(blocks), p_pad)
             page_table[row, :num_pages] = blocks[:num_pages]
             seq_lens[row] = start + n

@@ -97,41 +97,67 @@ def build_metadata(seqs: list[Sequence], pad_to: int,
     """
     if pad_to < len(seqs):
         raise ValueError(f"pad_to ({pad_to}) is smaller than the batch ({len(seqs)})")
-    params = [seq.params for seq in seqs]
-    draw = [_draw_params(p) for p in params]
-    history_ids, num_prompt = _history(seqs, pad_to, history_bucket or _default_history_bucket)
-    bias_ids, bias_values = _bias(seqs, pad_to)
+    rows = [_sampling_row(seq) for seq in seqs]
+    columns = np.array([r.values for r in rows], np.float64).reshape(len(rows), len(_ROW_FILL))
+    padded = np.array([_ROW_FILL] * pad_to, np.float64)
+    padded[:len(rows)] = columns
+    history_ids, num_prompt = _history([(i, seq) for i, (seq, r) in enumerate(zip(seqs, rows, strict=True))
+                                        if r.has_penalty], pad_to, history_bucket or _default_history_bucket)
+    bias_ids, bias_values = _bias([(i, seq) for i, (seq, r) in enumerate(zip(seqs, rows, strict=True))
+                                   if r.has_bias or seq.num_output_tokens < seq.params.min_tokens], pad_to)
+    steps = np.zeros(pad_to, np.int32)
+    steps[:len(seqs)] = [seq.num_output_tokens for seq in seqs]
     return SamplingMetadata(
-        temperature=_column([d[0] for d in draw], pad_to, 0, np.float32),
-        top_k=_column([d[1] for d in draw], pad_to, 0, np.int32),
-        top_p=_column([d[2] for d in draw], pad_to, 1, np.float32),
-        min_p=_column([d[3] for d in draw], pad_to, 0, np.float32),
-        repetition_penalty=_column([p.repetition_penalty for p in params], pad_to, 1, np.float32),
-        presence_penalty=_column([p.presence_penalty for p in params], pad_to, 0, np.float32),
-        frequency_penalty=_column([p.frequency_penalty for p in params], pad_to, 0, np.float32),
-        seeds=_column([hash_seed(_seed_of(seq)) for seq in seqs], pad_to, 0, np.uint32),
-        steps=_column([seq.num_output_tokens for seq in seqs], pad_to, 0, np.int32),
+        temperature=padded[:, 0].astype(np.float32),
+        top_k=padded[:, 1].astype(np.int32),
+        top_p=padded[:, 2].astype(np.float32),
+        min_p=padded[:, 3].astype(np.float32),
+        repetition_penalty=padded[:, 4].astype(np.float32),
+        presence_penalty=padded[:, 5].astype(np.float32),
+        frequency_penalty=padded[:, 6].astype(np.float32),
+        seeds=padded[:, 7].astype(np.uint32),
+        steps=steps,
         history_ids=history_ids,
         num_prompt=num_prompt,
         bias_ids=bias_ids,
         bias_values=bias_values,
-        all_greedy=all(d[0] == 0.0 for d in draw),
+        all_greedy=all(r.values[0] == 0.0 for r in rows),
         needs_penalties=history_ids.shape[1] > 0,
-        needs_filters=any(_has_filter(*d[1:]) for d in draw),
-        num_logprobs=MAX_LOGPROBS if any(p.logprobs for p in params) else 0,
-        needs_logprobs=any(p.logprobs is not None for p in params),
+        needs_filters=any(r.has_filter for r in rows),
+        num_logprobs=MAX_LOGPROBS if any(seq.params.logprobs for seq in seqs) else 0,
+        needs_logprobs=any(seq.params.logprobs is not None for seq in seqs),
     )
 
 
-def _column(values: list, pad_to: int, fill: float, dtype: type) -> np.ndarray:
-    out = np.full(pad_to, fill, dtype)
-    out[:len(values)] = values
-    return out
+# The values of a padded row: greedy, no filter, no penalty, seed 0 (the order of SamplingRow.values).
+_ROW_FILL = (*_NO_DRAW, 1.0, 0.0, 0.0, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingRow:
+    """What a sequence's fixed SamplingParams put in its metadata row, computed once (they never change)."""
+
+    values: tuple  # temperature, top_k, top_p, min_p, repetition, presence, frequency penalty, hashed seed
+    has_filter: bool  # a sampled row with top-k, top-p or min-p
+    has_penalty: bool
+    has_bias: bool  # a logit_bias (min_tokens adds a bias only while it is pending)
+
+
+def _sampling_row(seq: Sequence) -> SamplingRow:
+    row = seq.sampling_row
+    if row is None:  # the batch builds every step: the per-row Python work is done once per sequence
+        p = seq.params
+        draw = _draw_params(p)
+        row = SamplingRow(values=(*draw, p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
+                                  hash_seed(_seed_of(seq))),
+                          has_filter=_has_filter(*draw[1:]), has_penalty=has_penalty(p), has_bias=bool(p.logit_bias))
+        seq.sampling_row = row
+    return row
 
 
 def _seed_of(seq: Sequence) -> int:
     # The engine sets sampling_seed on every sequence; the fallbacks keep the sampler usable without it.
-    seed = getattr(seq, "sampling_seed", None)
+    seed = seq.sampling_seed
     if seed is None:
         seed = seq.params.seed if seq.params.seed is not None else seq.seq_id
     return seed
@@ -154,12 +180,11 @@ def _default_history_bucket(width: int) -> int:
     return pow2_bucket(width, _HISTORY_FLOOR)
 
 
-def _history(seqs: list[Sequence], pad_to: int,
+def _history(penalized: list[tuple[int, Sequence]], pad_to: int,
              bucket: Callable[[int], int]) -> tuple[np.ndarray, np.ndarray]:
-    """history_ids i32[S, M] and num_prompt i32[S], filled only for rows that have a penalty."""
+    """history_ids i32[S, M] and num_prompt i32[S], filled for the (row, sequence) pairs that have a penalty."""
     # Without a repetition penalty only output tokens matter, so the (long) prompt is left out.
-    rows = [(i, seq, seq.params.repetition_penalty != 1.0)
-            for i, seq in enumerate(seqs) if has_penalty(seq.params)]
+    rows = [(i, seq, seq.params.repetition_penalty != 1.0) for i, seq in penalized]
     width = max((seq.num_tokens if rep else seq.num_output_tokens for _, seq, rep in rows), default=0)
     num_prompt = np.zeros(pad_to, np.int32)
     if width == 0:
@@ -187,13 +212,13 @@ def _bias_entries(seq: Sequence) -> list[tuple[int, float]]:
     return entries
 
 
-def _bias(seqs: list[Sequence], pad_to: int) -> tuple[np.ndarray, np.ndarray]:
-    """bias_ids i32[S, B] and bias_values f32[S, B] (-1 id padding)."""
-    entries = [_bias_entries(seq) for seq in seqs]
-    width = pow2_bucket(max((len(e) for e in entries), default=0), _BIAS_FLOOR)
+def _bias(biased: list[tuple[int, Sequence]], pad_to: int) -> tuple[np.ndarray, np.ndarray]:
+    """bias_ids i32[S, B] and bias_values f32[S, B] (-1 id padding) of the (row, sequence) pairs that may have one."""
+    entries = [(i, _bias_entries(seq)) for i, seq in biased]
+    width = pow2_bucket(max((len(e) for _, e in entries), default=0), _BIAS_FLOOR)
     ids = np.full((pad_to, width), -1, np.int32)
     values = np.zeros((pad_to, width), np.float32)
-    for i, row in enumerate(entries):
+    for i, row in entries:
         if row:
             ids[i, :len(row)], values[i, :len(row)] = zip(*row, strict=True)
     return ids, values

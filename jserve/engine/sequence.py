@@ -41,10 +41,19 @@ class Sequence:
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.sampling_seed: int | None = None  # the engine's seed for this sequence's draws
+        self.sampling_row = None  # the sampler's cache of the fixed per-row parameters (sampler.SamplingRow)
 
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, position: int) -> int:
+        """token_ids[position], without building token_ids."""
+        num_prompt = len(self.prompt_token_ids)
+        if position < num_prompt:
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - num_prompt]
 
     @property
     def num_tokens(self) -> int:
