@@ -162,6 +162,34 @@ inline void StoreRow(uint16_t* dst, const float* src, int64_t n) {
   for (; i < n; ++i) dst[i] = FloatToBf16(src[i]);
 }
 
+// A row stored as a bfloat16 weight's matmul input on a CPU without AVX512-BF16: rounded to bfloat16 and kept as
+// float32 (the same values), so the matmuls widen only the weight, not every row of x again for every weight row.
+inline void StoreRoundedRow(float* dst, const float* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i bits = FloatToBf16x8(_mm256_loadu_ps(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16)));
+  }
+  for (; i < n; ++i) dst[i] = Bf16ToFloat(FloatToBf16(src[i]));
+}
+
+// A matmul input row: bfloat16 bits (StoreRow rounds), or float32, rounded to bfloat16 values when `round`.
+inline void StoreInput(uint16_t* dst, const float* src, int64_t n, bool) { StoreRow(dst, src, n); }
+inline void StoreInput(float* dst, const float* src, int64_t n, bool round) {
+  if (round) {
+    StoreRoundedRow(dst, src, n);
+  } else {
+    StoreRow(dst, src, n);
+  }
+}
+
+// What bfloat16 weights take as x: bfloat16 bits for vdpbf16ps, else float32 holding bfloat16 values.
+#ifdef JSERVE_AVX512_BF16
+using Bf16Input = uint16_t;
+#else
+using Bf16Input = float;
+#endif
+
 // ---------------------------------------------------------------------------------------------------------------
 // Matmul y[M, N] (op)= x[M, K] . w[N, K]^T (+ bias[N]). X and W are float (float32 weights) or uint16_t (bfloat16
 // weights, with x already rounded to bfloat16). `accumulate` adds the result to y (a residual connection).
@@ -285,6 +313,80 @@ void MatmulColumns(const MatmulJob<X, W>& job, int64_t n_begin, int64_t n_end) {
   }
 }
 
+#ifndef JSERVE_AVX512_BF16
+// bfloat16 weights against float32 x (Bf16Input without AVX512-BF16): sixteen weights are one load, split by two
+// bit operations into the even-indexed and the odd-indexed ones as floats (a bfloat16 is the top half of a float32),
+// where widening eight at a time costs a shuffle and a shift each. x is split to match, once per work item.
+void SplitEvenOdd(const float* x, int64_t rows, int64_t k_size, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = x + r * k_size;
+    float* dst = out + r * k_size;
+    int64_t k = 0;
+    for (; k + 16 <= k_size; k += 16) {
+      for (int64_t j = 0; j < 8; ++j) {
+        dst[k + j] = src[k + 2 * j];
+        dst[k + 8 + j] = src[k + 2 * j + 1];
+      }
+    }
+    for (; k < k_size; ++k) dst[k] = src[k];
+  }
+}
+
+// With one or two rows the 5-cycle FMA latency, not the memory, would bound two accumulators a row: they get four.
+template <int64_t R>
+inline void DotRowsEvenOdd(const MatmulJob<float, uint16_t>& job, const float* x_split, int64_t m, int64_t n) {
+  constexpr int64_t kChunks = R <= 2 ? 2 : 1;  // 16-weight chunks per iteration, two accumulators each
+  const int64_t k_size = job.k_size;
+  const uint16_t* w = job.w + n * k_size;
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m256 acc[R][2 * kChunks];
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t a = 0; a < 2 * kChunks; ++a) acc[r][a] = _mm256_setzero_ps();
+  }
+  auto chunk = [&](int64_t k, int64_t a) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k));
+    const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+    const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(bits, high));
+    for (int64_t r = 0; r < R; ++r) {
+      acc[r][a] = _mm256_fmadd_ps(_mm256_loadu_ps(x_split + r * k_size + k), even, acc[r][a]);
+      acc[r][a + 1] = _mm256_fmadd_ps(_mm256_loadu_ps(x_split + r * k_size + k + 8), odd, acc[r][a + 1]);
+    }
+  };
+  int64_t k = 0;
+  for (; k + 16 * kChunks <= k_size; k += 16 * kChunks) {
+    for (int64_t c = 0; c < kChunks; ++c) chunk(k + 16 * c, 2 * c);
+  }
+  for (; k + 16 <= k_size; k += 16) chunk(k, 0);
+  for (int64_t r = 0; r < R; ++r) {
+    __m256 total = acc[r][0];
+    for (int64_t a = 1; a < 2 * kChunks; ++a) total = _mm256_add_ps(total, acc[r][a]);
+    float sum = HorizontalSum(total);
+    for (int64_t kk = k; kk < k_size; ++kk) sum += x_split[r * k_size + kk] * Bf16ToFloat(w[kk]);
+    Emit(job, m + r, n, sum);
+  }
+}
+
+void MatmulColumns(const MatmulJob<float, uint16_t>& job, int64_t n_begin, int64_t n_end) {
+  thread_local std::vector<float> split;
+  split.resize(static_cast<size_t>(job.m_size * job.k_size));
+  SplitEvenOdd(job.x, job.m_size, job.k_size, split.data());
+  const int64_t k_size = job.k_size;
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    int64_t m = 0;
+    for (; m + kDecodeRows <= job.m_size; m += kDecodeRows) {
+      DotRowsEvenOdd<kDecodeRows>(job, split.data() + m * k_size, m, n);
+    }
+    const float* rest = split.data() + m * k_size;
+    switch (job.m_size - m) {
+      case 3: DotRowsEvenOdd<3>(job, rest, m, n); break;
+      case 2: DotRowsEvenOdd<2>(job, rest, m, n); break;
+      case 1: DotRowsEvenOdd<1>(job, rest, m, n); break;
+      default: break;
+    }
+  }
+}
+#endif
+
 // Larger batches (M >= PanelMinRows) are compute-bound: the weight is packed 16 rows at a time into a k-major
 // panel (widened to float32 once), and 6 x 16 output tiles accumulate outer products in 12 registers: per k, two
 // weight loads and six broadcasts feed twelve FMAs, with no horizontal sums.
@@ -295,7 +397,7 @@ constexpr int64_t kTileRows = 6;  // x rows per tile: 12 accumulators + 2 weight
 // through vdpbf16ps fast enough to hold out longer than float32 ones.
 template <typename X, typename W>
 constexpr int64_t PanelMinRows() {
-  return std::is_same_v<W, uint16_t> ? 12 : 8;
+  return std::is_same_v<X, uint16_t> && std::is_same_v<W, uint16_t> ? 12 : 8;
 }
 
 // Transpose eight vectors of eight floats in registers (rows[i][j] -> rows[j][i]).
@@ -583,12 +685,14 @@ Phase MatmulPhase(const MatmulJob<X, W>& job, int64_t) {
 
 bool IsBf16Bits(ffi::DataType type) { return type == ffi::DataType::BF16 || type == ffi::DataType::U16; }
 
-// x rounded to bfloat16 bits, a row block per item (bfloat16 weights take bfloat16 activations).
-Phase RoundRowsPhase(const float* x, uint16_t* out, int64_t rows, int64_t cols) {
+// x rounded to bfloat16 (bits, or float32 values: Bf16Input), a row block per item (bfloat16 weights take
+// bfloat16 activations).
+template <typename X>
+Phase RoundRowsPhase(const float* x, X* out, int64_t rows, int64_t cols) {
   constexpr int64_t kRowsPerItem = 16;
   return {Blocks(rows, kRowsPerItem), [=](int64_t item) {
             const int64_t end = std::min(rows, (item + 1) * kRowsPerItem);
-            for (int64_t r = item * kRowsPerItem; r < end; ++r) StoreRow(out + r * cols, x + r * cols, cols);
+            for (int64_t r = item * kRowsPerItem; r < end; ++r) StoreInput(out + r * cols, x + r * cols, cols, true);
           }};
 }
 
@@ -643,10 +747,10 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
     return ffi::Error::InvalidArgument("jserve_matmul: packed float32 weights need a CPU with AVX-512");
 #endif
   } else if (IsBf16Bits(w.element_type())) {
-    thread_local std::vector<uint16_t> x_bf16;
+    thread_local std::vector<Bf16Input> x_bf16;
     x_bf16.resize(static_cast<size_t>(m_size * k_size));
-    const MatmulJob<uint16_t, uint16_t> job{x_bf16.data(), static_cast<const uint16_t*>(w.untyped_data()),
-                                            y->typed_data(), nullptr, false, m_size, n_size, k_size};
+    const MatmulJob<Bf16Input, uint16_t> job{x_bf16.data(), static_cast<const uint16_t*>(w.untyped_data()),
+                                             y->typed_data(), nullptr, false, m_size, n_size, k_size};
     RunPhases(pool, {RoundRowsPhase(x.typed_data(), x_bf16.data(), m_size, k_size), MatmulPhase(job, threads)});
   } else if (w.element_type() == ffi::DataType::F32) {
     const MatmulJob<float, float> job{x.typed_data(), static_cast<const float*>(w.untyped_data()), y->typed_data(),
@@ -761,6 +865,7 @@ struct AttentionArgs {
   const int32_t* seq_lens;     // [S]
   void* out;                   // [T, H, D], float32 or (out_bf16) bfloat16 bits
   bool out_bf16;
+  bool out_round = false;      // float32 out rounded to bfloat16 values (a bfloat16 matmul's Bf16Input)
   int64_t num_heads, kv_heads, head_dim, page_size, pages_per_seq, num_pages;
   float scale, soft_cap;       // soft_cap 0: none
   int64_t sliding_window;      // 0: none
@@ -1119,7 +1224,7 @@ void AttendItem(const AttentionArgs& a, const AttentionItem& item) {
       if (a.out_bf16) {
         StoreRow(static_cast<uint16_t*>(a.out) + offset, rows_of_token, group * d_size);
       } else {
-        StoreRow(static_cast<float*>(a.out) + offset, rows_of_token, group * d_size);
+        StoreInput(static_cast<float*>(a.out) + offset, rows_of_token, group * d_size, a.out_round);
       }
     }
   }
@@ -1245,16 +1350,16 @@ struct LayerShape {
 
 constexpr int64_t kRowsPerItem = 8;  // token rows per item of the elementwise phases
 
-// dst[0..n) = rmsnorm(src) * weight, stored as the next matmul's input.
+// dst[0..n) = rmsnorm(src) * weight, stored as the next matmul's input (rounded to bfloat16 values: `round`).
 template <typename X>
-void RmsNormRow(const float* src, const float* weight, int64_t n, float eps, X* dst) {
+void RmsNormRow(const float* src, const float* weight, int64_t n, float eps, X* dst, bool round) {
   float sum = 0.0f;
   for (int64_t i = 0; i < n; ++i) sum += src[i] * src[i];
   const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
   thread_local std::vector<float> row;
   row.resize(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) row[i] = src[i] * inv * weight[i];
-  StoreRow(dst, row.data(), n);
+  StoreInput(dst, row.data(), n, round);
 }
 
 // Per-head RMSNorm in place (Qwen3's q_norm / k_norm), head_dim wide.
@@ -1307,8 +1412,12 @@ void StoreKv(void* pages, bool bf16, int64_t slot, const float* src, int64_t n) 
 template <typename W>
 void RunDecoderLayer(ffi::ThreadPool& pool, const LayerShape& s, const LayerWeights<W>& w, AttentionArgs& a,
                      const std::vector<AttentionItem>& items, void* k_pages, void* v_pages) {
-  // Matmul inputs: float32, or bfloat16 bits for bfloat16 weights (plain, or packed as uint32 pairs).
-  using X = std::conditional_t<std::is_same_v<W, float> || std::is_same_v<W, F32Panels>, float, uint16_t>;
+  // Matmul inputs: float32, or for bfloat16 weights bfloat16 bits (packed uint32 pairs and vdpbf16ps) or float32
+  // rounded to bfloat16 values (plain weights without AVX512-BF16: Bf16Input).
+  constexpr bool f32_weights = std::is_same_v<W, float> || std::is_same_v<W, F32Panels>;
+  using X = std::conditional_t<f32_weights, float, std::conditional_t<std::is_same_v<W, uint16_t>, Bf16Input,
+                                                                      uint16_t>>;
+  constexpr bool round = !f32_weights;  // every matmul input is rounded to bfloat16 for bfloat16 weights
   const int64_t t_size = s.tokens, e = s.hidden, i_size = s.intermediate, d = a.head_dim;
   const int64_t q_size = a.num_heads * d, kv_size = a.kv_heads * d, qkv_size = q_size + 2 * kv_size;
   const int64_t num_slots = a.num_pages * a.page_size;
@@ -1327,6 +1436,7 @@ void RunDecoderLayer(ffi::ThreadPool& pool, const LayerShape& s, const LayerWeig
   a.q_stride = qkv_size;
   a.out = in;
   a.out_bf16 = std::is_same_v<X, uint16_t>;
+  a.out_round = round;
   const int64_t row_items = Blocks(t_size, kRowsPerItem), threads = pool.num_threads();
   auto rows = [t_size](int64_t item, auto&& body) {
     for (int64_t t = item * kRowsPerItem; t < std::min(t_size, (item + 1) * kRowsPerItem); ++t) body(t);
@@ -1334,7 +1444,7 @@ void RunDecoderLayer(ffi::ThreadPool& pool, const LayerShape& s, const LayerWeig
   RunPhases(pool, {
     {row_items, [&](int64_t item) { rows(item, [&](int64_t t) {
        std::memcpy(x_out + t * e, s.x + t * e, static_cast<size_t>(e) * 4);
-       RmsNormRow(s.x + t * e, w.input_norm, e, s.eps, in + t * e);
+       RmsNormRow(s.x + t * e, w.input_norm, e, s.eps, in + t * e, round);
      }); }},
     MatmulPhase(MatmulJob<X, W>{in, w.qkv, qkv_rows, w.qkv_bias, false, t_size, qkv_size, e}, threads),
     {row_items, [&](int64_t item) { rows(item, [&](int64_t t) {
@@ -1363,7 +1473,7 @@ void RunDecoderLayer(ffi::ThreadPool& pool, const LayerShape& s, const LayerWeig
     AttentionPhase(a, items),
     MatmulPhase(MatmulJob<X, W>{in, w.o, x_out, w.o_bias, true, t_size, e, q_size}, threads),
     {row_items, [&](int64_t item) { rows(item, [&](int64_t t) {
-       RmsNormRow(x_out + t * e, w.post_norm, e, s.eps, in + t * e);
+       RmsNormRow(x_out + t * e, w.post_norm, e, s.eps, in + t * e, round);
      }); }},
     MatmulPhase(MatmulJob<X, W>{in, w.gate_up, gate_up_rows, w.gate_up_bias, false, t_size, 2 * i_size, e},
                 threads),
@@ -1372,7 +1482,7 @@ void RunDecoderLayer(ffi::ThreadPool& pool, const LayerShape& s, const LayerWeig
        thread_local std::vector<float> act;
        act.resize(static_cast<size_t>(i_size));
        SiluMul(gate, gate + i_size, act.data(), i_size);
-       StoreRow(in + t * i_size, act.data(), i_size);
+       StoreInput(in + t * i_size, act.data(), i_size, round);
      }); }},
     MatmulPhase(MatmulJob<X, W>{in, w.down, x_out, w.down_bias, true, t_size, e, i_size}, threads),
   });
