@@ -7,6 +7,9 @@
 #
 #   bash benchmarks/quick_compare.sh [BASELINE_CHECKOUT]
 #
+# MIXED=0 leaves out the ShareGPT-like mixed workload (jserve in both dtypes and transformers' static batches: the
+# longest part, 25 minutes and more on a slow machine).
+#
 # With BASELINE_CHECKOUT (another jserve checkout, e.g. `git worktree add /tmp/base <commit>`), its latency,
 # serving and offline figures are measured in the same run, right after this checkout's.
 set -u
@@ -16,6 +19,7 @@ BASE=${1:-}
 B=${LLAMA_CPP_BIN:-~/.cache/jserve/llama.cpp/build/bin}
 M=~/.cache/jserve/bench-135m
 N=${NUM_PROMPTS:-64}
+MIXED_RUNS=${MIXED:-1}
 OUT=${OUT:-/tmp/jserve-bench}
 mkdir -p "$OUT"
 trees=("$HERE")
@@ -100,10 +104,12 @@ tps() { grep -o "[0-9.]* output tokens/s" "$1" | cut -d' ' -f1; }
 HF_DTYPE=$(awk -v b="$(tps "$OUT/offline_hf_bfloat16.txt")" -v f="$(tps "$OUT/offline_hf_float32.txt")" \
   'BEGIN { print (b > f) ? "bfloat16" : "float32" }')
 
-echo "### offline throughput, ShareGPT-like mixed workload: 256 requests, prompts 16-1024, outputs 16-512"
 MIXED=(--dataset mixed --num-prompts 256 --seed 0)
-offline "$HERE" --backend jserve --dtype bfloat16 "${MIXED[@]}" --max-num-seqs 32 --kv-cache-memory-bytes 1073741824
-offline "$HERE" --backend jserve --dtype float32 "${MIXED[@]}" --max-num-seqs 32 --kv-cache-memory-bytes 1073741824
+if [ "$MIXED_RUNS" != 0 ]; then
+  echo "### offline throughput, ShareGPT-like mixed workload: 256 requests, prompts 16-1024, outputs 16-512"
+  offline "$HERE" --backend jserve --dtype bfloat16 "${MIXED[@]}" --max-num-seqs 32 --kv-cache-memory-bytes 1073741824
+  offline "$HERE" --backend jserve --dtype float32 "${MIXED[@]}" --max-num-seqs 32 --kv-cache-memory-bytes 1073741824
+fi
 
 echo "### TTFT with a shared 1,024-token prefix (16 requests one at a time), prefix cache on and off"
 PREFIX=(--dataset prefix-repetition --prefix-repetition-prefix-len 1024 --prefix-repetition-suffix-len 16
@@ -124,5 +130,7 @@ for _ in cold cached; do
 done
 rm -rf "$CACHE"
 
-echo "### offline throughput, mixed workload, transformers in $HF_DTYPE (its faster dtype above), static batches of 32"
-offline "$HERE" --backend hf --hf-dtype $HF_DTYPE --hf-batch-size 32 "${MIXED[@]}"
+if [ "$MIXED_RUNS" != 0 ]; then
+  echo "### offline throughput, mixed workload, transformers in $HF_DTYPE (its faster dtype), static batches of 32"
+  offline "$HERE" --backend hf --hf-dtype $HF_DTYPE --hf-batch-size 32 "${MIXED[@]}"
+fi
