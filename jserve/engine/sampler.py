@@ -99,7 +99,7 @@ def build_metadata(seqs: list[Sequence], pad_to: int,
         raise ValueError(f"pad_to ({pad_to}) is smaller than the batch ({len(seqs)})")
     rows = [_sampling_row(seq) for seq in seqs]
     columns = np.array([r.values for r in rows], np.float64).reshape(len(rows), len(_ROW_FILL))
-    padded = np.array([_ROW_FILL] * pad_to, np.float64)
+    padded = np.tile(np.array(_ROW_FILL, np.float64), (pad_to, 1))
     padded[:len(rows)] = columns
     history_ids, num_prompt = _history([(i, seq) for i, (seq, r) in enumerate(zip(seqs, rows, strict=True))
                                         if r.has_penalty], pad_to, history_bucket or _default_history_bucket)
