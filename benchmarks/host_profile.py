@@ -1,0 +1,108 @@
+"""Where the host's time goes in a decode step of many sequences: each engine function wrapped in a timer.
+
+    python benchmarks/host_profile.py [--model DIR] [--dtype bfloat16] [--num-seqs 32] [--decode-burst 1]
+
+Runs --num-seqs requests of 128 random prompt tokens, each decoding 64 tokens greedily, after a short untimed round,
+and reports per decode-only step (the last 48 steps, when every sequence decodes): the step's wall time, the time it
+waited for the device's results, and the host time of each engine function. It measures the `jserve` found first
+on the path: `PYTHONPATH=. python benchmarks/host_profile.py` this checkout, `PYTHONPATH=/tmp/base` another one.
+The wrappers themselves add ~1 us a call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import time
+from pathlib import Path
+
+import numpy as np
+
+DECODE_STEPS = 48  # the last steps of the timed round: all sequences decoding (64 tokens each, 16 kept clear)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=str(Path("~/.cache/jserve/bench-135m").expanduser()))
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--num-seqs", type=int, default=32)
+    parser.add_argument("--decode-burst", type=int, default=1)
+    args = parser.parse_args()
+
+    import jserve.engine.engine as engine_module
+    from jserve.llm import LLM
+    from jserve.sampling_params import SamplingParams
+
+    llm = LLM(model=args.model, dtype=args.dtype, decode_burst=args.decode_burst, max_num_seqs=args.num_seqs,
+              max_model_len=1024, kv_cache_memory_bytes=300 << 20)
+    engine = llm.engine
+    seconds: dict[str, float] = collections.defaultdict(float)
+
+    def wrap(owner, name: str, label: str) -> None:
+        if not hasattr(owner, name):  # an engine of another version
+            return
+        inner = getattr(owner, name)
+
+        @functools.wraps(inner)
+        def timed(*a, **k):
+            start = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                seconds[label] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+    timed_functions = [
+        (engine.scheduler, "schedule", "schedule"), (engine.runner, "prepare", "build the batch"),
+        (engine.runner, "run", "dispatch forward"), (engine.runner, "run_burst", "dispatch forward + sample"),
+        (engine_module, "build_metadata", "sampling metadata"), (engine_module, "sample", "dispatch sample"),
+        (engine, "_append_token", "append and detokenize"), (engine, "_emit", "outputs"),
+        (engine.scheduler, "on_step_done", "mark computed")]
+    for owner, name, label in timed_functions:
+        wrap(owner, name, label)
+    waited = [0.0]
+    real_asarray = np.asarray
+
+    class TimedNumpy:  # the engine's one blocking read of each step is its np.asarray of the sampled tokens
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        @staticmethod
+        def asarray(a, *rest, **kwargs):
+            start = time.perf_counter()
+            try:
+                return real_asarray(a, *rest, **kwargs)
+            finally:
+                waited[0] += time.perf_counter() - start
+
+    engine_module.np = TimedNumpy()
+    rng = np.random.default_rng(0)
+
+    def run_round(tag: str, max_tokens: int) -> list[tuple[float, float, dict[str, float]]]:
+        for i in range(args.num_seqs):
+            engine.add_request(f"{tag}{i}", {"prompt_token_ids": rng.integers(100, 40000, 128).tolist()},
+                               SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        steps = []
+        while engine.has_unfinished_requests():
+            before, waited_before = dict(seconds), waited[0]
+            start = time.perf_counter()
+            engine.step()
+            steps.append((time.perf_counter() - start, waited[0] - waited_before,
+                          {k: v - before.get(k, 0.0) for k, v in seconds.items()}))
+        return steps
+
+    run_round("warm", 8)
+    steps = run_round("timed", 64)[-DECODE_STEPS:]
+    n = len(steps)
+    wall, wait = sum(s[0] for s in steps) / n, sum(s[1] for s in steps) / n
+    print(f"{args.dtype}, {args.num_seqs} sequences, decode-only steps: {wall * 1e3:.1f} ms a step, "
+          f"{wait * 1e3:.1f} ms of it waiting for the device")
+    for label in sorted({k for s in steps for k in s[2]}):
+        print(f"  {label:28s} {sum(s[2].get(label, 0.0) for s in steps) / n * 1e3:7.3f} ms")
+    print(f"host work per step (wall less the wait): {(wall - wait) * 1e3:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
