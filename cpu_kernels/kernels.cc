@@ -451,42 +451,54 @@ void PackPanel(const W* rows, int64_t cols, int64_t k_size, float* panel) {
 inline __m256 Broadcast(const float* p) { return _mm256_broadcast_ss(p); }
 inline __m256 Broadcast(const uint16_t* p) { return _mm256_set1_ps(Bf16ToFloat(*p)); }
 
-// Six rows of x (row stride k_size) times one packed panel into a 6 x 16 tile. The twelve accumulators are named
-// variables: held in an array, GCC spills them to the stack on every iteration.
-template <typename X>
+// R <= 6 rows of x (row stride k_size) times one packed panel into an R x 16 tile. The accumulators are named
+// variables (held in an array, GCC spills them to the stack on every iteration); those of rows past R are unused
+// and compiled away.
+template <int64_t R, typename X>
 void PanelTile(const X* x, int64_t k_size, const float* panel, float tile[kTileRows][kPanel]) {
+  static_assert(R >= 1 && R <= kTileRows);
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
   __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-  const X *x0 = x, *x1 = x + k_size, *x2 = x + 2 * k_size, *x3 = x + 3 * k_size, *x4 = x + 4 * k_size,
-          *x5 = x + 5 * k_size;
+  auto row = [&](int64_t r) { return x + std::min(r, R - 1) * k_size; };  // rows past R are never read
+  const X *x0 = row(0), *x1 = row(1), *x2 = row(2), *x3 = row(3), *x4 = row(4), *x5 = row(5);
   for (int64_t k = 0; k < k_size; ++k) {
     const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel);
     const __m256 w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
     __m256 xv = Broadcast(x0 + k);
     c00 = _mm256_fmadd_ps(xv, w0, c00);
     c01 = _mm256_fmadd_ps(xv, w1, c01);
-    xv = Broadcast(x1 + k);
-    c10 = _mm256_fmadd_ps(xv, w0, c10);
-    c11 = _mm256_fmadd_ps(xv, w1, c11);
-    xv = Broadcast(x2 + k);
-    c20 = _mm256_fmadd_ps(xv, w0, c20);
-    c21 = _mm256_fmadd_ps(xv, w1, c21);
-    xv = Broadcast(x3 + k);
-    c30 = _mm256_fmadd_ps(xv, w0, c30);
-    c31 = _mm256_fmadd_ps(xv, w1, c31);
-    xv = Broadcast(x4 + k);
-    c40 = _mm256_fmadd_ps(xv, w0, c40);
-    c41 = _mm256_fmadd_ps(xv, w1, c41);
-    xv = Broadcast(x5 + k);
-    c50 = _mm256_fmadd_ps(xv, w0, c50);
-    c51 = _mm256_fmadd_ps(xv, w1, c51);
+    if constexpr (R > 1) {
+      xv = Broadcast(x1 + k);
+      c10 = _mm256_fmadd_ps(xv, w0, c10);
+      c11 = _mm256_fmadd_ps(xv, w1, c11);
+    }
+    if constexpr (R > 2) {
+      xv = Broadcast(x2 + k);
+      c20 = _mm256_fmadd_ps(xv, w0, c20);
+      c21 = _mm256_fmadd_ps(xv, w1, c21);
+    }
+    if constexpr (R > 3) {
+      xv = Broadcast(x3 + k);
+      c30 = _mm256_fmadd_ps(xv, w0, c30);
+      c31 = _mm256_fmadd_ps(xv, w1, c31);
+    }
+    if constexpr (R > 4) {
+      xv = Broadcast(x4 + k);
+      c40 = _mm256_fmadd_ps(xv, w0, c40);
+      c41 = _mm256_fmadd_ps(xv, w1, c41);
+    }
+    if constexpr (R > 5) {
+      xv = Broadcast(x5 + k);
+      c50 = _mm256_fmadd_ps(xv, w0, c50);
+      c51 = _mm256_fmadd_ps(xv, w1, c51);
+    }
   }
   _mm256_storeu_ps(tile[0], c00), _mm256_storeu_ps(tile[0] + 8, c01);
-  _mm256_storeu_ps(tile[1], c10), _mm256_storeu_ps(tile[1] + 8, c11);
-  _mm256_storeu_ps(tile[2], c20), _mm256_storeu_ps(tile[2] + 8, c21);
-  _mm256_storeu_ps(tile[3], c30), _mm256_storeu_ps(tile[3] + 8, c31);
-  _mm256_storeu_ps(tile[4], c40), _mm256_storeu_ps(tile[4] + 8, c41);
-  _mm256_storeu_ps(tile[5], c50), _mm256_storeu_ps(tile[5] + 8, c51);
+  if constexpr (R > 1) _mm256_storeu_ps(tile[1], c10), _mm256_storeu_ps(tile[1] + 8, c11);
+  if constexpr (R > 2) _mm256_storeu_ps(tile[2], c20), _mm256_storeu_ps(tile[2] + 8, c21);
+  if constexpr (R > 3) _mm256_storeu_ps(tile[3], c30), _mm256_storeu_ps(tile[3] + 8, c31);
+  if constexpr (R > 4) _mm256_storeu_ps(tile[4], c40), _mm256_storeu_ps(tile[4] + 8, c41);
+  if constexpr (R > 5) _mm256_storeu_ps(tile[5], c50), _mm256_storeu_ps(tile[5] + 8, c51);
 }
 
 // x rows m .. m + rows of a tile, zero-padded to `tile_rows` rows when fewer remain.
@@ -502,16 +514,26 @@ const X* TileRows(const MatmulJob<X, W>& job, int64_t m, int64_t tile_rows, std:
 template <typename X, typename W>
 void MatmulPanel(const MatmulJob<X, W>& job, int64_t n_begin) {
   thread_local std::vector<float> panel;
-  thread_local std::vector<X> x_tail;
   panel.resize(static_cast<size_t>(kPanel * job.k_size));
   const int64_t cols = std::min(kPanel, job.n_size - n_begin);
   PackPanel(job.w + n_begin * job.k_size, cols, job.k_size, panel.data());
   float tile[kTileRows][kPanel];
-  for (int64_t m = 0; m < job.m_size; m += kTileRows) {
-    const X* x = TileRows(job, m, kTileRows, x_tail);
-    PanelTile(x, job.k_size, panel.data(), tile);
-    const int64_t rows = std::min(kTileRows, job.m_size - m);
+  // The rows are spread evenly over the tiles (32 rows: 6, 6, 5, 5, 5, 5): no padding rows are computed, and no
+  // tile is left so short that its few accumulators keep the FMA units waiting on their latency.
+  const int64_t tiles = Blocks(job.m_size, kTileRows);
+  for (int64_t t = 0, m = 0; t < tiles; ++t) {
+    const int64_t rows = job.m_size / tiles + (t < job.m_size % tiles ? 1 : 0);
+    const X* x = job.x + m * job.k_size;
+    switch (rows) {
+      case 6: PanelTile<6>(x, job.k_size, panel.data(), tile); break;
+      case 5: PanelTile<5>(x, job.k_size, panel.data(), tile); break;
+      case 4: PanelTile<4>(x, job.k_size, panel.data(), tile); break;
+      case 3: PanelTile<3>(x, job.k_size, panel.data(), tile); break;
+      case 2: PanelTile<2>(x, job.k_size, panel.data(), tile); break;
+      default: PanelTile<1>(x, job.k_size, panel.data(), tile); break;
+    }
     for (int64_t r = 0; r < rows; ++r) EmitRow(job, m + r, n_begin, tile[r], cols);
+    m += rows;
   }
 }
 

@@ -20,11 +20,11 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"{cpu_kerne
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize(("rows", "in_features", "out_features"),
-                         [(1, 576, 960), (2, 64, 4), (3, 33, 7), (8, 576, 3072), (13, 1536, 576), (25, 100, 17),
-                          (64, 40, 129), (300, 576, 200)])
+                         [(1, 576, 960), (2, 64, 4), (3, 33, 7), (8, 576, 3072), (9, 70, 33), (11, 576, 50),
+                          (13, 1536, 576), (25, 100, 17), (32, 96, 40), (64, 40, 129), (300, 576, 200)])
 def test_matmul_matches_numpy(rows, in_features, out_features, dtype):
-    """Row counts on both paths (below and from 24 rows) and around their tiles (2 and 6 rows), widths off the
-    8-lane vectors and the 4- and 16-row weight tiles."""
+    """Row counts on both paths and around their tiles (the panel path's 1-6 row tiles: 9, 11, 13, 25, 32 rows),
+    widths off the 8-lane vectors and the 4- and 16-row weight tiles."""
     rng = np.random.default_rng(rows * 1000 + out_features)
     x = rng.standard_normal((rows, in_features)).astype(np.float32)
     w = jnp.asarray(rng.standard_normal((out_features, in_features)), dtype)
