@@ -332,7 +332,7 @@ void SplitEvenOdd(const float* x, int64_t rows, int64_t k_size, float* out) {
   }
 }
 
-// With one or two rows the 5-cycle FMA latency, not the memory, would bound two accumulators a row: they get four.
+// One or two rows get four accumulators a row, not two, so the 5-cycle FMA latency cannot bound the loop.
 template <int64_t R>
 inline void DotRowsEvenOdd(const MatmulJob<float, uint16_t>& job, const float* x_split, int64_t m, int64_t n) {
   constexpr int64_t kChunks = R <= 2 ? 2 : 1;  // 16-weight chunks per iteration, two accumulators each
@@ -388,8 +388,8 @@ void MatmulColumns(const MatmulJob<float, uint16_t>& job, int64_t n_begin, int64
 #endif
 
 // Larger batches (M >= PanelMinRows) are compute-bound: the weight is packed 16 rows at a time into a k-major
-// panel (widened to float32 once), and 6 x 16 output tiles accumulate outer products in 12 registers: per k, two
-// weight loads and six broadcasts feed twelve FMAs, with no horizontal sums.
+// panel (widened to float32 once), and output tiles of up to 6 x 16 accumulate outer products in 12 registers: per k,
+// two weight loads and six broadcasts feed twelve FMAs, with no horizontal sums.
 
 constexpr int64_t kPanel = 16;         // weight rows (output columns) per packed panel: two 8-lane vectors
 constexpr int64_t kTileRows = 6;  // x rows per tile: 12 accumulators + 2 weight vectors + 1 broadcast
