@@ -273,8 +273,8 @@ class LLMEngine:
         return host
 
     def _step_single(self, plan: SchedulerOutput) -> list[RequestOutput]:
-        """One step through the plain forward, then the sampler: prompt chunks, and decodes a burst cannot take."""
-        start = time.perf_counter()
+        """One step through the plain forward, then the sampler: prompt chunks, and decodes a burst cannot take.
+        (Burst budgets are timed on fused steps only: this step runs other executables.)"""
         wants_prompt_logprobs = [self._wants_prompt_logprobs(c) for c in plan.scheduled]
         batch = self.runner.prepare(plan.scheduled, all_logits=any(wants_prompt_logprobs))
         logits = self.runner.run(batch)
@@ -286,8 +286,6 @@ class LLMEngine:
         meta = build_metadata([c.seq for c in plan.scheduled], pad_to=logits.shape[0])
         sampled = sample(logits, meta)
         token_ids = self._fetch(sampled.token_ids)
-        if self._bursts_possible and all(_is_decode(chunk) for chunk in plan.scheduled):
-            self._decode_step_seconds[self._decode_bucket(plan)] = time.perf_counter() - start
         self._count_prompt_tokens(plan)
         self.scheduler.on_step_done(plan)
         self.stats.num_steps += 1
