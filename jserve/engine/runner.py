@@ -134,7 +134,10 @@ class ModelRunner:
 
         def one_step(i, carry):
             kv_cache, batch, tokens = carry
-            kv_cache, logits = self._forward(params, kv_cache, batch)
+            # Tied to the loop-carried batch, the weights are not loop-invariant: XLA would otherwise hoist the
+            # embedding table's bitcast (gathered as uint16 bits) out of the loop and copy all 56 MB every call.
+            step_params, batch = jax.lax.optimization_barrier((params, batch))
+            kv_cache, logits = self._forward(step_params, kv_cache, batch)
             sampled = sample(logits, dataclasses.replace(meta, steps=meta.steps + i)).token_ids  # [S]
             return kv_cache, self._next_decode_batch(batch, sampled, real), tokens.at[i].set(sampled)
 
