@@ -230,7 +230,21 @@ inline void EmitRow(const MatmulJob<X, W>& job, int64_t m, int64_t n, const floa
 // prefetcher follows best: interleaving four weight rows ran at half the bandwidth here.
 
 constexpr int64_t kDecodeRows = 4;    // x rows per pass over a weight row: 2 accumulators each + the weight
-constexpr int64_t kColsPerItem = 64;  // weight rows per parallel work item
+constexpr int64_t kColsPerItem = 16;  // the unit of weight rows the parallel work items are made of
+
+// Weight rows [0, n) as guided items: item k takes ceil(remaining / (2 threads)) units of kColsPerItem rows, so the
+// first items are long forward streams and the last, short ones even the threads out. (Items of 64 rows left a
+// 576-row projection's 9 items split 5 : 4 over two threads.)
+template <typename Body>
+Phase GuidedColumns(int64_t n, int64_t threads, Body body) {
+  const int64_t units = Blocks(n, kColsPerItem);
+  auto starts = std::make_shared<std::vector<int64_t>>();  // item i: units [starts[i], starts[i + 1])
+  for (int64_t u = 0; u < units; u += std::max<int64_t>(1, Blocks(units - u, 2 * threads))) starts->push_back(u);
+  starts->push_back(units);
+  return {static_cast<int64_t>(starts->size()) - 1, [n, starts, body](int64_t item) {
+            body((*starts)[item] * kColsPerItem, std::min(n, (*starts)[item + 1] * kColsPerItem));
+          }};
+}
 
 template <int64_t R, typename X, typename W>
 inline void DotRows(const MatmulJob<X, W>& job, int64_t m, int64_t n) {
@@ -700,15 +714,12 @@ Phase MatmulPhase(const MatmulJob<uint16_t, uint32_t>& job, int64_t threads) { r
 
 // The job as parallel items: column blocks streamed for few rows, packed panels for many.
 template <typename X, typename W>
-Phase MatmulPhase(const MatmulJob<X, W>& job, int64_t) {
+Phase MatmulPhase(const MatmulJob<X, W>& job, int64_t threads) {
   if (job.m_size >= PanelMinRows<X, W>()) {
     const int64_t cols = PanelCols<X, W>();
     return {Blocks(job.n_size, cols), [job, cols](int64_t item) { MatmulPanel(job, item * cols); }};
   }
-  return {Blocks(job.n_size, kColsPerItem), [job](int64_t item) {
-            const int64_t n_begin = item * kColsPerItem;
-            MatmulColumns(job, n_begin, std::min(job.n_size, n_begin + kColsPerItem));
-          }};
+  return GuidedColumns(job.n_size, threads, [job](int64_t begin, int64_t end) { MatmulColumns(job, begin, end); });
 }
 
 bool IsBf16Bits(ffi::DataType type) { return type == ffi::DataType::BF16 || type == ffi::DataType::U16; }
