@@ -346,12 +346,12 @@ void SplitEvenOdd(const float* x, int64_t rows, int64_t k_size, float* out) {
   }
 }
 
-// One or two rows get four accumulators a row, not two, so the 5-cycle FMA latency cannot bound the loop.
-// The loop holds more instructions per byte than a float32 weight's, so the out-of-order window reaches fewer
+// The loop below holds more instructions per byte than a float32 weight's, so the out-of-order window reaches fewer
 // cache lines ahead: a software prefetch 1 KiB ahead took a 2-thread stream over 56 MB from 16-17 to 20-21 GB/s
 // on an AVX2 EPYC (23-25 on huge pages), where float32 rows gained nothing from it.
 constexpr int64_t kPrefetchBytes = 1024;
 
+// One or two rows get four accumulators a row, not two, so the 5-cycle FMA latency cannot bound the loop.
 template <int64_t R>
 inline void DotRowsEvenOdd(const MatmulJob<float, uint16_t>& job, const float* x_split, int64_t m, int64_t n) {
   constexpr int64_t kChunks = R <= 2 ? 2 : 1;  // 16-weight chunks per iteration, two accumulators each
