@@ -97,16 +97,16 @@ def _load() -> ctypes.CDLL | KernelUnavailable:
 
 
 def packs_weights(dtype: str | jnp.dtype) -> bool:
-    """Whether matmul weights of this dtype are packed once at load time (pack_weight): bfloat16 on CPUs with
-    AVX512-BF16, float32 on CPUs with AVX-512, where the kernels take every batch size (not with AMX, whose large
-    batches go to XLA's dot on plain weights)."""
+    """Whether matmul weights of this dtype are packed once at load time (pack_weight), where the kernels then take
+    every batch size: float32 always, bfloat16 on CPUs with AVX512-BF16 (elsewhere a bfloat16 panel would have to
+    be widened anyway). Not with AMX, whose large batches go to XLA's dot on plain weights."""
     flags = _cpu_flags()
     if not available() or "amx_bf16" in flags:
         return False
     dtype = jnp.dtype(dtype)
     if dtype == jnp.bfloat16:
         return {"avx512f", "avx512bw", "avx512_bf16"} <= flags
-    return dtype == jnp.float32 and "avx512f" in flags
+    return dtype == jnp.float32
 
 
 PACKED_ROWS = 32  # weight rows per packed block (two 16-row panels in kernels.cc); N is padded to whole blocks
