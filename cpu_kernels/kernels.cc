@@ -574,13 +574,18 @@ void PanelTiles(const MatmulJob<X, W>& job, int64_t n_begin, int64_t cols, const
   }
 }
 
+// The 16 weight rows from n_begin packed into a panel, then every row of x times it; with `prefetch_next`, the
+// next 16 rows requested meanwhile (see LinePrefetch).
 template <typename X, typename W>
-void MatmulPanel(const MatmulJob<X, W>& job, int64_t n_begin) {
+void MatmulPanel(const MatmulJob<X, W>& job, int64_t n_begin, bool prefetch_next) {
   thread_local std::vector<float> panel;
   panel.resize(static_cast<size_t>(kPanel * job.k_size));
   const int64_t cols = std::min(kPanel, job.n_size - n_begin);
-  PackPanel(job.w + n_begin * job.k_size, cols, job.k_size, panel.data());
-  PanelTiles(job, n_begin, cols, panel.data(), kPanel);
+  const W* rows = job.w + n_begin * job.k_size;
+  PackPanel(rows, cols, job.k_size, panel.data());
+  const char* next = reinterpret_cast<const char*>(rows + cols * job.k_size);
+  const int64_t next_cols = prefetch_next ? std::min(kPanel, job.n_size - n_begin - cols) : 0;
+  PanelTiles(job, n_begin, cols, panel.data(), kPanel, next, next + next_cols * job.k_size * sizeof(W));
 }
 
 #ifdef JSERVE_AVX512_BF16
@@ -789,7 +794,7 @@ Phase MatmulPhase(const MatmulJob<float, F32Panels>& job, int64_t threads) { ret
 #ifdef JSERVE_AVX512_BF16
 // bfloat16 weights not packed at load time: each call packs its 32-column blocks (two panels) first.
 template <>
-void MatmulPanel(const MatmulJob<uint16_t, uint16_t>& job, int64_t n_begin) {
+void MatmulPanel(const MatmulJob<uint16_t, uint16_t>& job, int64_t n_begin, bool /*prefetch_next*/) {
   const int64_t k_size = job.k_size;
   if (k_size % 2 != 0) {  // no whole pairs: stream the columns instead (never for a real model's hidden sizes)
     MatmulColumns(job, n_begin, std::min(job.n_size, n_begin + 2 * kPanel));
@@ -815,12 +820,17 @@ void MatmulPanel(const MatmulJob<uint16_t, uint16_t>& job, int64_t n_begin) {
 Phase MatmulPhase(const MatmulJob<uint16_t, uint32_t>& job, int64_t threads) { return PackedPhase(job, threads); }
 #endif
 
-// The job as parallel items: column blocks streamed for few rows, packed panels for many.
+// The job as parallel items: column blocks streamed for few rows; for many, runs of panels packed per call (2 items
+// a thread: every panel costs the same), each panel's tiles requesting the next panel's rows.
 template <typename X, typename W>
 Phase MatmulPhase(const MatmulJob<X, W>& job, int64_t threads) {
   if (job.m_size >= PanelMinRows<X, W>()) {
-    const int64_t cols = PanelCols<X, W>();
-    return {Blocks(job.n_size, cols), [job, cols](int64_t item) { MatmulPanel(job, item * cols); }};
+    const int64_t cols = PanelCols<X, W>(), panels = Blocks(job.n_size, cols);
+    const int64_t run = Blocks(panels, 2 * threads);
+    return {Blocks(panels, run), [job, cols, panels, run](int64_t item) {
+              const int64_t end = std::min(panels, (item + 1) * run);
+              for (int64_t p = item * run; p < end; ++p) MatmulPanel(job, p * cols, p + 1 < end);
+            }};
   }
   return GuidedColumns(job.n_size, threads, [job](int64_t begin, int64_t end) { MatmulColumns(job, begin, end); });
 }
