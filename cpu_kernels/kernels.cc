@@ -629,8 +629,9 @@ int64_t PanelCols() {
 
 // Weights packed once at load time (cpu_kernels.pack_weight), N_pad a multiple of 32, block b holding rows
 // 32b .. 32b + 31 k-major: bfloat16 as uint32 pairs [N_pad / 32, K / 2, 32] (w[n, 2kp], w[n, 2kp + 1]), float32 as
-// [N_pad / 32, K, 32]. Every batch size runs the same 1-12 row tiles straight over them: nothing is packed per call,
-// and each block is one forward stream (two 16-column panels interleaved a k at a time).
+// [N_pad / 32, K, 32]. Every batch size runs tiles straight over them (AVX-512: the same 1-12 row tiles; AVX2: see
+// its BlockTiles): nothing is packed per call, and each block is one forward stream (two 16-column panels
+// interleaved a k at a time).
 struct F32Panels {};  // the weight type of a packed float32 job (its pointer is the panels' floats)
 
 #ifdef __AVX512F__
