@@ -232,15 +232,26 @@ inline void EmitRow(const MatmulJob<X, W>& job, int64_t m, int64_t n, const floa
 constexpr int64_t kDecodeRows = 4;    // x rows per pass over a weight row: 2 accumulators each + the weight
 constexpr int64_t kColsPerItem = 16;  // the unit of weight rows the parallel work items are made of
 
-// Weight rows [0, n) as guided items: item k takes ceil(remaining / (2 threads)) units of kColsPerItem rows, so the
-// first items are long forward streams and the last, short ones even the threads out. (Items of 64 rows left a
-// 576-row projection's 9 items split 5 : 4 over two threads.)
+// `units` units of work in consecutive runs, as item i = units [starts[i], starts[i + 1]). Guided for streams: item
+// k takes ceil(remaining / (2 threads)) units, so the first items are long forward streams and the last, short ones
+// even the threads out. Otherwise (every unit costs the same) equal runs, two a thread.
+using ItemStarts = std::shared_ptr<const std::vector<int64_t>>;
+
+ItemStarts RunsOf(int64_t units, int64_t threads, bool guided) {
+  auto starts = std::make_shared<std::vector<int64_t>>();
+  for (int64_t u = 0; u < units;) {
+    starts->push_back(u);
+    u += guided ? std::max<int64_t>(1, Blocks(units - u, 2 * threads)) : Blocks(units, 2 * threads);
+  }
+  starts->push_back(units);
+  return starts;
+}
+
+// Weight rows [0, n) as guided items of kColsPerItem-row units. (Items of 64 rows left a 576-row projection's 9
+// items split 5 : 4 over two threads.)
 template <typename Body>
 Phase GuidedColumns(int64_t n, int64_t threads, Body body) {
-  const int64_t units = Blocks(n, kColsPerItem);
-  auto starts = std::make_shared<std::vector<int64_t>>();  // item i: units [starts[i], starts[i + 1])
-  for (int64_t u = 0; u < units; u += std::max<int64_t>(1, Blocks(units - u, 2 * threads))) starts->push_back(u);
-  starts->push_back(units);
+  const ItemStarts starts = RunsOf(Blocks(n, kColsPerItem), threads, true);
   return {static_cast<int64_t>(starts->size()) - 1, [n, starts, body](int64_t item) {
             body((*starts)[item] * kColsPerItem, std::min(n, (*starts)[item + 1] * kColsPerItem));
           }};
@@ -552,7 +563,7 @@ const X* TileRows(const MatmulJob<X, W>& job, int64_t m, int64_t tile_rows, std:
 // units waiting on their latency.
 template <typename X, typename W>
 void PanelTiles(const MatmulJob<X, W>& job, int64_t n_begin, int64_t cols, const float* panel, int64_t stride,
-                const char* prefetch_begin = nullptr, const char* prefetch_end = nullptr) {
+                const char* prefetch_begin, const char* prefetch_end) {
   float tile[kTileRows][kPanel];
   const int64_t tiles = Blocks(job.m_size, kTileRows);
   const int64_t lines = Blocks(prefetch_end - prefetch_begin, 64);
@@ -764,10 +775,8 @@ void MatmulPacked(const MatmulJob<X, W>& job, int64_t pair, bool prefetch_next) 
 }
 
 // Packed blocks lie one after another, so an item of consecutive blocks is one forward stream. For a few rows of x
-// (bandwidth-bound) the items are guided: item k takes ceil(remaining / (2 threads)) blocks, so the first items are
-// long streams the hardware prefetcher keeps up with and the last, short ones even out the threads. (With one
-// 36 KiB block an item, the 576-wide projections streamed at 35 GB/s; at 96 KiB, 50.) Many rows are compute-bound:
-// every block costs the same, so 2 items a thread of equal runs of blocks, each requesting its next block early.
+// (bandwidth-bound) the items are guided (RunsOf): with one 36 KiB block an item, the 576-wide projections streamed
+// at 35 GB/s; at 96 KiB, 50. Many rows are compute-bound: equal runs, each block requesting the next one early.
 #ifdef __AVX512F__
 constexpr int64_t kStreamRows = 4;  // at most this many rows of x take guided items
 #else
@@ -776,14 +785,8 @@ constexpr int64_t kStreamRows = kWideRows;
 
 template <typename X, typename W>
 Phase PackedPhase(const MatmulJob<X, W>& job, int64_t threads) {
-  const int64_t blocks = Blocks(job.n_size, 2 * kPanel);
   const bool streamed = job.m_size <= kStreamRows;
-  auto starts = std::make_shared<std::vector<int64_t>>();  // item i: blocks [starts[i], starts[i + 1])
-  for (int64_t b = 0; b < blocks;) {
-    starts->push_back(b);
-    b += streamed ? std::max<int64_t>(1, Blocks(blocks - b, 2 * threads)) : Blocks(blocks, 2 * threads);
-  }
-  starts->push_back(blocks);
+  const ItemStarts starts = RunsOf(Blocks(job.n_size, 2 * kPanel), threads, streamed);
   return {static_cast<int64_t>(starts->size()) - 1, [job, starts, streamed](int64_t item) {
             const int64_t end = (*starts)[item + 1];
             for (int64_t b = (*starts)[item]; b < end; ++b) MatmulPacked(job, b, !streamed && b + 1 < end);
@@ -826,11 +829,11 @@ Phase MatmulPhase(const MatmulJob<uint16_t, uint32_t>& job, int64_t threads) { r
 template <typename X, typename W>
 Phase MatmulPhase(const MatmulJob<X, W>& job, int64_t threads) {
   if (job.m_size >= PanelMinRows<X, W>()) {
-    const int64_t cols = PanelCols<X, W>(), panels = Blocks(job.n_size, cols);
-    const int64_t run = Blocks(panels, 2 * threads);
-    return {Blocks(panels, run), [job, cols, panels, run](int64_t item) {
-              const int64_t end = std::min(panels, (item + 1) * run);
-              for (int64_t p = item * run; p < end; ++p) MatmulPanel(job, p * cols, p + 1 < end);
+    const int64_t cols = PanelCols<X, W>();
+    const ItemStarts starts = RunsOf(Blocks(job.n_size, cols), threads, false);
+    return {static_cast<int64_t>(starts->size()) - 1, [job, cols, starts](int64_t item) {
+              const int64_t end = (*starts)[item + 1];
+              for (int64_t p = (*starts)[item]; p < end; ++p) MatmulPanel(job, p * cols, p + 1 < end);
             }};
   }
   return GuidedColumns(job.n_size, threads, [job](int64_t begin, int64_t end) { MatmulColumns(job, begin, end); });
