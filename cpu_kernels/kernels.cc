@@ -359,8 +359,9 @@ void SplitEvenOdd(const float* x, int64_t rows, int64_t k_size, float* out) {
 
 // The loop below holds more instructions per byte than a float32 weight's, so the out-of-order window reaches fewer
 // cache lines ahead: a software prefetch 1 KiB ahead took a 2-thread stream over 56 MB from 16-17 to 20-21 GB/s
-// on an AVX2 EPYC (23-25 on huge pages), where float32 rows gained nothing from it. Non-temporal (each weight is
-// read once a step, so it should not evict what stays): batch-1 bf16 decode 79.4 -> 86.6 tok/s against _MM_HINT_T0.
+// on an AVX2 EPYC (23-25 on huge pages); plain float32 rows gained nothing from it (packed ones do: WideTile).
+// Non-temporal (each weight is read once a step, so it should not evict what stays): batch-1 bf16 decode 79.4 ->
+// 86.6 tok/s against _MM_HINT_T0.
 constexpr int64_t kPrefetchBytes = 1024;
 
 // One or two rows get four accumulators a row, not two, so the 5-cycle FMA latency cannot bound the loop.
