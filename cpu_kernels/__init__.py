@@ -98,15 +98,11 @@ def _load() -> ctypes.CDLL | KernelUnavailable:
 
 def packs_weights(dtype: str | jnp.dtype) -> bool:
     """Whether matmul weights of this dtype are packed once at load time (pack_weight), where the kernels then take
-    every batch size: float32 always, bfloat16 on CPUs with AVX512-BF16 (elsewhere a bfloat16 panel would have to
-    be widened anyway). Not with AMX, whose large batches go to XLA's dot on plain weights."""
-    flags = _cpu_flags()
-    if not available() or "amx_bf16" in flags:
+    every batch size: float32 and bfloat16 (as k-pairs: vdpbf16ps's operands with AVX512-BF16, split into floats by
+    two bit operations elsewhere). Not with AMX, whose large batches go to XLA's dot on plain weights."""
+    if not available() or "amx_bf16" in _cpu_flags():
         return False
-    dtype = jnp.dtype(dtype)
-    if dtype == jnp.bfloat16:
-        return {"avx512f", "avx512bw", "avx512_bf16"} <= flags
-    return dtype == jnp.float32
+    return jnp.dtype(dtype) in (jnp.bfloat16, jnp.float32)
 
 
 PACKED_ROWS = 32  # weight rows per packed block (two 16-row panels in kernels.cc); N is padded to whole blocks

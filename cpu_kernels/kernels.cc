@@ -549,6 +549,59 @@ void PanelTile(const X* x, int64_t k_size, const float* panel, int64_t stride, L
   if constexpr (R > 5) _mm256_storeu_ps(tile[5], c50), _mm256_storeu_ps(tile[5] + 8, c51);
 }
 
+// Packed bfloat16 weights without vdpbf16ps (AVX2, or AVX-512 without BF16): each uint32 of the layout holds
+// (w[n, 2kp], w[n, 2kp + 1]), so one 32-byte load splits by two bit operations into eight columns' even-k and odd-k
+// weights as floats (a bfloat16 is the top half of a float32). x holds bfloat16 values as floats (Bf16Input): the
+// products are exact, as vdpbf16ps's are.
+inline __m256 EvenHalves(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
+inline __m256 OddHalves(__m256i pairs) {
+  return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// R <= 6 rows of x times one 16-column half of a packed bfloat16 block (`stride` uint32 from one pair of k to the
+// next), as PanelTile does a float32 panel: per pair of k and 8 columns, one load split into even and odd k, and two
+// broadcasts a row (12 accumulators + even + odd + one broadcast); named accumulators, as there.
+template <int64_t R>
+void PairPanelTile(const float* x, int64_t k_size, const float* pairs, int64_t stride, LinePrefetch& prefetch,
+                   float tile[kTileRows][kPanel]) {
+  static_assert(R >= 1 && R <= kTileRows);
+  int64_t countdown = prefetch.every;
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+  __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  auto row = [&](int64_t r) { return x + std::min(r, R - 1) * k_size; };  // rows past R are never read
+  const float *x0 = row(0), *x1 = row(1), *x2 = row(2), *x3 = row(3), *x4 = row(4), *x5 = row(5);
+  for (int64_t k = 0; k < k_size; k += 2) {
+    if (--countdown == 0) {
+      countdown = prefetch.every;
+      if (prefetch.next < prefetch.end) _mm_prefetch(prefetch.next, _MM_HINT_T1), prefetch.next += 64;
+    }
+    // One 8-column half of the pair: its even and odd k's times two broadcasts of each row of x.
+    auto columns = [&](const float* w, __m256& a0, __m256& a1, __m256& a2, __m256& a3, __m256& a4, __m256& a5) {
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+      const __m256 even = EvenHalves(bits), odd = OddHalves(bits);
+      auto row_pair = [&](const float* xk, __m256& c) {
+        asm volatile("" ::: "memory");  // GCC would hoist all twelve broadcasts and spill the accumulators for them
+        c = _mm256_fmadd_ps(_mm256_broadcast_ss(xk), even, c);
+        c = _mm256_fmadd_ps(_mm256_broadcast_ss(xk + 1), odd, c);
+      };
+      row_pair(x0 + k, a0);
+      if constexpr (R > 1) row_pair(x1 + k, a1);
+      if constexpr (R > 2) row_pair(x2 + k, a2);
+      if constexpr (R > 3) row_pair(x3 + k, a3);
+      if constexpr (R > 4) row_pair(x4 + k, a4);
+      if constexpr (R > 5) row_pair(x5 + k, a5);
+    };
+    columns(pairs + k / 2 * stride, c00, c10, c20, c30, c40, c50);
+    columns(pairs + k / 2 * stride + 8, c01, c11, c21, c31, c41, c51);
+  }
+  _mm256_storeu_ps(tile[0], c00), _mm256_storeu_ps(tile[0] + 8, c01);
+  if constexpr (R > 1) _mm256_storeu_ps(tile[1], c10), _mm256_storeu_ps(tile[1] + 8, c11);
+  if constexpr (R > 2) _mm256_storeu_ps(tile[2], c20), _mm256_storeu_ps(tile[2] + 8, c21);
+  if constexpr (R > 3) _mm256_storeu_ps(tile[3], c30), _mm256_storeu_ps(tile[3] + 8, c31);
+  if constexpr (R > 4) _mm256_storeu_ps(tile[4], c40), _mm256_storeu_ps(tile[4] + 8, c41);
+  if constexpr (R > 5) _mm256_storeu_ps(tile[5], c50), _mm256_storeu_ps(tile[5] + 8, c51);
+}
+
 // x rows m .. m + rows of a tile, zero-padded to `tile_rows` rows when fewer remain.
 template <typename X, typename W>
 const X* TileRows(const MatmulJob<X, W>& job, int64_t m, int64_t tile_rows, std::vector<X>& tail) {
@@ -559,28 +612,37 @@ const X* TileRows(const MatmulJob<X, W>& job, int64_t m, int64_t tile_rows, std:
   return tail.data();
 }
 
-// Every row of x times one panel (`cols` <= 16 real columns from n_begin), requesting the lines of
-// [prefetch_begin, prefetch_end) spread over its tiles. The rows are spread evenly over the tiles (32 rows: 6, 6,
-// 5, 5, 5, 5): no padding rows are computed, and no tile is left so short that its few accumulators keep the FMA
-// units waiting on their latency.
-template <typename X, typename W>
+// Every row of x times one panel (`cols` <= 16 real columns from n_begin; with kPairs, a half of a packed bfloat16
+// block: PairPanelTile), requesting the lines of [prefetch_begin, prefetch_end) spread over its tiles. The rows are
+// spread evenly over the tiles (32 rows: 6, 6, 5, 5, 5, 5): no padding rows are computed, and no tile is left so
+// short that its few accumulators keep the FMA units waiting on their latency.
+template <bool kPairs = false, typename X, typename W>
 void PanelTiles(const MatmulJob<X, W>& job, int64_t n_begin, int64_t cols, const float* panel, int64_t stride,
                 const char* prefetch_begin, const char* prefetch_end) {
   float tile[kTileRows][kPanel];
   const int64_t tiles = Blocks(job.m_size, kTileRows);
   const int64_t lines = Blocks(prefetch_end - prefetch_begin, 64);
+  const int64_t steps = kPairs ? job.k_size / 2 : job.k_size;  // loop iterations a tile
   LinePrefetch prefetch{prefetch_begin, prefetch_end,
-                        lines > 0 ? std::max<int64_t>(1, tiles * job.k_size / lines) : job.k_size + 1};
+                        lines > 0 ? std::max<int64_t>(1, tiles * steps / lines) : steps + 1};
   for (int64_t t = 0, m = 0; t < tiles; ++t) {
     const int64_t rows = job.m_size / tiles + (t < job.m_size % tiles ? 1 : 0);
     const X* x = job.x + m * job.k_size;
+    auto run = [&](auto height) {
+      constexpr int64_t R = decltype(height)::value;
+      if constexpr (kPairs) {
+        PairPanelTile<R>(x, job.k_size, panel, stride, prefetch, tile);
+      } else {
+        PanelTile<R>(x, job.k_size, panel, stride, prefetch, tile);
+      }
+    };
     switch (rows) {
-      case 6: PanelTile<6>(x, job.k_size, panel, stride, prefetch, tile); break;
-      case 5: PanelTile<5>(x, job.k_size, panel, stride, prefetch, tile); break;
-      case 4: PanelTile<4>(x, job.k_size, panel, stride, prefetch, tile); break;
-      case 3: PanelTile<3>(x, job.k_size, panel, stride, prefetch, tile); break;
-      case 2: PanelTile<2>(x, job.k_size, panel, stride, prefetch, tile); break;
-      default: PanelTile<1>(x, job.k_size, panel, stride, prefetch, tile); break;
+      case 6: run(std::integral_constant<int64_t, 6>{}); break;
+      case 5: run(std::integral_constant<int64_t, 5>{}); break;
+      case 4: run(std::integral_constant<int64_t, 4>{}); break;
+      case 3: run(std::integral_constant<int64_t, 3>{}); break;
+      case 2: run(std::integral_constant<int64_t, 2>{}); break;
+      default: run(std::integral_constant<int64_t, 1>{}); break;
     }
     for (int64_t r = 0; r < rows; ++r) EmitRow(job, m + r, n_begin, tile[r], cols);
     m += rows;
@@ -643,8 +705,8 @@ int64_t PanelCols() {
 // Weights packed once at load time (cpu_kernels.pack_weight), N_pad a multiple of 32, block b holding rows
 // 32b .. 32b + 31 k-major: bfloat16 as uint32 pairs [N_pad / 32, K / 2, 32] (w[n, 2kp], w[n, 2kp + 1]), float32 as
 // [N_pad / 32, K, 32]. Every batch size runs tiles straight over them (AVX-512: the same 1-12 row tiles; AVX2: see
-// its BlockTiles): nothing is packed per call, and each block is one forward stream (two 16-column panels
-// interleaved a k at a time).
+// its BlockTiles, and for bfloat16 without AVX512-BF16 the pair tiles' BlockTiles): nothing is packed per call, and
+// each block is one forward stream (two 16-column panels interleaved a k, or a pair of k, at a time).
 struct F32Panels {};  // the weight type of a packed float32 job (its pointer is the panels' floats)
 
 #ifdef __AVX512F__
@@ -771,13 +833,121 @@ void BlockTiles(const MatmulJob<X, W>& job, int64_t n_begin, const float* panel_
 }
 #endif
 
-inline int64_t PanelLength(const uint16_t*, int64_t k_size) { return k_size / 2 * kPanel; }  // in 4-byte units
-inline int64_t PanelLength(const float*, int64_t k_size) { return k_size * kPanel; }
+#ifndef JSERVE_AVX512_BF16
+// Packed bfloat16 weights without vdpbf16ps (AVX2, or AVX-512 without BF16), split by EvenHalves / OddHalves.
+
+// One or two rows of x stream a 32-column block once, as WideTile does a float32 one: 128 bytes a pair of k, the two
+// lines kPairPrefetchBytes ahead requested non-temporal. One forward stream with the prefetch is what took float32
+// to ~90% of the read bandwidth, where the bfloat16 row loop (DotRowsEvenOdd) reached ~75-80%.
+constexpr int64_t kPairPrefetchBytes = 512;
+constexpr int64_t kWidePairRows = 2;
+
+template <int64_t R>
+void WidePairTile(const float* x, int64_t k_size, const float* block, float tile[][2 * kPanel]) {
+  static_assert(R == 1 || R == 2);
+  constexpr int64_t kSets = R == 1 ? 2 : 1;  // one row: even and odd k accumulate apart (the FMA latency)
+  __m256 acc[kSets][R][4];
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < kSets * R * 4; ++i) acc[i / (R * 4)][i / 4 % R][i % 4] = _mm256_setzero_ps();
+  for (int64_t kp = 0; kp < k_size / 2; ++kp) {
+    const float* w = block + kp * 2 * kPanel;
+    const char* ahead = reinterpret_cast<const char*>(w) + kPairPrefetchBytes;
+    _mm_prefetch(ahead, _MM_HINT_NTA);
+    _mm_prefetch(ahead + 64, _MM_HINT_NTA);
+    __m256 x_even[R], x_odd[R];
+#pragma GCC unroll 2
+    for (int64_t r = 0; r < R; ++r) {
+      x_even[r] = _mm256_broadcast_ss(x + r * k_size + 2 * kp);
+      x_odd[r] = _mm256_broadcast_ss(x + r * k_size + 2 * kp + 1);
+    }
+#pragma GCC unroll 4
+    for (int64_t v = 0; v < 4; ++v) {
+      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 8 * v));
+      const __m256 even = EvenHalves(pairs), odd = OddHalves(pairs);
+#pragma GCC unroll 2
+      for (int64_t r = 0; r < R; ++r) {
+        acc[0][r][v] = _mm256_fmadd_ps(x_even[r], even, acc[0][r][v]);
+        acc[kSets - 1][r][v] = _mm256_fmadd_ps(x_odd[r], odd, acc[kSets - 1][r][v]);
+      }
+    }
+  }
+#pragma GCC unroll 2
+  for (int64_t r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int64_t v = 0; v < 4; ++v) {
+      __m256 sum = acc[0][r][v];
+      if constexpr (kSets == 2) sum = _mm256_add_ps(sum, acc[1][r][v]);
+      _mm256_storeu_ps(tile[r] + 8 * v, sum);
+    }
+  }
+}
+
+// One 16-column half of a packed bfloat16 block (`stride` uint32 from one pair of k to the next) widened to a
+// float32 panel [K, 16], for the compute-bound tiles of many rows (each shift then runs once a call, not a tile).
+void WidenPairPanel(const float* pairs, int64_t k_size, int64_t stride, float* panel) {
+  for (int64_t kp = 0; kp < k_size / 2; ++kp) {
+    for (int64_t h = 0; h < 2; ++h) {
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs + kp * stride + 8 * h));
+      _mm256_storeu_ps(panel + 2 * kp * kPanel + 8 * h, EvenHalves(bits));
+      _mm256_storeu_ps(panel + (2 * kp + 1) * kPanel + 8 * h, OddHalves(bits));
+    }
+  }
+}
+
+// Up to this many rows of x, the pair tiles run straight over the packed halves; more take each half widened to
+// float32 first, where the six-row tiles no longer spend two broadcasts a row on each pair of k (a sweep over a 135M
+// model's matrices on an AVX2 EPYC: 3 rows 19.2 ms against 28.4 widened, 8 rows 46.5 against 48.6; 12 rows level;
+// 32 rows 116 against 155-174).
+constexpr int64_t kPairTileRows = 8;
+
+// The packed float32 layout's BlockTiles, for bfloat16 pairs: wide pair tiles for one or two rows of x, pair panel
+// tiles up to kPairTileRows, else each half widened and run through the float32 panel tiles (each requesting the
+// next block meanwhile).
+void BlockTiles(const MatmulJob<float, uint32_t>& job, int64_t n_begin, const float* panel_a, const float* panel_b,
+                int64_t stride, const char* next_begin, const char* next_end) {
+  const int64_t cols = std::min(2 * kPanel, job.n_size - n_begin);
+  if (job.m_size > kWidePairRows && job.m_size <= kPairTileRows) {
+    const char* next_half = next_begin + (next_end - next_begin) / 2;
+    PanelTiles<true>(job, n_begin, std::min(kPanel, cols), panel_a, stride, next_begin, next_half);
+    if (cols > kPanel) PanelTiles<true>(job, n_begin + kPanel, cols - kPanel, panel_b, stride, next_half, next_end);
+    return;
+  }
+  if (job.m_size > kWidePairRows) {
+    thread_local std::vector<float> panel;
+    panel.resize(static_cast<size_t>(kPanel * job.k_size));
+    const char* next_half = next_begin + (next_end - next_begin) / 2;
+    WidenPairPanel(panel_a, job.k_size, stride, panel.data());
+    PanelTiles(job, n_begin, std::min(kPanel, cols), panel.data(), kPanel, next_begin, next_half);
+    if (cols > kPanel) {
+      WidenPairPanel(panel_b, job.k_size, stride, panel.data());
+      PanelTiles(job, n_begin + kPanel, cols - kPanel, panel.data(), kPanel, next_half, next_end);
+    }
+    return;
+  }
+  float tile[2][2 * kPanel];
+  for (int64_t m = 0; m < job.m_size; m += 2) {
+    const int64_t rows = std::min<int64_t>(2, job.m_size - m);
+    const float* x = job.x + m * job.k_size;
+    if (rows == 2) {
+      WidePairTile<2>(x, job.k_size, panel_a, tile);
+    } else {
+      WidePairTile<1>(x, job.k_size, panel_a, tile);
+    }
+    for (int64_t r = 0; r < rows; ++r) EmitRow(job, m + r, n_begin, tile[r], cols);
+  }
+}
+#endif
+
+// A packed panel's length in 4-byte units: bfloat16 pairs (uint32) or float32.
+template <typename W>
+constexpr int64_t PanelLength(int64_t k_size) {
+  return std::is_same_v<W, uint32_t> ? k_size / 2 * kPanel : k_size * kPanel;
+}
 
 // Block `pair` of the packed weight; with `prefetch_next`, requesting block pair + 1 while at it (see LinePrefetch).
 template <typename X, typename W>
 void MatmulPacked(const MatmulJob<X, W>& job, int64_t pair, bool prefetch_next) {
-  const int64_t length = 2 * PanelLength(job.x, job.k_size);  // floats a block
+  const int64_t length = 2 * PanelLength<W>(job.k_size);  // 4-byte units a block
   const float* block = reinterpret_cast<const float*>(job.w) + pair * length;
   const char* next = reinterpret_cast<const char*>(block + length);
   BlockTiles(job, pair * 2 * kPanel, block, block + kPanel, 2 * kPanel,  // 32 columns a k, interleaved
@@ -831,8 +1001,9 @@ void MatmulPanel(const MatmulJob<uint16_t, uint16_t>& job, int64_t n_begin, bool
   BlockTiles(job, n_begin, panels.data(), panels.data() + kPanel * pairs, kPanel);
 }
 
-Phase MatmulPhase(const MatmulJob<uint16_t, uint32_t>& job, int64_t threads) { return PackedPhase(job, threads); }
 #endif
+
+Phase MatmulPhase(const MatmulJob<Bf16Input, uint32_t>& job, int64_t threads) { return PackedPhase(job, threads); }
 
 // The job as parallel items: column blocks streamed for few rows; for many, runs of panels packed per call (2 items
 // a thread: every panel costs the same), each panel's tiles requesting the next panel's rows.
@@ -895,15 +1066,11 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   const int64_t m_size = x_dims[0], k_size = x_dims[1], n_size = y->dimensions()[1];
   const int64_t threads = pool.num_threads();
   if (shape.packed && w.element_type() == ffi::DataType::U32) {
-#ifdef JSERVE_AVX512_BF16
-    thread_local std::vector<uint16_t> x_bf16;
+    thread_local std::vector<Bf16Input> x_bf16;
     x_bf16.resize(static_cast<size_t>(m_size * k_size));
-    const MatmulJob<uint16_t, uint32_t> job{x_bf16.data(), static_cast<const uint32_t*>(w.untyped_data()),
-                                            y->typed_data(), nullptr, false, m_size, n_size, k_size};
+    const MatmulJob<Bf16Input, uint32_t> job{x_bf16.data(), static_cast<const uint32_t*>(w.untyped_data()),
+                                             y->typed_data(), nullptr, false, m_size, n_size, k_size};
     RunPhases(pool, {RoundRowsPhase(x.typed_data(), x_bf16.data(), m_size, k_size), MatmulPhase(job, threads)});
-#else
-    return ffi::Error::InvalidArgument("jserve_matmul: packed bfloat16 weights need a CPU with AVX512-BF16");
-#endif
   } else if (shape.packed) {
     const MatmulJob<float, F32Panels> job{x.typed_data(), static_cast<const F32Panels*>(w.untyped_data()),
                                           y->typed_data(), nullptr, false, m_size, n_size, k_size};
@@ -1574,11 +1741,10 @@ void StoreKv(void* pages, bool bf16, int64_t slot, const float* src, int64_t n) 
 template <typename W>
 void RunDecoderLayer(ffi::ThreadPool& pool, const LayerShape& s, const LayerWeights<W>& w, AttentionArgs& a,
                      const std::vector<AttentionItem>& items, void* k_pages, void* v_pages) {
-  // Matmul inputs: float32, or for bfloat16 weights bfloat16 bits (packed uint32 pairs and vdpbf16ps) or float32
-  // rounded to bfloat16 values (plain weights without AVX512-BF16: Bf16Input).
+  // Matmul inputs: float32, or for bfloat16 weights (plain or packed) Bf16Input: bfloat16 bits for vdpbf16ps, else
+  // float32 rounded to bfloat16 values.
   constexpr bool f32_weights = std::is_same_v<W, float> || std::is_same_v<W, F32Panels>;
-  using X = std::conditional_t<f32_weights, float, std::conditional_t<std::is_same_v<W, uint16_t>, Bf16Input,
-                                                                      uint16_t>>;
+  using X = std::conditional_t<f32_weights, float, Bf16Input>;
   constexpr bool round = !f32_weights;  // every matmul input is rounded to bfloat16 for bfloat16 weights
   const int64_t t_size = s.tokens, e = s.hidden, i_size = s.intermediate, d = a.head_dim;
   const int64_t q_size = a.num_heads * d, kv_size = a.kv_heads * d, qkv_size = q_size + 2 * kv_size;
@@ -1719,13 +1885,9 @@ ffi::Error DecoderLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   const LayerShape shape{real_tokens, e, i_size, eps, x.typed_data(), x_out->typed_data(), positions.typed_data(),
                          slot_mapping.typed_data(), inv_freq.typed_data()};
   if (qkv_shape.packed && w_type == ffi::DataType::U32) {
-#ifdef JSERVE_AVX512_BF16
     RunDecoderLayer(pool, shape, Weights<uint32_t>(input_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, post_norm,
                                                    gate_up, gate_up_bias, down, down_bias),
                     a, items, k_pages->untyped_data(), v_pages->untyped_data());
-#else
-    return ffi::Error::InvalidArgument("jserve_decoder_layer: packed bfloat16 weights need a CPU with AVX512-BF16");
-#endif
   } else if (qkv_shape.packed) {
     RunDecoderLayer(pool, shape, Weights<F32Panels>(input_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, post_norm,
                                                     gate_up, gate_up_bias, down, down_bias),

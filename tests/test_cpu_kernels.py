@@ -46,10 +46,11 @@ def _skip_unless_packed(dtype) -> None:
 @pytest.mark.parametrize(("rows", "in_features", "out_features"),
                          [(1, 576, 960), (2, 64, 4), (3, 34, 7), (5, 576, 33), (9, 1536, 576), (12, 100, 64),
                           (13, 576, 3072), (32, 576, 100), (300, 200, 129),
-                          (2, 64, 1181), (4, 576, 4000)])
+                          (2, 64, 1181), (4, 576, 4000), (7, 130, 70), (8, 576, 96)])
 def test_packed_matmul_matches_numpy(rows, in_features, out_features, dtype):
-    """Weights packed at load time: every tile height (1, 2, 4, 8, 12 rows and their tails), widths off the 32-row
-    pairs of panels, and for bfloat16 inputs rounded to bfloat16 as for plain bfloat16 weights."""
+    """Weights packed at load time: every tile height (AVX-512: 1, 2, 4, 8, 12 rows; AVX2: wide tiles of 1-2 rows,
+    panel tiles of 1-6, bfloat16 pair tiles up to 8 rows and widened panels past them) and their tails, widths off
+    the 32-row pairs of panels, and for bfloat16 inputs rounded to bfloat16 as for plain bfloat16 weights."""
     _skip_unless_packed(dtype)
     rng = np.random.default_rng(rows * 7 + out_features)
     x = rng.standard_normal((rows, in_features)).astype(np.float32)
