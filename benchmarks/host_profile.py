@@ -3,10 +3,12 @@
     python benchmarks/host_profile.py [--model DIR] [--dtype bfloat16] [--num-seqs 32] [--decode-burst 1]
 
 Runs --num-seqs requests of 128 random prompt tokens, each decoding 64 tokens greedily, after a short untimed round,
-and reports per decode-only step (the last 48 steps, when every sequence decodes): the step's wall time, the time it
-waited for the device's results, and the host time of each engine function. It measures the `jserve` found first
-on the path: `PYTHONPATH=. python benchmarks/host_profile.py` this checkout, `PYTHONPATH=/tmp/base` another one.
-The wrappers themselves add ~1 us a call.
+and reports per decode-only engine step (every scheduled sequence decoding): the step's wall time, the time it
+waited for the device's results, and the host time of each engine function. With --decode-burst N (the engine's
+default is 8) an engine step runs up to N decode steps in one device call, so it also reports the host's work per
+decode step, the figure a token's latency pays. It measures the `jserve` found first on the path:
+`PYTHONPATH=. python benchmarks/host_profile.py` this checkout, `PYTHONPATH=/tmp/base` another one. The wrappers
+themselves add ~1 us a call.
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-DECODE_STEPS = 48  # the last steps of the timed round: all sequences decoding (64 tokens each, 16 kept clear)
 
 
 def main() -> None:
@@ -86,22 +86,34 @@ def main() -> None:
                                SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
         steps = []
         while engine.has_unfinished_requests():
-            before, waited_before = dict(seconds), waited[0]
+            before, waited_before, device_steps = dict(seconds), waited[0], engine.stats.num_steps
             start = time.perf_counter()
             engine.step()
-            steps.append((time.perf_counter() - start, waited[0] - waited_before,
-                          {k: v - before.get(k, 0.0) for k, v in seconds.items()}))
+            decode_only = bool(plans) and all(engine_module._is_decode(c) for c in plans[-1].scheduled)
+            if decode_only and len(plans[-1].scheduled) == args.num_seqs:
+                steps.append((time.perf_counter() - start, waited[0] - waited_before,
+                              {k: v - before.get(k, 0.0) for k, v in seconds.items()},
+                              engine.stats.num_steps - device_steps))
         return steps
 
+    plans = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule(*a, **k):
+        plans.append(schedule(*a, **k))
+        return plans[-1]
+
+    engine.scheduler.schedule = recording_schedule
     run_round("warm", 8)
-    steps = run_round("timed", 64)[-DECODE_STEPS:]
-    n = len(steps)
+    steps = run_round("timed", 64)
+    n, decode_steps = len(steps), sum(s[3] for s in steps)
     wall, wait = sum(s[0] for s in steps) / n, sum(s[1] for s in steps) / n
-    print(f"{args.dtype}, {args.num_seqs} sequences, decode-only steps: {wall * 1e3:.1f} ms a step, "
-          f"{wait * 1e3:.1f} ms of it waiting for the device")
+    print(f"{args.dtype}, {args.num_seqs} sequences, {n} decode-only engine steps ({decode_steps / n:.2f} decode steps "
+          f"each): {wall * 1e3:.1f} ms an engine step, {wait * 1e3:.1f} ms of it waiting for the device")
     for label in sorted({k for s in steps for k in s[2]}):
         print(f"  {label:28s} {sum(s[2].get(label, 0.0) for s in steps) / n * 1e3:7.3f} ms")
-    print(f"host work per step (wall less the wait): {(wall - wait) * 1e3:.3f} ms")
+    print(f"host work per engine step (wall less the wait): {(wall - wait) * 1e3:.3f} ms; "
+          f"per decode step: {(wall - wait) * n / decode_steps * 1e3:.3f} ms")
 
 
 if __name__ == "__main__":
