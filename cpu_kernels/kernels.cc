@@ -493,62 +493,6 @@ struct LinePrefetch {
   int64_t every = 1;
 };
 
-// R <= 6 rows of x (row stride k_size) times one packed panel (`stride` floats from one k to the next) into an
-// R x 16 tile. The accumulators are named variables (held in an array, GCC spills them to the stack on every
-// iteration); those of rows past R are unused and compiled away.
-template <int64_t R, typename X>
-void PanelTile(const X* x, int64_t k_size, const float* panel, int64_t stride, LinePrefetch& prefetch,
-               float tile[kTileRows][kPanel]) {
-  static_assert(R >= 1 && R <= kTileRows);
-  int64_t countdown = prefetch.every;
-  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-  __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-  auto row = [&](int64_t r) { return x + std::min(r, R - 1) * k_size; };  // rows past R are never read
-  const X *x0 = row(0), *x1 = row(1), *x2 = row(2), *x3 = row(3), *x4 = row(4), *x5 = row(5);
-  for (int64_t k = 0; k < k_size; ++k) {
-    if (--countdown == 0) {
-      countdown = prefetch.every;
-      if (prefetch.next < prefetch.end) _mm_prefetch(prefetch.next, _MM_HINT_T1), prefetch.next += 64;
-    }
-    const __m256 w0 = _mm256_loadu_ps(panel + k * stride);
-    const __m256 w1 = _mm256_loadu_ps(panel + k * stride + 8);
-    __m256 xv = Broadcast(x0 + k);
-    c00 = _mm256_fmadd_ps(xv, w0, c00);
-    c01 = _mm256_fmadd_ps(xv, w1, c01);
-    if constexpr (R > 1) {
-      xv = Broadcast(x1 + k);
-      c10 = _mm256_fmadd_ps(xv, w0, c10);
-      c11 = _mm256_fmadd_ps(xv, w1, c11);
-    }
-    if constexpr (R > 2) {
-      xv = Broadcast(x2 + k);
-      c20 = _mm256_fmadd_ps(xv, w0, c20);
-      c21 = _mm256_fmadd_ps(xv, w1, c21);
-    }
-    if constexpr (R > 3) {
-      xv = Broadcast(x3 + k);
-      c30 = _mm256_fmadd_ps(xv, w0, c30);
-      c31 = _mm256_fmadd_ps(xv, w1, c31);
-    }
-    if constexpr (R > 4) {
-      xv = Broadcast(x4 + k);
-      c40 = _mm256_fmadd_ps(xv, w0, c40);
-      c41 = _mm256_fmadd_ps(xv, w1, c41);
-    }
-    if constexpr (R > 5) {
-      xv = Broadcast(x5 + k);
-      c50 = _mm256_fmadd_ps(xv, w0, c50);
-      c51 = _mm256_fmadd_ps(xv, w1, c51);
-    }
-  }
-  _mm256_storeu_ps(tile[0], c00), _mm256_storeu_ps(tile[0] + 8, c01);
-  if constexpr (R > 1) _mm256_storeu_ps(tile[1], c10), _mm256_storeu_ps(tile[1] + 8, c11);
-  if constexpr (R > 2) _mm256_storeu_ps(tile[2], c20), _mm256_storeu_ps(tile[2] + 8, c21);
-  if constexpr (R > 3) _mm256_storeu_ps(tile[3], c30), _mm256_storeu_ps(tile[3] + 8, c31);
-  if constexpr (R > 4) _mm256_storeu_ps(tile[4], c40), _mm256_storeu_ps(tile[4] + 8, c41);
-  if constexpr (R > 5) _mm256_storeu_ps(tile[5], c50), _mm256_storeu_ps(tile[5] + 8, c51);
-}
-
 // Packed bfloat16 weights without vdpbf16ps (AVX2, or AVX-512 without BF16): each uint32 of the layout holds
 // (w[n, 2kp], w[n, 2kp + 1]), so one 32-byte load splits by two bit operations into eight columns' even-k and odd-k
 // weights as floats (a bfloat16 is the top half of a float32). x holds bfloat16 values as floats (Bf16Input): the
@@ -558,41 +502,59 @@ inline __m256 OddHalves(__m256i pairs) {
   return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// R <= 6 rows of x times one 16-column half of a packed bfloat16 block (`stride` uint32 from one pair of k to the
-// next), as PanelTile does a float32 panel: per pair of k and 8 columns, one load split into even and odd k, and two
-// broadcasts a row (12 accumulators + even + odd + one broadcast); named accumulators, as there.
-template <int64_t R>
-void PairPanelTile(const float* x, int64_t k_size, const float* pairs, int64_t stride, LinePrefetch& prefetch,
-                   float tile[kTileRows][kPanel]) {
+// R <= 6 rows of x (row stride k_size) times one packed panel (`stride` floats from one k to the next) into an
+// R x 16 tile. The accumulators are named variables (held in an array, GCC spills them to the stack on every
+// iteration); those of rows past R are unused and compiled away. With kPairs the panel is one 16-column half of a
+// packed bfloat16 block (`stride` uint32 from one pair of k to the next): per pair of k and 8 columns, one load
+// split into even and odd k, and two broadcasts a row (12 accumulators + even + odd + one broadcast).
+template <int64_t R, bool kPairs = false, typename X>
+void PanelTile(const X* x, int64_t k_size, const float* panel, int64_t stride, LinePrefetch& prefetch,
+               float tile[kTileRows][kPanel]) {
   static_assert(R >= 1 && R <= kTileRows);
   int64_t countdown = prefetch.every;
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
   __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
   auto row = [&](int64_t r) { return x + std::min(r, R - 1) * k_size; };  // rows past R are never read
-  const float *x0 = row(0), *x1 = row(1), *x2 = row(2), *x3 = row(3), *x4 = row(4), *x5 = row(5);
-  for (int64_t k = 0; k < k_size; k += 2) {
+  const X *x0 = row(0), *x1 = row(1), *x2 = row(2), *x3 = row(3), *x4 = row(4), *x5 = row(5);
+  for (int64_t k = 0; k < k_size; k += kPairs ? 2 : 1) {
     if (--countdown == 0) {
       countdown = prefetch.every;
       if (prefetch.next < prefetch.end) _mm_prefetch(prefetch.next, _MM_HINT_T1), prefetch.next += 64;
     }
-    // One 8-column half of the pair: its even and odd k's times two broadcasts of each row of x.
-    auto columns = [&](const float* w, __m256& a0, __m256& a1, __m256& a2, __m256& a3, __m256& a4, __m256& a5) {
-      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-      const __m256 even = EvenHalves(bits), odd = OddHalves(bits);
-      auto row_pair = [&](const float* xk, __m256& c) {
-        asm volatile("" ::: "memory");  // GCC would hoist all twelve broadcasts and spill the accumulators for them
-        c = _mm256_fmadd_ps(_mm256_broadcast_ss(xk), even, c);
-        c = _mm256_fmadd_ps(_mm256_broadcast_ss(xk + 1), odd, c);
+    if constexpr (kPairs) {
+      // One 8-column half of the pair: its even and odd k's times two broadcasts of each row of x.
+      auto columns = [&](const float* w, __m256& a0, __m256& a1, __m256& a2, __m256& a3, __m256& a4, __m256& a5) {
+        const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+        const __m256 even = EvenHalves(bits), odd = OddHalves(bits);
+        auto row_pair = [&](const float* xk, __m256& c) {
+          asm volatile("" ::: "memory");  // GCC would hoist all twelve broadcasts and spill the accumulators for them
+          c = _mm256_fmadd_ps(_mm256_broadcast_ss(xk), even, c);
+          c = _mm256_fmadd_ps(_mm256_broadcast_ss(xk + 1), odd, c);
+        };
+        row_pair(x0 + k, a0);
+        if constexpr (R > 1) row_pair(x1 + k, a1);
+        if constexpr (R > 2) row_pair(x2 + k, a2);
+        if constexpr (R > 3) row_pair(x3 + k, a3);
+        if constexpr (R > 4) row_pair(x4 + k, a4);
+        if constexpr (R > 5) row_pair(x5 + k, a5);
       };
-      row_pair(x0 + k, a0);
-      if constexpr (R > 1) row_pair(x1 + k, a1);
-      if constexpr (R > 2) row_pair(x2 + k, a2);
-      if constexpr (R > 3) row_pair(x3 + k, a3);
-      if constexpr (R > 4) row_pair(x4 + k, a4);
-      if constexpr (R > 5) row_pair(x5 + k, a5);
-    };
-    columns(pairs + k / 2 * stride, c00, c10, c20, c30, c40, c50);
-    columns(pairs + k / 2 * stride + 8, c01, c11, c21, c31, c41, c51);
+      columns(panel + k / 2 * stride, c00, c10, c20, c30, c40, c50);
+      columns(panel + k / 2 * stride + 8, c01, c11, c21, c31, c41, c51);
+    } else {
+      const __m256 w0 = _mm256_loadu_ps(panel + k * stride);
+      const __m256 w1 = _mm256_loadu_ps(panel + k * stride + 8);
+      auto row = [&](const X* xr, __m256& c0, __m256& c1) {  // one row of x: a broadcast, two FMAs
+        const __m256 xv = Broadcast(xr + k);
+        c0 = _mm256_fmadd_ps(xv, w0, c0);
+        c1 = _mm256_fmadd_ps(xv, w1, c1);
+      };
+      row(x0, c00, c01);
+      if constexpr (R > 1) row(x1, c10, c11);
+      if constexpr (R > 2) row(x2, c20, c21);
+      if constexpr (R > 3) row(x3, c30, c31);
+      if constexpr (R > 4) row(x4, c40, c41);
+      if constexpr (R > 5) row(x5, c50, c51);
+    }
   }
   _mm256_storeu_ps(tile[0], c00), _mm256_storeu_ps(tile[0] + 8, c01);
   if constexpr (R > 1) _mm256_storeu_ps(tile[1], c10), _mm256_storeu_ps(tile[1] + 8, c11);
@@ -613,7 +575,7 @@ const X* TileRows(const MatmulJob<X, W>& job, int64_t m, int64_t tile_rows, std:
 }
 
 // Every row of x times one panel (`cols` <= 16 real columns from n_begin; with kPairs, a half of a packed bfloat16
-// block: PairPanelTile), requesting the lines of [prefetch_begin, prefetch_end) spread over its tiles. The rows are
+// block), requesting the lines of [prefetch_begin, prefetch_end) spread over its tiles. The rows are
 // spread evenly over the tiles (32 rows: 6, 6, 5, 5, 5, 5): no padding rows are computed, and no tile is left so
 // short that its few accumulators keep the FMA units waiting on their latency.
 template <bool kPairs = false, typename X, typename W>
@@ -630,11 +592,7 @@ void PanelTiles(const MatmulJob<X, W>& job, int64_t n_begin, int64_t cols, const
     const X* x = job.x + m * job.k_size;
     auto run = [&](auto height) {
       constexpr int64_t R = decltype(height)::value;
-      if constexpr (kPairs) {
-        PairPanelTile<R>(x, job.k_size, panel, stride, prefetch, tile);
-      } else {
-        PanelTile<R>(x, job.k_size, panel, stride, prefetch, tile);
-      }
+      PanelTile<R, kPairs>(x, job.k_size, panel, stride, prefetch, tile);
     };
     switch (rows) {
       case 6: run(std::integral_constant<int64_t, 6>{}); break;
@@ -708,6 +666,37 @@ int64_t PanelCols() {
 // its BlockTiles, and for bfloat16 without AVX512-BF16 the pair tiles' BlockTiles): nothing is packed per call, and
 // each block is one forward stream (two 16-column panels interleaved a k, or a pair of k, at a time).
 struct F32Panels {};  // the weight type of a packed float32 job (its pointer is the panels' floats)
+
+// A wide tile's accumulators (kSets sets, summed, of R rows by four 8-column vectors) stored as its rows.
+template <int64_t kSets, int64_t R>
+inline void StoreWideTile(const __m256 (&acc)[kSets][R][4], float tile[][2 * kPanel]) {
+#pragma GCC unroll 2
+  for (int64_t r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int64_t v = 0; v < 4; ++v) {
+      __m256 sum = acc[0][r][v];
+      if constexpr (kSets == 2) sum = _mm256_add_ps(sum, acc[1][r][v]);
+      _mm256_storeu_ps(tile[r] + 8 * v, sum);
+    }
+  }
+}
+
+// Every row of x, two at a time, through a wide tile over one 32-column block: tile(rows, x, out) with rows a
+// std::integral_constant of 1 or 2.
+template <typename X, typename W, typename Tile>
+void WideRows(const MatmulJob<X, W>& job, int64_t n_begin, int64_t cols, Tile tile_of) {
+  float tile[2][2 * kPanel];
+  for (int64_t m = 0; m < job.m_size; m += 2) {
+    const int64_t rows = std::min<int64_t>(2, job.m_size - m);
+    const float* x = job.x + m * job.k_size;
+    if (rows == 2) {
+      tile_of(std::integral_constant<int64_t, 2>{}, x, tile);
+    } else {
+      tile_of(std::integral_constant<int64_t, 1>{}, x, tile);
+    }
+    for (int64_t r = 0; r < rows; ++r) EmitRow(job, m + r, n_begin, tile[r], cols);
+  }
+}
 
 #ifdef __AVX512F__
 template <int64_t R>
@@ -794,15 +783,7 @@ void WideTile(const float* x, int64_t k_size, const float* panel_a, const float*
     for (int64_t set = 0; set < kSets; ++set) step(set, k + set);
   }
   for (; k < k_size; ++k) step(0, k);
-#pragma GCC unroll 2
-  for (int64_t r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-    for (int64_t v = 0; v < 4; ++v) {
-      __m256 sum = acc[0][r][v];
-      if constexpr (kSets == 2) sum = _mm256_add_ps(sum, acc[1][r][v]);
-      _mm256_storeu_ps(tile[r] + 8 * v, sum);
-    }
-  }
+  StoreWideTile(acc, tile);
 }
 
 // One or two rows of x stream the block once (bandwidth-bound); more take each 16-column panel in turn, which
@@ -819,17 +800,9 @@ void BlockTiles(const MatmulJob<X, W>& job, int64_t n_begin, const float* panel_
     if (cols > kPanel) PanelTiles(job, n_begin + kPanel, cols - kPanel, panel_b, stride, next_half, next_end);
     return;
   }
-  float tile[2][2 * kPanel];
-  for (int64_t m = 0; m < job.m_size; m += 2) {
-    const int64_t rows = std::min<int64_t>(2, job.m_size - m);
-    const float* x = job.x + m * job.k_size;
-    if (rows == 2) {
-      WideTile<2>(x, job.k_size, panel_a, panel_b, stride, tile);
-    } else {
-      WideTile<1>(x, job.k_size, panel_a, panel_b, stride, tile);
-    }
-    for (int64_t r = 0; r < rows; ++r) EmitRow(job, m + r, n_begin, tile[r], cols);
-  }
+  WideRows(job, n_begin, cols, [&](auto rows, const float* x, float tile[][2 * kPanel]) {
+    WideTile<decltype(rows)::value>(x, job.k_size, panel_a, panel_b, stride, tile);
+  });
 }
 #endif
 
@@ -871,15 +844,7 @@ void WidePairTile(const float* x, int64_t k_size, const float* block, float tile
       }
     }
   }
-#pragma GCC unroll 2
-  for (int64_t r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-    for (int64_t v = 0; v < 4; ++v) {
-      __m256 sum = acc[0][r][v];
-      if constexpr (kSets == 2) sum = _mm256_add_ps(sum, acc[1][r][v]);
-      _mm256_storeu_ps(tile[r] + 8 * v, sum);
-    }
-  }
+  StoreWideTile(acc, tile);
 }
 
 // One 16-column half of a packed bfloat16 block (`stride` uint32 from one pair of k to the next) widened to a
@@ -924,17 +889,9 @@ void BlockTiles(const MatmulJob<float, uint32_t>& job, int64_t n_begin, const fl
     }
     return;
   }
-  float tile[2][2 * kPanel];
-  for (int64_t m = 0; m < job.m_size; m += 2) {
-    const int64_t rows = std::min<int64_t>(2, job.m_size - m);
-    const float* x = job.x + m * job.k_size;
-    if (rows == 2) {
-      WidePairTile<2>(x, job.k_size, panel_a, tile);
-    } else {
-      WidePairTile<1>(x, job.k_size, panel_a, tile);
-    }
-    for (int64_t r = 0; r < rows; ++r) EmitRow(job, m + r, n_begin, tile[r], cols);
-  }
+  WideRows(job, n_begin, cols, [&](auto rows, const float* x, float tile[][2 * kPanel]) {
+    WidePairTile<decltype(rows)::value>(x, job.k_size, panel_a, tile);
+  });
 }
 #endif
 
