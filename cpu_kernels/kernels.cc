@@ -543,17 +543,17 @@ void PanelTile(const X* x, int64_t k_size, const float* panel, int64_t stride, L
     } else {
       const __m256 w0 = _mm256_loadu_ps(panel + k * stride);
       const __m256 w1 = _mm256_loadu_ps(panel + k * stride + 8);
-      auto row = [&](const X* xr, __m256& c0, __m256& c1) {  // one row of x: a broadcast, two FMAs
+      auto row_fma = [&](const X* xr, __m256& c0, __m256& c1) {  // one row of x: a broadcast, two FMAs
         const __m256 xv = Broadcast(xr + k);
         c0 = _mm256_fmadd_ps(xv, w0, c0);
         c1 = _mm256_fmadd_ps(xv, w1, c1);
       };
-      row(x0, c00, c01);
-      if constexpr (R > 1) row(x1, c10, c11);
-      if constexpr (R > 2) row(x2, c20, c21);
-      if constexpr (R > 3) row(x3, c30, c31);
-      if constexpr (R > 4) row(x4, c40, c41);
-      if constexpr (R > 5) row(x5, c50, c51);
+      row_fma(x0, c00, c01);
+      if constexpr (R > 1) row_fma(x1, c10, c11);
+      if constexpr (R > 2) row_fma(x2, c20, c21);
+      if constexpr (R > 3) row_fma(x3, c30, c31);
+      if constexpr (R > 4) row_fma(x4, c40, c41);
+      if constexpr (R > 5) row_fma(x5, c50, c51);
     }
   }
   _mm256_storeu_ps(tile[0], c00), _mm256_storeu_ps(tile[0] + 8, c01);
