@@ -667,6 +667,14 @@ int64_t PanelCols() {
 // each block is one forward stream (two 16-column panels interleaved a k, or a pair of k, at a time).
 struct F32Panels {};  // the weight type of a packed float32 job (its pointer is the panels' floats)
 
+// Wide tiles (AVX2: WideTile for float32, WidePairTile for bfloat16 pairs): one or two rows of x stream a whole
+// 32-column block once (bandwidth-bound). More rows take each 16-column panel in turn, which requests the next block
+// as it goes (float32 at 4 rows: 14 -> 15-19 GB/s against two wide tiles).
+constexpr int64_t kWideRows = 2;
+// Each k (or pair of k) requests the two lines this far ahead, non-temporal: batch-1 f32 decode went 48.7 ->
+// 52.6-53.1 tok/s with 384-768 bytes on an AVX2 EPYC, but fell to 45.8 at 1024 (bfloat16 pairs: level at 384-1024).
+constexpr int64_t kWidePrefetchBytes = 512;
+
 // A wide tile's accumulators (kSets sets, summed, of R rows by four 8-column vectors) stored as its rows.
 template <int64_t kSets, int64_t R>
 inline void StoreWideTile(const __m256 (&acc)[kSets][R][4], float tile[][2 * kPanel]) {
@@ -681,13 +689,14 @@ inline void StoreWideTile(const __m256 (&acc)[kSets][R][4], float tile[][2 * kPa
   }
 }
 
-// Every row of x, two at a time, through a wide tile over one 32-column block: tile(rows, x, out) with rows a
-// std::integral_constant of 1 or 2.
+// Every row of x, kWideRows at a time, through a wide tile over one 32-column block: tile(rows, x, out) with rows
+// a std::integral_constant of 1 or 2.
 template <typename X, typename W, typename Tile>
 void WideRows(const MatmulJob<X, W>& job, int64_t n_begin, int64_t cols, Tile tile_of) {
-  float tile[2][2 * kPanel];
-  for (int64_t m = 0; m < job.m_size; m += 2) {
-    const int64_t rows = std::min<int64_t>(2, job.m_size - m);
+  static_assert(kWideRows == 2);
+  float tile[kWideRows][2 * kPanel];
+  for (int64_t m = 0; m < job.m_size; m += kWideRows) {
+    const int64_t rows = std::min(kWideRows, job.m_size - m);
     const float* x = job.x + m * job.k_size;
     if (rows == 2) {
       tile_of(std::integral_constant<int64_t, 2>{}, x, tile);
@@ -749,10 +758,6 @@ void BlockTiles(const MatmulJob<X, W>& job, int64_t n_begin, const float* panel_
 // AVX2 has 16 vector registers: a tile is R <= 2 rows of x by the whole 32-column block (four weight vectors a k),
 // or up to 6 rows by one 16-column panel (PanelTile, 12 accumulators).
 
-// A wide tile streams its block once: each k requests the two lines kWidePrefetchBytes ahead, non-temporal. Batch-1
-// f32 decode went 48.7 -> 52.6-53.1 tok/s with 384-768 bytes on an AVX2 EPYC, but fell to 45.8 at 1024.
-constexpr int64_t kWidePrefetchBytes = 512;
-
 template <int64_t R>
 void WideTile(const float* x, int64_t k_size, const float* panel_a, const float* panel_b, int64_t stride,
               float tile[][2 * kPanel]) {
@@ -786,10 +791,6 @@ void WideTile(const float* x, int64_t k_size, const float* panel_a, const float*
   StoreWideTile(acc, tile);
 }
 
-// One or two rows of x stream the block once (bandwidth-bound); more take each 16-column panel in turn, which
-// requests the next block as it goes (at 4 rows: 14 -> 15-19 GB/s against two wide tiles).
-constexpr int64_t kWideRows = 2;
-
 template <typename X, typename W>
 void BlockTiles(const MatmulJob<X, W>& job, int64_t n_begin, const float* panel_a, const float* panel_b,
                 int64_t stride, const char* next_begin, const char* next_end) {
@@ -809,11 +810,9 @@ void BlockTiles(const MatmulJob<X, W>& job, int64_t n_begin, const float* panel_
 #ifndef JSERVE_AVX512_BF16
 // Packed bfloat16 weights without vdpbf16ps (AVX2, or AVX-512 without BF16), split by EvenHalves / OddHalves.
 
-// One or two rows of x stream a 32-column block once, as WideTile does a float32 one: 128 bytes a pair of k, the two
-// lines kPairPrefetchBytes ahead requested non-temporal. One forward stream with the prefetch is what took float32
-// to ~90% of the read bandwidth, where the bfloat16 row loop (DotRowsEvenOdd) reached ~75-80%.
-constexpr int64_t kPairPrefetchBytes = 512;
-constexpr int64_t kWidePairRows = 2;
+// One or two rows of x stream a 32-column block once, as WideTile does a float32 one (128 bytes a pair of k). One
+// forward stream with the prefetch is what took float32 to ~90% of the read bandwidth, where the bfloat16 row loop
+// (DotRowsEvenOdd) reached ~75-80%.
 
 template <int64_t R>
 void WidePairTile(const float* x, int64_t k_size, const float* block, float tile[][2 * kPanel]) {
@@ -824,7 +823,7 @@ void WidePairTile(const float* x, int64_t k_size, const float* block, float tile
   for (int64_t i = 0; i < kSets * R * 4; ++i) acc[i / (R * 4)][i / 4 % R][i % 4] = _mm256_setzero_ps();
   for (int64_t kp = 0; kp < k_size / 2; ++kp) {
     const float* w = block + kp * 2 * kPanel;
-    const char* ahead = reinterpret_cast<const char*>(w) + kPairPrefetchBytes;
+    const char* ahead = reinterpret_cast<const char*>(w) + kWidePrefetchBytes;
     _mm_prefetch(ahead, _MM_HINT_NTA);
     _mm_prefetch(ahead + 64, _MM_HINT_NTA);
     __m256 x_even[R], x_odd[R];
@@ -871,13 +870,13 @@ constexpr int64_t kPairTileRows = 8;
 void BlockTiles(const MatmulJob<float, uint32_t>& job, int64_t n_begin, const float* panel_a, const float* panel_b,
                 int64_t stride, const char* next_begin, const char* next_end) {
   const int64_t cols = std::min(2 * kPanel, job.n_size - n_begin);
-  if (job.m_size > kWidePairRows && job.m_size <= kPairTileRows) {
+  if (job.m_size > kWideRows && job.m_size <= kPairTileRows) {
     const char* next_half = next_begin + (next_end - next_begin) / 2;
     PanelTiles<true>(job, n_begin, std::min(kPanel, cols), panel_a, stride, next_begin, next_half);
     if (cols > kPanel) PanelTiles<true>(job, n_begin + kPanel, cols - kPanel, panel_b, stride, next_half, next_end);
     return;
   }
-  if (job.m_size > kWidePairRows) {
+  if (job.m_size > kWideRows) {
     thread_local std::vector<float> panel;
     panel.resize(static_cast<size_t>(kPanel * job.k_size));
     const char* next_half = next_begin + (next_end - next_begin) / 2;
