@@ -115,7 +115,10 @@ def test_matmul_keeps_leading_axes_and_rejects_bad_shapes():
 
 
 @pytest.mark.parametrize("case", CASES + [("mixed", 9, 3, 64, 16, jnp.float32, {}),
-                                          ("decode", 9, 3, 64, 32, jnp.bfloat16, {"soft_cap": 30.0})],
+                                          ("decode", 9, 3, 64, 32, jnp.bfloat16, {"soft_cap": 30.0}),
+                                          # 2 and 4 query heads a KV head: each row count of the AVX2 bf16 path
+                                          ("decode", 4, 2, 128, 16, jnp.bfloat16, {}),
+                                          ("decode", 8, 2, 64, 16, jnp.bfloat16, {})],
                          ids=lambda c: f"{c[0]}-h{c[1]}kv{c[2]}-d{c[3]}-b{c[4]}-"
                          f"{jnp.dtype(c[5]).name}{'-' + '-'.join(c[6]) if c[6] else ''}")
 def test_attention_matches_reference(case):
