@@ -1334,7 +1334,8 @@ void AccumulateRowsBf16(float* out, int64_t rows, const float* p, int64_t stride
 // Without AVX-512, the few rows of a decode (R <= 4: one token's query heads of a KV head) read each K or V row
 // into registers (a bfloat16 one widened there) once for all R rows. Widening a bf16 page into a float32 copy first,
 // then one row's dot products at a time, took twice as long: an item of 10 pages x 3 rows, the same item run twice
-// in a decode step (its pages warm), took 14 us that way and 8 us this way.
+// in a decode step (its pages warm), took 14 us that way and 8 us this way. Both stay out of line: inlined into
+// AttendItem they cost the float32 cache's path (not otherwise changed) 1-5% of 32-sequence throughput.
 
 // Row r's two sums of the accumulator pairs (a0, a1) and (b0, b1) of rows r and r + 1 -> [a0, a1, b0, b1].
 inline __m128 PairSums(__m256 a0, __m256 a1, __m256 b0, __m256 b1) {
@@ -1346,7 +1347,7 @@ inline __m128 PairSums(__m256 a0, __m256 a1, __m256 b0, __m256 b1) {
 // keys j < keys, the K row of key j at k + j * stride_k (float32, or bfloat16 bits): two keys at a time, in
 // registers, against every row. The accumulators are named variables: held in an array, GCC kept them on the stack.
 template <int R, typename T>
-void ScoresAvx2(const float* q, int64_t d_size, const T* k, int64_t stride_k, int64_t keys, float* scores,
+__attribute__((noinline)) void ScoresAvx2(const float* q, int64_t d_size, const T* k, int64_t stride_k, int64_t keys, float* scores,
                 int64_t stride_s) {
   for (int64_t j = 0; j < keys; j += 2) {
     const T* k0 = k + j * stride_k;
@@ -1385,7 +1386,7 @@ void ScoresAvx2(const float* q, int64_t d_size, const T* k, int64_t stride_k, in
 // out_r[0, d_size) += sum_j p[r * stride_p + j] * v_j for R rows (d_size a multiple of 8 kVectors): kVectors * 8
 // columns at a time, R x kVectors accumulators, R broadcast weights and one V vector in registers.
 template <int R, typename T>
-void AccumulateAvx2(float* out, int64_t d_size, const float* p, int64_t stride_p, const T* v, int64_t stride_v,
+__attribute__((noinline)) void AccumulateAvx2(float* out, int64_t d_size, const float* p, int64_t stride_p, const T* v, int64_t stride_v,
                     int64_t keys) {
   constexpr int kVectors = R <= 3 ? 4 : 2;
   for (int64_t c = 0; c < d_size; c += 8 * kVectors) {
