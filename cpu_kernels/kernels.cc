@@ -1347,8 +1347,8 @@ inline __m128 PairSums(__m256 a0, __m256 a1, __m256 b0, __m256 b1) {
 // keys j < keys, the K row of key j at k + j * stride_k (float32, or bfloat16 bits): two keys at a time, in
 // registers, against every row. The accumulators are named variables: held in an array, GCC kept them on the stack.
 template <int R, typename T>
-__attribute__((noinline)) void ScoresAvx2(const float* q, int64_t d_size, const T* k, int64_t stride_k, int64_t keys, float* scores,
-                int64_t stride_s) {
+__attribute__((noinline)) void ScoresAvx2(const float* q, int64_t d_size, const T* k, int64_t stride_k, int64_t keys,
+                                          float* scores, int64_t stride_s) {
   for (int64_t j = 0; j < keys; j += 2) {
     const T* k0 = k + j * stride_k;
     const T* k1 = j + 1 < keys ? k0 + stride_k : k0;  // an odd last key is read twice, its copy dropped
@@ -1386,8 +1386,8 @@ __attribute__((noinline)) void ScoresAvx2(const float* q, int64_t d_size, const 
 // out_r[0, d_size) += sum_j p[r * stride_p + j] * v_j for R rows (d_size a multiple of 8 kVectors): kVectors * 8
 // columns at a time, R x kVectors accumulators, R broadcast weights and one V vector in registers.
 template <int R, typename T>
-__attribute__((noinline)) void AccumulateAvx2(float* out, int64_t d_size, const float* p, int64_t stride_p, const T* v, int64_t stride_v,
-                    int64_t keys) {
+__attribute__((noinline)) void AccumulateAvx2(float* out, int64_t d_size, const float* p, int64_t stride_p,
+                                              const T* v, int64_t stride_v, int64_t keys) {
   constexpr int kVectors = R <= 3 ? 4 : 2;
   for (int64_t c = 0; c < d_size; c += 8 * kVectors) {
     __m256 o[R][kVectors];
@@ -1407,7 +1407,6 @@ __attribute__((noinline)) void AccumulateAvx2(float* out, int64_t d_size, const 
 }
 
 // Calls fn(std::integral_constant<int, R>) for R = rows (1 to 4).
-
 template <typename Fn>
 void WithRows(int64_t rows, Fn&& fn) {
   switch (rows) {
