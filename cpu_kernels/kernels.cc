@@ -1344,14 +1344,14 @@ inline __m128 PairSums(__m256 a0, __m256 a1, __m256 b0, __m256 b1) {
 }
 
 // scores[r * stride_s + j] = q_r . k_j for R <= 4 rows of q (pre-scaled, [R, d_size], d_size a multiple of 8) and
-// keys j < keys, the K row of key j at k + j * stride_k (float32, or bfloat16 bits): two keys at a time, in
-// registers, against every row. The accumulators are named variables: held in an array, GCC kept them on the stack.
-template <int R, typename T>
-__attribute__((noinline)) void ScoresAvx2(const float* q, int64_t d_size, const T* k, int64_t stride_k, int64_t keys,
-                                          float* scores, int64_t stride_s) {
+// keys j < keys, the K row of key j at k + j * stride_k (bfloat16 bits): two keys at a time, widened in registers,
+// against every row. The accumulators are named variables: held in an array, GCC kept them on the stack.
+template <int R>
+__attribute__((noinline)) void ScoresAvx2(const float* q, int64_t d_size, const uint16_t* k, int64_t stride_k,
+                                          int64_t keys, float* scores, int64_t stride_s) {
   for (int64_t j = 0; j < keys; j += 2) {
-    const T* k0 = k + j * stride_k;
-    const T* k1 = j + 1 < keys ? k0 + stride_k : k0;  // an odd last key is read twice, its copy dropped
+    const uint16_t* k0 = k + j * stride_k;
+    const uint16_t* k1 = j + 1 < keys ? k0 + stride_k : k0;  // an odd last key is read twice, its copy dropped
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
     for (int64_t c = 0; c < d_size; c += 8) {
       const __m256 x0 = Load8(k0 + c), x1 = Load8(k1 + c);
@@ -1383,11 +1383,12 @@ __attribute__((noinline)) void ScoresAvx2(const float* q, int64_t d_size, const 
   }
 }
 
-// out_r[0, d_size) += sum_j p[r * stride_p + j] * v_j for R rows (d_size a multiple of 8 kVectors): kVectors * 8
-// columns at a time, R x kVectors accumulators, R broadcast weights and one V vector in registers.
-template <int R, typename T>
+// out_r[0, d_size) += sum_j p[r * stride_p + j] * v_j (V rows as bfloat16 bits) for R rows, d_size a multiple of
+// 8 kVectors: kVectors * 8 columns at a time, R x kVectors accumulators, R broadcast weights and one V vector in
+// registers.
+template <int R>
 __attribute__((noinline)) void AccumulateAvx2(float* out, int64_t d_size, const float* p, int64_t stride_p,
-                                              const T* v, int64_t stride_v, int64_t keys) {
+                                              const uint16_t* v, int64_t stride_v, int64_t keys) {
   constexpr int kVectors = R <= 3 ? 4 : 2;
   for (int64_t c = 0; c < d_size; c += 8 * kVectors) {
     __m256 o[R][kVectors];
