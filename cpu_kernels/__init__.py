@@ -7,7 +7,7 @@ C++ compiler (-march=native) into ~/.cache/jserve/cpu_kernels/; where that is im
 AVX2/FMA) `available()` is False and `unavailable_reason()` says why, and "auto" falls back to pure XLA.
 
 References: `matmul_ref` here, pallas_kernels.reference.ragged_paged_attention_ref for attention, and the
-model's own per-op layer (jserve.models.llama, reference attention backend) for `decoder_layer`.
+model's own per-op layers (jserve.models.llama, reference attention backend) for `decoder_layers`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -88,7 +89,7 @@ def _load() -> ctypes.CDLL | KernelUnavailable:
         jax.ffi.register_ffi_target("jserve_matmul", jax.ffi.pycapsule(lib.JserveMatmul), platform="cpu")
         jax.ffi.register_ffi_target("jserve_paged_attention", jax.ffi.pycapsule(lib.JservePagedAttention),
                                     platform="cpu")
-        jax.ffi.register_ffi_target("jserve_decoder_layer", jax.ffi.pycapsule(lib.JserveDecoderLayer),
+        jax.ffi.register_ffi_target("jserve_decoder_layers", jax.ffi.pycapsule(lib.JserveDecoderLayers),
                                     platform="cpu")
         jax.ffi.register_ffi_target("jserve_argmax", jax.ffi.pycapsule(lib.JserveArgmax), platform="cpu")
     except (OSError, AttributeError, KernelUnavailable) as error:
@@ -223,7 +224,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
 
 class LayerWeights(NamedTuple):
-    """One decoder layer's parameters as `decoder_layer` takes them; biases and q/k norms may be None."""
+    """One decoder layer's parameters as `decoder_layers` takes them; biases and q/k norms may be None."""
 
     input_norm: jax.Array  # f32[E]
     qkv: jax.Array  # [Q + 2 KV, E] float32 or bfloat16 (or all four packed by pack_weight): q, then k, then v rows
@@ -239,37 +240,46 @@ class LayerWeights(NamedTuple):
     k_norm: jax.Array | None = None  # f32[D]
 
 
-def decoder_layer(x: jax.Array, weights: LayerWeights, k_pages: jax.Array, v_pages: jax.Array, *,
-                  positions: jax.Array, slot_mapping: jax.Array, page_table: jax.Array, query_start: jax.Array,
-                  seq_lens: jax.Array, inv_freq: np.ndarray, num_heads: int, eps: float, scale: float,
-                  sliding_window: int | None = None, soft_cap: float | None = None
-                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One Llama-family decoder layer over a ragged batch in one kernel call -> (x_out, k_pages, v_pages).
+def decoder_layers(x: jax.Array, layers: Sequence[LayerWeights], k_pages: Sequence[jax.Array],
+                   v_pages: Sequence[jax.Array], *, positions: jax.Array, slot_mapping: jax.Array,
+                   page_table: jax.Array, query_start: jax.Array, seq_lens: jax.Array, inv_freq: np.ndarray,
+                   num_heads: int, eps: float, scale: float, sliding_window: int | None = None,
+                   soft_cap: float | None = None) -> tuple[jax.Array, list[jax.Array], list[jax.Array]]:
+    """Llama-family decoder layers, one after another, over a ragged batch in one kernel call
+    -> (x_out, k_pages, v_pages), the pages a list per layer as given.
 
-    x f32[T, E] is the residual stream; the new tokens' K/V are written to their slots (out of range: dropped) and
+    x f32[T, E] is the residual stream; each layer's new K/V are written to their slots (out of range: dropped) and
     the pages come back updated in place (aliased: inside a jitted step with a donated cache nothing is copied).
-    The batch arrays follow pallas_kernels.interface; the matmul weights are all float32, all bfloat16, or all
-    packed by pack_weight."""
+    The batch arrays follow pallas_kernels.interface; every layer's matmul weights are all float32, all bfloat16, or
+    all packed by pack_weight, with the same shapes in every layer."""
     _require()
-    dtype = weights.qkv.dtype
-    if any(w.dtype != dtype for w in (weights.o, weights.gate_up, weights.down)) or dtype not in (
-            jnp.float32, jnp.bfloat16, jnp.uint32):
-        raise ValueError(f"decoder_layer: the layer's matmul weights must all be float32, bfloat16 or packed, got "
-                         f"{[w.dtype for w in (weights.qkv, weights.o, weights.gate_up, weights.down)]}")
+    num_layers = len(layers)
+    if num_layers == 0 or len(k_pages) != num_layers or len(v_pages) != num_layers:
+        raise ValueError(f"decoder_layers: {num_layers} layers need as many k_pages and v_pages, got "
+                         f"{len(k_pages)} and {len(v_pages)}")
+    dtype = layers[0].qkv.dtype
+    for weights in layers:
+        matmuls = (weights.qkv, weights.o, weights.gate_up, weights.down)
+        if any(w.dtype != dtype for w in matmuls) or dtype not in (jnp.float32, jnp.bfloat16, jnp.uint32):
+            raise ValueError(f"decoder_layers: the matmul weights must all be float32, bfloat16 or packed, got "
+                             f"{[w.dtype for w in matmuls]}")
     none = jnp.zeros((0,), jnp.float32)
 
     def f32(a: jax.Array | None) -> jax.Array:
         return none if a is None else a.astype(jnp.float32)
 
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
-    args = (x.astype(jnp.float32), i32(positions), i32(slot_mapping), i32(page_table), i32(query_start),
-            i32(seq_lens), jnp.asarray(inv_freq, jnp.float32), f32(weights.input_norm), weights.qkv,
-            f32(weights.qkv_bias), f32(weights.q_norm), f32(weights.k_norm), weights.o, f32(weights.o_bias),
-            f32(weights.post_norm), weights.gate_up, f32(weights.gate_up_bias), weights.down, f32(weights.down_bias),
-            k_pages, v_pages)
-    out = (jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-           jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype))
-    kv_in = len(args) - 2
-    return jax.ffi.ffi_call("jserve_decoder_layer", out, input_output_aliases={kv_in: 1, kv_in + 1: 2})(
+    args = [x.astype(jnp.float32), i32(positions), i32(slot_mapping), i32(page_table), i32(query_start),
+            i32(seq_lens), jnp.asarray(inv_freq, jnp.float32)]
+    for w in layers:  # the order kernels.cc's LayerBuffersAt reads
+        args += [f32(w.input_norm), w.qkv, f32(w.qkv_bias), f32(w.q_norm), f32(w.k_norm), w.o, f32(w.o_bias),
+                 f32(w.post_norm), w.gate_up, f32(w.gate_up_bias), w.down, f32(w.down_bias)]
+    kv_in = len(args)
+    args += [*k_pages, *v_pages]
+    out = [jax.ShapeDtypeStruct(x.shape, jnp.float32)]
+    out += [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in (*k_pages, *v_pages)]
+    aliases = {kv_in + i: 1 + i for i in range(2 * num_layers)}
+    x_out, *pages = jax.ffi.ffi_call("jserve_decoder_layers", out, input_output_aliases=aliases)(
         *args, num_heads=np.int64(num_heads), eps=np.float32(eps), scale=np.float32(scale),
         sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0))
+    return x_out, pages[:num_layers], pages[num_layers:]

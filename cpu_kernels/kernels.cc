@@ -1798,136 +1798,273 @@ void StoreKv(void* pages, bool bf16, int64_t slot, const float* src, int64_t n) 
   }
 }
 
+// One layer's part of a call, kept alive (and in place) until its phases have run: they point into it.
 template <typename W>
-void RunDecoderLayer(ffi::ThreadPool& pool, const LayerShape& s, const LayerWeights<W>& w, AttentionArgs& a,
-                     const std::vector<AttentionItem>& items, void* k_pages, void* v_pages) {
-  // Matmul inputs: float32, or for bfloat16 weights (plain or packed) Bf16Input: bfloat16 bits for vdpbf16ps, else
-  // float32 rounded to bfloat16 values.
-  constexpr bool f32_weights = std::is_same_v<W, float> || std::is_same_v<W, F32Panels>;
-  using X = std::conditional_t<f32_weights, float, Bf16Input>;
-  constexpr bool round = !f32_weights;  // every matmul input is rounded to bfloat16 for bfloat16 weights
+struct LayerRun {
+  LayerShape s;
+  LayerWeights<W> w;
+  AttentionArgs a;
+  void *k_pages, *v_pages;
+};
+
+// Scratch rows shared by every layer of a call (its phases run one after another).
+template <typename X>
+struct LayerScratch {
+  X* in;                // [T, max(E, Q, I)]: each matmul's input, in turn
+  float* qkv;           // [T, Q + 2 KV]
+  float* gate_up;       // [T, 2 I]
+};
+
+// Appends one layer's nine phases. Matmul inputs: float32, or for bfloat16 weights (plain or packed) Bf16Input:
+// bfloat16 bits for vdpbf16ps, else float32 rounded to bfloat16 values.
+template <typename X, typename W>
+void AppendLayerPhases(std::vector<Phase>& phases, LayerRun<W>& r, const std::vector<AttentionItem>& items,
+                       const LayerScratch<X>& scratch, int64_t threads) {
+  constexpr bool round = !(std::is_same_v<W, float> || std::is_same_v<W, F32Panels>);  // bf16 weights: rounded
+  const LayerShape& s = r.s;
+  const LayerWeights<W>& w = r.w;
+  AttentionArgs& a = r.a;
   const int64_t t_size = s.tokens, e = s.hidden, i_size = s.intermediate, d = a.head_dim;
   const int64_t q_size = a.num_heads * d, kv_size = a.kv_heads * d, qkv_size = q_size + 2 * kv_size;
-  const int64_t num_slots = a.num_pages * a.page_size;
-  thread_local std::vector<X> inputs;       // [T, max(E, Q, I)]: each matmul's input, in turn
-  thread_local std::vector<float> qkv;      // [T, Q + 2 KV]
-  thread_local std::vector<float> gate_up;  // [T, 2 I]
-  inputs.resize(static_cast<size_t>(t_size * std::max({e, q_size, i_size})));
-  qkv.resize(static_cast<size_t>(t_size * qkv_size));
-  gate_up.resize(static_cast<size_t>(t_size * 2 * i_size));
-  // The phases' lambdas run on other threads too: they use these pointers, never the thread_local names.
-  X* in = inputs.data();
-  float* qkv_rows = qkv.data();
-  float* gate_up_rows = gate_up.data();
-  float* x_out = s.x_out;
+  X* in = scratch.in;
+  float* qkv_rows = scratch.qkv;
+  float* gate_up_rows = scratch.gate_up;
   a.q = qkv_rows;
   a.q_stride = qkv_size;
   a.out = in;
   a.out_bf16 = std::is_same_v<X, uint16_t>;
   a.out_round = round;
-  const int64_t row_items = Blocks(t_size, kRowsPerItem), threads = pool.num_threads();
+  const int64_t row_items = Blocks(t_size, kRowsPerItem);
   auto rows = [t_size](int64_t item, auto&& body) {
     for (int64_t t = item * kRowsPerItem; t < std::min(t_size, (item + 1) * kRowsPerItem); ++t) body(t);
   };
-  RunPhases(pool, {
-    {row_items, [&](int64_t item) { rows(item, [&](int64_t t) {
-       std::memcpy(x_out + t * e, s.x + t * e, static_cast<size_t>(e) * 4);
-       RmsNormRow(s.x + t * e, w.input_norm, e, s.eps, in + t * e, round);
-     }); }},
-    MatmulPhase(MatmulJob<X, W>{in, w.qkv, qkv_rows, w.qkv_bias, false, t_size, qkv_size, e}, threads),
-    {row_items, [&](int64_t item) { rows(item, [&](int64_t t) {
-       float* q = qkv_rows + t * qkv_size;
-       float* k = q + q_size;
-       const float* v = k + kv_size;
-       if (w.q_norm != nullptr) {
-         RmsNormHeads(q, a.num_heads, d, w.q_norm, s.eps);
-         RmsNormHeads(k, a.kv_heads, d, w.k_norm, s.eps);
-       }
-       float cos[256], sin[256];
-       const float pos = static_cast<float>(s.positions[t]);
-       for (int64_t f = 0; f < d / 2; ++f) {
-         const float angle = pos * s.inv_freq[f];
-         cos[f] = std::cos(angle);
-         sin[f] = std::sin(angle);
-       }
-       RotateHeads(q, a.num_heads, d, cos, sin);
-       RotateHeads(k, a.kv_heads, d, cos, sin);
-       const int64_t slot = s.slots[t];
-       if (slot >= 0 && slot < num_slots) {
-         StoreKv(k_pages, a.kv_bf16, slot, k, kv_size);
-         StoreKv(v_pages, a.kv_bf16, slot, v, kv_size);
-       }
-     }); }},
-    AttentionPhase(a, items),
-    MatmulPhase(MatmulJob<X, W>{in, w.o, x_out, w.o_bias, true, t_size, e, q_size}, threads),
-    {row_items, [&](int64_t item) { rows(item, [&](int64_t t) {
-       RmsNormRow(x_out + t * e, w.post_norm, e, s.eps, in + t * e, round);
-     }); }},
-    MatmulPhase(MatmulJob<X, W>{in, w.gate_up, gate_up_rows, w.gate_up_bias, false, t_size, 2 * i_size, e},
-                threads),
-    {row_items, [&](int64_t item) { rows(item, [&](int64_t t) {
-       const float* gate = gate_up_rows + t * 2 * i_size;
-       thread_local std::vector<float> act;
-       act.resize(static_cast<size_t>(i_size));
-       SiluMul(gate, gate + i_size, act.data(), i_size);
-       StoreInput(in + t * i_size, act.data(), i_size, round);
-     }); }},
-    MatmulPhase(MatmulJob<X, W>{in, w.down, x_out, w.down_bias, true, t_size, e, i_size}, threads),
-  });
+  const LayerRun<W>* run = &r;
+  phases.push_back({row_items, [run, in, rows](int64_t item) { rows(item, [&](int64_t t) {
+    const LayerShape& s = run->s;
+    const int64_t e = s.hidden;
+    if (s.x != s.x_out) std::memcpy(s.x_out + t * e, s.x + t * e, static_cast<size_t>(e) * 4);
+    RmsNormRow(s.x_out + t * e, run->w.input_norm, e, s.eps, in + t * e, round);
+  }); }});
+  phases.push_back(MatmulPhase(MatmulJob<X, W>{in, w.qkv, qkv_rows, w.qkv_bias, false, t_size, qkv_size, e}, threads));
+  phases.push_back({row_items, [run, qkv_rows, rows](int64_t item) { rows(item, [&](int64_t t) {
+    const LayerShape& s = run->s;
+    const AttentionArgs& a = run->a;
+    const int64_t d = a.head_dim, q_size = a.num_heads * d, kv_size = a.kv_heads * d;
+    float* q = qkv_rows + t * a.q_stride;
+    float* k = q + q_size;
+    const float* v = k + kv_size;
+    if (run->w.q_norm != nullptr) {
+      RmsNormHeads(q, a.num_heads, d, run->w.q_norm, s.eps);
+      RmsNormHeads(k, a.kv_heads, d, run->w.k_norm, s.eps);
+    }
+    float cos[256], sin[256];
+    const float pos = static_cast<float>(s.positions[t]);
+    for (int64_t f = 0; f < d / 2; ++f) {
+      const float angle = pos * s.inv_freq[f];
+      cos[f] = std::cos(angle);
+      sin[f] = std::sin(angle);
+    }
+    RotateHeads(q, a.num_heads, d, cos, sin);
+    RotateHeads(k, a.kv_heads, d, cos, sin);
+    const int64_t slot = s.slots[t];
+    if (slot >= 0 && slot < a.num_pages * a.page_size) {
+      StoreKv(run->k_pages, a.kv_bf16, slot, k, kv_size);
+      StoreKv(run->v_pages, a.kv_bf16, slot, v, kv_size);
+    }
+  }); }});
+  phases.push_back(AttentionPhase(a, items));
+  phases.push_back(MatmulPhase(MatmulJob<X, W>{in, w.o, s.x_out, w.o_bias, true, t_size, e, q_size}, threads));
+  phases.push_back({row_items, [run, in, rows](int64_t item) { rows(item, [&](int64_t t) {
+    const LayerShape& s = run->s;
+    RmsNormRow(s.x_out + t * s.hidden, run->w.post_norm, s.hidden, s.eps, in + t * s.hidden, round);
+  }); }});
+  phases.push_back(MatmulPhase(
+      MatmulJob<X, W>{in, w.gate_up, gate_up_rows, w.gate_up_bias, false, t_size, 2 * i_size, e}, threads));
+  phases.push_back({row_items, [in, gate_up_rows, i_size, rows](int64_t item) { rows(item, [&](int64_t t) {
+    const float* gate = gate_up_rows + t * 2 * i_size;
+    thread_local std::vector<float> act;
+    act.resize(static_cast<size_t>(i_size));
+    SiluMul(gate, gate + i_size, act.data(), i_size);
+    StoreInput(in + t * i_size, act.data(), i_size, round);
+  }); }});
+  phases.push_back(MatmulPhase(MatmulJob<X, W>{in, w.down, s.x_out, w.down_bias, true, t_size, e, i_size}, threads));
+}
+
+// Every layer in one pass over the pool: a layer's phases follow the one before's with no return to XLA between
+// them (a call's setup and XLA's step to the next call cost 10-17 us a layer on caches the weights just flushed).
+template <typename W>
+void RunDecoderLayers(ffi::ThreadPool& pool, std::vector<LayerRun<W>>& layers,
+                      const std::vector<AttentionItem>& items) {
+  constexpr bool f32_weights = std::is_same_v<W, float> || std::is_same_v<W, F32Panels>;
+  using X = std::conditional_t<f32_weights, float, Bf16Input>;
+  const LayerShape& s = layers[0].s;
+  const AttentionArgs& a = layers[0].a;
+  const int64_t t_size = s.tokens, q_size = a.num_heads * a.head_dim;
+  thread_local std::vector<X> inputs;
+  thread_local std::vector<float> qkv;
+  thread_local std::vector<float> gate_up;
+  inputs.resize(static_cast<size_t>(t_size * std::max({s.hidden, q_size, s.intermediate})));
+  qkv.resize(static_cast<size_t>(t_size * (q_size + 2 * a.kv_heads * a.head_dim)));
+  gate_up.resize(static_cast<size_t>(t_size * 2 * s.intermediate));
+  // The phases run on other threads too: they get these pointers, never the thread_local names.
+  const LayerScratch<X> scratch{inputs.data(), qkv.data(), gate_up.data()};
+  std::vector<Phase> phases;
+  phases.reserve(9 * layers.size());
+  for (LayerRun<W>& layer : layers) AppendLayerPhases(phases, layer, items, scratch, pool.num_threads());
+  RunPhases(pool, std::move(phases));
 }
 
 const float* Optional(ffi::Buffer<ffi::F32>& b) {
   return b.element_count() == 0 ? nullptr : b.typed_data();
 }
 
-template <typename W>
-LayerWeights<W> Weights(ffi::Buffer<ffi::F32>& input_norm, ffi::AnyBuffer& qkv, ffi::Buffer<ffi::F32>& qkv_bias,
-                        ffi::Buffer<ffi::F32>& q_norm, ffi::Buffer<ffi::F32>& k_norm, ffi::AnyBuffer& o,
-                        ffi::Buffer<ffi::F32>& o_bias, ffi::Buffer<ffi::F32>& post_norm, ffi::AnyBuffer& gate_up,
-                        ffi::Buffer<ffi::F32>& gate_up_bias, ffi::AnyBuffer& down, ffi::Buffer<ffi::F32>& down_bias) {
-  return {input_norm.typed_data(), static_cast<const W*>(qkv.untyped_data()), Optional(qkv_bias), Optional(q_norm),
-          Optional(k_norm), static_cast<const W*>(o.untyped_data()), Optional(o_bias), post_norm.typed_data(),
-          static_cast<const W*>(gate_up.untyped_data()), Optional(gate_up_bias),
-          static_cast<const W*>(down.untyped_data()), Optional(down_bias)};
+// A layer's 12 weight operands, in the order cpu_kernels.decoder_layers passes them.
+constexpr size_t kLayerWeightArgs = 12;
+
+struct LayerBuffers {
+  ffi::Buffer<ffi::F32> input_norm;
+  ffi::AnyBuffer qkv;
+  ffi::Buffer<ffi::F32> qkv_bias, q_norm, k_norm;
+  ffi::AnyBuffer o;
+  ffi::Buffer<ffi::F32> o_bias, post_norm;
+  ffi::AnyBuffer gate_up;
+  ffi::Buffer<ffi::F32> gate_up_bias;
+  ffi::AnyBuffer down;
+  ffi::Buffer<ffi::F32> down_bias;
+};
+
+ffi::Error LayerBuffersAt(const ffi::RemainingArgs& args, size_t layer, std::vector<LayerBuffers>& out) {
+  const size_t base = layer * kLayerWeightArgs;
+  auto f32 = [&](size_t i) { return args.get<ffi::Buffer<ffi::F32>>(base + i); };
+  auto any = [&](size_t i) { return args.get<ffi::AnyBuffer>(base + i); };
+  auto input_norm = f32(0), qkv_bias = f32(2), q_norm = f32(3), k_norm = f32(4), o_bias = f32(6),
+       post_norm = f32(7), gate_up_bias = f32(9), down_bias = f32(11);
+  auto qkv = any(1), o = any(5), gate_up = any(8), down = any(10);
+  for (const auto* b : {&input_norm, &qkv_bias, &q_norm, &k_norm, &o_bias, &post_norm, &gate_up_bias, &down_bias}) {
+    if (b->has_error()) return b->error();
+  }
+  for (const auto* b : {&qkv, &o, &gate_up, &down}) {
+    if (b->has_error()) return b->error();
+  }
+  out.push_back({*input_norm, *qkv, *qkv_bias, *q_norm, *k_norm, *o, *o_bias, *post_norm, *gate_up, *gate_up_bias,
+                 *down, *down_bias});
+  return ffi::Error::Success();
 }
 
-ffi::Error DecoderLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> positions,
-                            ffi::Buffer<ffi::S32> slot_mapping, ffi::Buffer<ffi::S32> page_table,
-                            ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> seq_lens,
-                            ffi::Buffer<ffi::F32> inv_freq, ffi::Buffer<ffi::F32> input_norm, ffi::AnyBuffer qkv,
-                            ffi::Buffer<ffi::F32> qkv_bias, ffi::Buffer<ffi::F32> q_norm,
-                            ffi::Buffer<ffi::F32> k_norm, ffi::AnyBuffer o, ffi::Buffer<ffi::F32> o_bias,
-                            ffi::Buffer<ffi::F32> post_norm, ffi::AnyBuffer gate_up,
-                            ffi::Buffer<ffi::F32> gate_up_bias, ffi::AnyBuffer down, ffi::Buffer<ffi::F32> down_bias,
-                            ffi::AnyBuffer, ffi::AnyBuffer, ffi::ResultBuffer<ffi::F32> x_out,
-                            ffi::Result<ffi::AnyBuffer> k_pages, ffi::Result<ffi::AnyBuffer> v_pages,
-                            int64_t num_heads, float eps, float scale, int64_t sliding_window, float soft_cap) {
+template <typename W>
+LayerWeights<W> Weights(LayerBuffers& b) {
+  return {b.input_norm.typed_data(), static_cast<const W*>(b.qkv.untyped_data()), Optional(b.qkv_bias),
+          Optional(b.q_norm), Optional(b.k_norm), static_cast<const W*>(b.o.untyped_data()), Optional(b.o_bias),
+          b.post_norm.typed_data(), static_cast<const W*>(b.gate_up.untyped_data()), Optional(b.gate_up_bias),
+          static_cast<const W*>(b.down.untyped_data()), Optional(b.down_bias)};
+}
+
+// Checks one layer's weights against the first layer's shapes; returns an error or fills the shape facts.
+ffi::Error CheckLayerWeights(LayerBuffers& b, int64_t q_size, int64_t kv_size, int64_t e, int64_t d,
+                             int64_t& i_size, ffi::DataType& w_type, bool& packed) {
+  const WeightShape qkv_shape = ShapeOf(b.qkv), o_shape = ShapeOf(b.o), gate_up_shape = ShapeOf(b.gate_up),
+                    down_shape = ShapeOf(b.down);
+  i_size = down_shape.cols;
+  w_type = b.qkv.element_type();
+  packed = qkv_shape.packed;
+  const bool same_type = b.o.element_type() == w_type && b.gate_up.element_type() == w_type &&
+                         b.down.element_type() == w_type;
+  const bool all_packed = qkv_shape.packed && o_shape.packed && gate_up_shape.packed && down_shape.packed;
+  const auto norm_ok = [e](ffi::Buffer<ffi::F32>& n) { return static_cast<int64_t>(n.element_count()) == e; };
+  const auto bias_ok = [](ffi::Buffer<ffi::F32>& bias, int64_t n) {
+    return bias.element_count() == 0 || static_cast<int64_t>(bias.element_count()) == n;
+  };
+  if (!same_type || qkv_shape.packed != all_packed || !(IsBf16Bits(w_type) || w_type == ffi::DataType::F32 ||
+                                                       all_packed) ||
+      !Holds(qkv_shape, q_size + 2 * kv_size, e) || !Holds(o_shape, e, q_size) ||
+      !Holds(gate_up_shape, 2 * i_size, e) || !Holds(down_shape, e, i_size) || !norm_ok(b.input_norm) ||
+      !norm_ok(b.post_norm) || !bias_ok(b.qkv_bias, q_size + 2 * kv_size) || !bias_ok(b.o_bias, e) ||
+      !bias_ok(b.gate_up_bias, 2 * i_size) || !bias_ok(b.down_bias, e) ||
+      (b.q_norm.element_count() != 0 && (static_cast<int64_t>(b.q_norm.element_count()) != d ||
+                                         static_cast<int64_t>(b.k_norm.element_count()) != d))) {
+    return ffi::Error::InvalidArgument("jserve_decoder_layers: weight shapes or dtypes disagree with the layer");
+  }
+  return ffi::Error::Success();
+}
+
+template <typename W>
+void RunLayers(ffi::ThreadPool& pool, std::vector<LayerBuffers>& buffers, const LayerShape& first,
+               const AttentionArgs& shape_args, ffi::RemainingRets& rets, const std::vector<AttentionItem>& items) {
+  const size_t num_layers = buffers.size();
+  std::vector<LayerRun<W>> layers;
+  layers.reserve(num_layers);  // the phases point into it: it never reallocates
+  for (size_t l = 0; l < num_layers; ++l) {
+    LayerShape s = first;
+    if (l > 0) s.x = first.x_out;  // later layers update the residual stream in place
+    AttentionArgs a = shape_args;
+    void* k_pages = (*rets.get<ffi::AnyBuffer>(l))->untyped_data();
+    void* v_pages = (*rets.get<ffi::AnyBuffer>(num_layers + l))->untyped_data();
+    a.k_pages = k_pages;
+    a.v_pages = v_pages;
+    layers.push_back({s, Weights<W>(buffers[l]), a, k_pages, v_pages});
+  }
+  RunDecoderLayers(pool, layers, items);
+}
+
+ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> positions,
+                             ffi::Buffer<ffi::S32> slot_mapping, ffi::Buffer<ffi::S32> page_table,
+                             ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> seq_lens,
+                             ffi::Buffer<ffi::F32> inv_freq, ffi::RemainingArgs args,
+                             ffi::ResultBuffer<ffi::F32> x_out, ffi::RemainingRets rets, int64_t num_heads,
+                             float eps, float scale, int64_t sliding_window, float soft_cap) {
   const auto x_dims = x.dimensions();
-  if (x_dims.size() != 2 || num_heads <= 0) return ffi::Error::InvalidArgument("jserve_decoder_layer: expected x[T, E]");
-  const auto kv_dims = k_pages->dimensions();
+  if (x_dims.size() != 2 || num_heads <= 0) {
+    return ffi::Error::InvalidArgument("jserve_decoder_layers: expected x[T, E]");
+  }
+  // After the layers' weights come every layer's k_pages, then every layer's v_pages (each aliased to its result).
+  const size_t num_layers = rets.size() / 2;
+  if (num_layers == 0 || rets.size() != 2 * num_layers || args.size() != num_layers * (kLayerWeightArgs + 2)) {
+    return ffi::Error::InvalidArgument("jserve_decoder_layers: expected 12 weights and k/v pages for each layer");
+  }
+  std::vector<LayerBuffers> buffers;
+  buffers.reserve(num_layers);
+  for (size_t l = 0; l < num_layers; ++l) {
+    ffi::Error got = LayerBuffersAt(args, l, buffers);
+    if (got.failure()) return got;
+  }
+  ffi::ErrorOr<ffi::AnyBuffer> k0 = args.get<ffi::AnyBuffer>(num_layers * kLayerWeightArgs);
+  if (k0.has_error()) return k0.error();
+  const auto kv_dims = k0->dimensions();
   AttentionArgs a;
   ffi::Error shapes = AttentionShapes(a, num_heads, kv_dims.size() == 4 ? kv_dims[3] : 0, kv_dims,
-                                      page_table.dimensions(), k_pages->element_type(), v_pages->element_type());
+                                      page_table.dimensions(), k0->element_type(), k0->element_type());
   if (shapes.failure()) return shapes;
-  const WeightShape qkv_shape = ShapeOf(qkv), o_shape = ShapeOf(o), gate_up_shape = ShapeOf(gate_up),
-                    down_shape = ShapeOf(down);
-  const int64_t num_tokens = x_dims[0], e = x_dims[1], d = a.head_dim, i_size = down_shape.cols;
+  const int64_t num_tokens = x_dims[0], e = x_dims[1], d = a.head_dim;
   const int64_t q_size = num_heads * d, kv_size = a.kv_heads * d;
-  const ffi::DataType w_type = qkv.element_type();
-  const bool same_type = o.element_type() == w_type && gate_up.element_type() == w_type &&
-                         down.element_type() == w_type;
-  const bool all_packed = qkv_shape.packed && o_shape.packed && gate_up_shape.packed && down_shape.packed;
-  if (!same_type || qkv_shape.packed != all_packed || !(IsBf16Bits(w_type) || w_type == ffi::DataType::F32 ||
-                                                       all_packed) || d > 512 ||
-      d % 2 != 0 || !Holds(qkv_shape, q_size + 2 * kv_size, e) || !Holds(o_shape, e, q_size) ||
-      !Holds(gate_up_shape, 2 * i_size, e) || !Holds(down_shape, e, i_size) ||
-      static_cast<int64_t>(inv_freq.element_count()) != d / 2 ||
-      (q_norm.element_count() != 0 && (static_cast<int64_t>(q_norm.element_count()) != d ||
-                                        static_cast<int64_t>(k_norm.element_count()) != d))) {
-    return ffi::Error::InvalidArgument("jserve_decoder_layer: weight shapes or dtypes disagree with the layer");
+  if (d > 512 || d % 2 != 0 || static_cast<int64_t>(inv_freq.element_count()) != d / 2) {
+    return ffi::Error::InvalidArgument("jserve_decoder_layers: unsupported head size or rotary table");
   }
-  a.k_pages = k_pages->untyped_data();
-  a.v_pages = v_pages->untyped_data();
+  int64_t i_size = 0;
+  ffi::DataType w_type = ffi::DataType::F32;
+  bool packed = false;
+  for (size_t l = 0; l < num_layers; ++l) {
+    int64_t layer_i = 0;
+    ffi::DataType layer_type = ffi::DataType::F32;
+    bool layer_packed = false;
+    ffi::Error ok = CheckLayerWeights(buffers[l], q_size, kv_size, e, d, layer_i, layer_type, layer_packed);
+    if (ok.failure()) return ok;
+    if (l == 0) i_size = layer_i, w_type = layer_type, packed = layer_packed;
+    if (layer_i != i_size || layer_type != w_type || layer_packed != packed) {
+      return ffi::Error::InvalidArgument("jserve_decoder_layers: every layer must have the same weight shapes");
+    }
+    for (size_t kv : {l, num_layers + l}) {
+      ffi::ErrorOr<ffi::AnyBuffer> pages = args.get<ffi::AnyBuffer>(num_layers * kLayerWeightArgs + kv);
+      ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> out = rets.get<ffi::AnyBuffer>(kv);
+      if (pages.has_error()) return pages.error();
+      if (out.has_error()) return out.error();
+      const auto dims = pages->dimensions();
+      if (pages->element_type() != k0->element_type() || !std::equal(dims.begin(), dims.end(), kv_dims.begin(),
+                                                                      kv_dims.end()) ||
+          (*out)->untyped_data() != pages->untyped_data()) {
+        return ffi::Error::InvalidArgument("jserve_decoder_layers: every layer's pages must match (and be aliased)");
+      }
+    }
+  }
   a.page_table = page_table.typed_data();
   a.query_start = query_start.typed_data();
   a.seq_lens = seq_lens.typed_data();
@@ -1942,24 +2079,16 @@ ffi::Error DecoderLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   std::vector<AttentionItem> items;
   ffi::Error valid = AttentionItems(a, num_seqs, real_tokens, pool.num_threads(), items);
   if (valid.failure()) return valid;
-  const LayerShape shape{real_tokens, e, i_size, eps, x.typed_data(), x_out->typed_data(), positions.typed_data(),
+  const LayerShape first{real_tokens, e, i_size, eps, x.typed_data(), x_out->typed_data(), positions.typed_data(),
                          slot_mapping.typed_data(), inv_freq.typed_data()};
-  if (qkv_shape.packed && w_type == ffi::DataType::U32) {
-    RunDecoderLayer(pool, shape, Weights<uint32_t>(input_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, post_norm,
-                                                   gate_up, gate_up_bias, down, down_bias),
-                    a, items, k_pages->untyped_data(), v_pages->untyped_data());
-  } else if (qkv_shape.packed) {
-    RunDecoderLayer(pool, shape, Weights<F32Panels>(input_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, post_norm,
-                                                    gate_up, gate_up_bias, down, down_bias),
-                    a, items, k_pages->untyped_data(), v_pages->untyped_data());
+  if (packed && w_type == ffi::DataType::U32) {
+    RunLayers<uint32_t>(pool, buffers, first, a, rets, items);
+  } else if (packed) {
+    RunLayers<F32Panels>(pool, buffers, first, a, rets, items);
   } else if (IsBf16Bits(w_type)) {
-    RunDecoderLayer(pool, shape, Weights<uint16_t>(input_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, post_norm,
-                                                   gate_up, gate_up_bias, down, down_bias),
-                    a, items, k_pages->untyped_data(), v_pages->untyped_data());
+    RunLayers<uint16_t>(pool, buffers, first, a, rets, items);
   } else {
-    RunDecoderLayer(pool, shape, Weights<float>(input_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, post_norm,
-                                                gate_up, gate_up_bias, down, down_bias),
-                    a, items, k_pages->untyped_data(), v_pages->untyped_data());
+    RunLayers<float>(pool, buffers, first, a, rets, items);
   }
   return ffi::Error::Success();
 }
@@ -2033,7 +2162,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveArgmax, ArgmaxImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveDecoderLayer, DecoderLayerImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveDecoderLayers, DecoderLayersImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x
@@ -2043,23 +2172,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveDecoderLayer, DecoderLayerImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // query_start
                                   .Arg<ffi::Buffer<ffi::S32>>()   // seq_lens
                                   .Arg<ffi::Buffer<ffi::F32>>()   // inv_freq
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // input_norm
-                                  .Arg<ffi::AnyBuffer>()          // qkv
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // qkv_bias (empty: none)
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // q_norm (empty: none)
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_norm
-                                  .Arg<ffi::AnyBuffer>()          // o
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // o_bias
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // post_norm
-                                  .Arg<ffi::AnyBuffer>()          // gate_up
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // gate_up_bias
-                                  .Arg<ffi::AnyBuffer>()          // down
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // down_bias
-                                  .Arg<ffi::AnyBuffer>()          // k_pages (aliased to the k_pages result)
-                                  .Arg<ffi::AnyBuffer>()          // v_pages (aliased to the v_pages result)
+                                  .RemainingArgs()                // 12 weights a layer, then k_pages, then v_pages
                                   .Ret<ffi::Buffer<ffi::F32>>()   // x_out
-                                  .Ret<ffi::AnyBuffer>()          // k_pages
-                                  .Ret<ffi::AnyBuffer>()          // v_pages
+                                  .RemainingRets()                // k_pages of each layer, then v_pages (aliased)
                                   .Attr<int64_t>("num_heads")
                                   .Attr<float>("eps")
                                   .Attr<float>("scale")

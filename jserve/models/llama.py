@@ -87,34 +87,37 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(config, dtype, cpu_kernel=self.cpu_kernel)
 
     def __call__(self, x, k_pages, v_pages, batch, inv_freq):
-        if self._fused(x.shape[0]):
-            return self._fused_layer(x, k_pages, v_pages, batch, inv_freq)
         attn_out, k_pages, v_pages = self.self_attn(self.input_layernorm(x), k_pages, v_pages, batch, inv_freq)
         x = x + attn_out
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k_pages, v_pages
 
-    def _fused(self, num_tokens: int) -> bool:
-        """The one-call layer kernel: on the cpu backend, unsharded, and for batches the kernels take (with AMX,
-        XLA's dot runs the large ones: cpu_kernels.max_kernel_rows)."""
+    def fused(self, num_tokens: int) -> bool:
+        """The layer kernel takes this batch: on the cpu backend, unsharded, and for batches the kernels take (with
+        AMX, XLA's dot runs the large ones: cpu_kernels.max_kernel_rows)."""
         return (self.cpu_kernel and model_parallel_mesh() is None and self.config.fused_shards == 1
                 and num_tokens <= cpu_kernels.max_kernel_rows())
 
-    def _fused_layer(self, x, k_pages, v_pages, batch, inv_freq):
-        cfg, attn, mlp = self.config, self.self_attn, self.mlp
+    def kernel_weights(self) -> cpu_kernels.LayerWeights:
+        attn, mlp = self.self_attn, self.mlp
         value = lambda module: None if module is None else module[...]
-        weights = cpu_kernels.LayerWeights(
+        return cpu_kernels.LayerWeights(
             input_norm=self.input_layernorm.weight[...], qkv=attn.qkv_proj.weight[...], o=attn.o_proj.weight[...],
             post_norm=self.post_attention_layernorm.weight[...], gate_up=mlp.gate_up_proj.weight[...],
             down=mlp.down_proj.weight[...], qkv_bias=value(attn.qkv_proj.bias), o_bias=value(attn.o_proj.bias),
             gate_up_bias=value(mlp.gate_up_proj.bias), down_bias=value(mlp.down_proj.bias),
             q_norm=None if attn.q_norm is None else attn.q_norm.weight[...],
             k_norm=None if attn.k_norm is None else attn.k_norm.weight[...])
-        return cpu_kernels.decoder_layer(
-            x, weights, k_pages, v_pages, positions=batch.positions, slot_mapping=batch.slot_mapping,
-            page_table=batch.page_table, query_start=batch.query_start, seq_lens=batch.seq_lens, inv_freq=inv_freq,
-            num_heads=cfg.num_heads, eps=cfg.rms_norm_eps, scale=cfg.head_dim**-0.5,
-            sliding_window=cfg.sliding_window)
+
+
+def _kernel_layers(layers: list[DecoderLayer], x, k_cache, v_cache, batch: StepBatch, inv_freq):
+    """Every layer in one call of the layer kernel (no return to XLA between layers)."""
+    cfg = layers[0].config
+    return cpu_kernels.decoder_layers(
+        x, [layer.kernel_weights() for layer in layers], k_cache, v_cache, positions=batch.positions,
+        slot_mapping=batch.slot_mapping, page_table=batch.page_table, query_start=batch.query_start,
+        seq_lens=batch.seq_lens, inv_freq=inv_freq, num_heads=cfg.num_heads, eps=cfg.rms_norm_eps,
+        scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window)
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -134,8 +137,11 @@ class LlamaForCausalLM(nnx.Module):
         inv_freq = rope_inv_freq(self.config)
         x = embed_lookup(self.embed_tokens[...], batch.token_ids)
         k_cache, v_cache = list(kv_cache.k), list(kv_cache.v)
-        for i, layer in enumerate(self.layers):
-            x, k_cache[i], v_cache[i] = layer(x, k_cache[i], v_cache[i], batch, inv_freq)
+        if self.layers[0].fused(x.shape[0]):
+            x, k_cache, v_cache = _kernel_layers(list(self.layers), x, k_cache, v_cache, batch, inv_freq)
+        else:
+            for i, layer in enumerate(self.layers):
+                x, k_cache[i], v_cache[i] = layer(x, k_cache[i], v_cache[i], batch, inv_freq)
         last = self.norm(x[batch.logits_indices])  # only the positions that produce a next token
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         logits = matmul(last, head[...], self.cpu_kernel, self.config.vocab_size)
