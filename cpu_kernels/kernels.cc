@@ -1120,6 +1120,7 @@ ffi::Error ArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Result
 
 constexpr int64_t kQueryBlock = 16;
 constexpr int64_t kPrefetchPages = 2;  // pages of K/V requested ahead of the one being read
+constexpr int64_t kTouchBytes = 32 << 10;  // K and V bytes of a bfloat16 cache loaded ahead at once (one L1)
 
 // exp(x) for x <= 0 (scores minus their running max), to ~1e-7 relative: 2^n * P(r) with a degree-6 polynomial.
 inline __m256 ExpNonPositive(__m256 x) {
@@ -1200,6 +1201,31 @@ inline void PrefetchPage(const AttentionArgs& a, int64_t page, int64_t kv_head) 
   }
 }
 
+
+// Reads one word of every line of pages [first, end) (one KV head's rows, or whole pages for kv_head < 0). Demand
+// loads in a loop of nothing else keep many misses in flight, where prefetches interleaved with the arithmetic did
+// not; the lines then wait in L1/L2 for the arithmetic.
+inline void TouchPages(const AttentionArgs& a, const int32_t* pages, int64_t first, int64_t end, int64_t kv_head) {
+  const int64_t row_bytes = a.head_dim * (a.kv_bf16 ? 2 : 4);
+  const int64_t slot_bytes = a.kv_heads * row_bytes;
+  uint32_t sink = 0;
+  for (int64_t p = first; p < end; ++p) {
+    const int64_t page = pages[p];
+    if (page < 0 || page >= a.num_pages) continue;
+    for (const void* kv : {a.k_pages, a.v_pages}) {
+      const char* base = static_cast<const char*>(kv) + page * a.page_size * slot_bytes;
+      const int64_t runs = kv_head < 0 ? 1 : a.page_size;  // whole pages: one run; one head: a run a slot
+      const int64_t run_bytes = kv_head < 0 ? a.page_size * slot_bytes : row_bytes;
+      for (int64_t r = 0; r < runs; ++r) {
+        const char* run = base + (kv_head < 0 ? 0 : r * slot_bytes + kv_head * row_bytes);
+        for (int64_t offset = 0; offset < run_bytes; offset += 64) {
+          sink += *reinterpret_cast<const volatile uint32_t*>(run + offset);
+        }
+      }
+    }
+  }
+  asm volatile("" : : "r"(sink));  // the loads stay
+}
 
 // Four dot products q . k_i at once (size a multiple of 8); the four horizontal sums share three hadds.
 inline __m128 Dot4Avx2(const float* q, const float* const* k, int64_t size) {
@@ -1459,12 +1485,20 @@ void AttendItem(const AttentionArgs& a, const AttentionItem& item) {
   const int32_t* pages = a.page_table + item.seq * a.pages_per_seq;
   const int64_t first_page = lowest_key / b_size, end_page = last_pos / b_size + 1;
   // The cache is cold (a step streams every weight through it): ask for pages kPrefetchPages ahead of their use.
-  for (int64_t p = first_page; p < std::min(end_page, first_page + kPrefetchPages); ++p) {
+  // A bfloat16 cache is read in groups of pages loaded up front (~20% less time in a batch-1 layer's attention); a
+  // float32 one, whose rows are twice as long, runs faster with prefetches kPrefetchPages ahead.
+  const int64_t touched_per_page = 2 * b_size * (prefetch_head < 0 ? a.kv_heads : 1) * d_size * 2;
+  const int64_t touch_pages = a.kv_bf16 ? std::max<int64_t>(1, kTouchBytes / touched_per_page) : 0;
+  for (int64_t p = first_page; touch_pages == 0 && p < std::min(end_page, first_page + kPrefetchPages); ++p) {
     PrefetchPage(a, pages[p], prefetch_head);
   }
   for (int64_t p = first_page; p < end_page; ++p) {
     const int64_t page = pages[p];
-    if (p + kPrefetchPages < end_page) PrefetchPage(a, pages[p + kPrefetchPages], prefetch_head);
+    if (touch_pages > 0 && (p - first_page) % touch_pages == 0) {
+      TouchPages(a, pages, p, std::min(end_page, p + touch_pages), prefetch_head);
+    } else if (touch_pages == 0 && p + kPrefetchPages < end_page) {
+      PrefetchPage(a, pages[p + kPrefetchPages], prefetch_head);
+    }
     if (page < 0 || page >= a.num_pages) continue;  // never for a valid table; keeps a bad one in bounds
     const int64_t key_begin = p * b_size, keys = std::min(b_size, last_pos + 1 - key_begin);
     for (int64_t h = 0; h < heads; ++h) {
