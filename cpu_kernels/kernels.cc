@@ -22,6 +22,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -1119,6 +1120,7 @@ ffi::Error ArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Result
 // with a flash-attention style running max and sum per row.
 
 constexpr int64_t kQueryBlock = 16;
+constexpr int64_t kSplitPages = 16;  // a decode over more pages than this is split into parts (AttentionItems)
 constexpr int64_t kPrefetchPages = 2;  // pages of K/V requested ahead of the one being read
 constexpr int64_t kTouchBytes = 32 << 10;  // K and V bytes of a bfloat16 cache loaded ahead at once (one L1)
 
@@ -1155,6 +1157,7 @@ struct AttentionArgs {
   int64_t num_heads, kv_heads, head_dim, page_size, pages_per_seq, num_pages;
   float scale, soft_cap;       // soft_cap 0: none
   int64_t sliding_window;      // 0: none
+  float* partials = nullptr;   // split items' unnormalized rows, maxima and sums (AttentionItem::partial)
 };
 
 // A sequence's block of query tokens against a range of its KV heads: all of them when the batch has items enough
@@ -1162,6 +1165,13 @@ struct AttentionArgs {
 // one head each when it has not (a lone decode still splits over threads).
 struct AttentionItem {
   int64_t seq, kv_head_begin, kv_head_end, token_begin, token_end;
+  int64_t page_begin = 0, page_end = std::numeric_limits<int64_t>::max();  // the part of the pages it reads
+  int64_t partial = -1;  // >= 0: one part of a split decode, its state stored at partials + partial
+};
+
+// A split decode's parts (consecutive items), merged once every part is done.
+struct MergeItem {
+  int64_t first, count;
 };
 
 // One page-row of K or V for one KV head, as float32 (widened into `scratch` for a bf16 cache).
@@ -1447,6 +1457,8 @@ void WithRows(int64_t rows, Fn&& fn) {
 // An item's rows are, for each of its KV heads, its tokens times the query heads of the group. Pages are visited
 // once, in order, with every head of the item on a page before the next page: with all heads, a page's K (then V)
 // is one contiguous run read front to back, which the prefetchers follow.
+void StoreAttentionRows(const AttentionArgs& a, const AttentionItem& item, const float* acc);
+
 void AttendItem(const AttentionArgs& a, const AttentionItem& item) {
   const int64_t group = a.num_heads / a.kv_heads, d_size = a.head_dim, b_size = a.page_size;
   const int64_t q_len = a.query_start[item.seq + 1] - a.query_start[item.seq];
@@ -1483,7 +1495,8 @@ void AttendItem(const AttentionArgs& a, const AttentionItem& item) {
   int64_t lowest_key = 0;
   if (a.sliding_window > 0) lowest_key = std::max<int64_t>(0, row_pos[0] - a.sliding_window + 1);
   const int32_t* pages = a.page_table + item.seq * a.pages_per_seq;
-  const int64_t first_page = lowest_key / b_size, end_page = last_pos / b_size + 1;
+  const int64_t first_page = std::max(lowest_key / b_size, item.page_begin);
+  const int64_t end_page = std::min(last_pos / b_size + 1, item.page_end);
   // The cache is cold (a step streams every weight through it): ask for pages kPrefetchPages ahead of their use.
   // A bfloat16 cache is read in groups of pages loaded up front (~20% less time in a batch-1 layer's attention); a
   // float32 one, whose rows are twice as long, runs faster with prefetches kPrefetchPages ahead.
@@ -1636,10 +1649,25 @@ void AttendItem(const AttentionArgs& a, const AttentionItem& item) {
       }
     }
   }
+  if (item.partial >= 0) {  // one part of a split decode: MergeParts normalizes and stores
+    float* state = a.partials + item.partial;
+    std::copy(acc, acc + rows * d_size, state);
+    std::copy(row_max, row_max + rows, state + rows * d_size);
+    std::copy(row_sum, row_sum + rows, state + rows * d_size + rows);
+    return;
+  }
   for (int64_t r = 0; r < rows; ++r) {  // normalize in place, then store as the output's dtype
     const float inv = row_sum[r] > 0 ? 1.0f / row_sum[r] : 0.0f;
     for (int64_t d = 0; d < d_size; ++d) acc[r * d_size + d] *= inv;
   }
+  StoreAttentionRows(a, item, acc);
+}
+
+// An item's normalized rows acc [heads][tokens * group][D] into the output [T, H, D], as its dtype.
+void StoreAttentionRows(const AttentionArgs& a, const AttentionItem& item, const float* acc) {
+  const int64_t group = a.num_heads / a.kv_heads, d_size = a.head_dim;
+  const int64_t heads = item.kv_head_end - item.kv_head_begin, tokens = item.token_end - item.token_begin;
+  const int64_t head_rows = tokens * group;
   for (int64_t h = 0; h < heads; ++h) {
     for (int64_t t = 0; t < tokens; ++t) {
       const int64_t offset = ((item.token_begin + t) * a.num_heads + (item.kv_head_begin + h) * group) * d_size;
@@ -1654,10 +1682,22 @@ void AttendItem(const AttentionArgs& a, const AttentionItem& item) {
 }
 
 
-// The work items of a batch, after checking its metadata; real_tokens: tokens before the padding.
+// The work items of a batch, after checking its metadata; real_tokens: tokens before the padding. A decode (one
+// query token) over more than kSplitPages pages is split into parts of about equal page counts, merged after
+// (flash-decoding: a lone sequence's KV heads alone are too few items to keep every thread busy). Whether and how a
+// decode splits depends on its own length only, so it attends to the same bits alone and batched.
+struct AttentionPlan {
+  std::vector<AttentionItem> items;
+  std::vector<MergeItem> merges;
+  int64_t partial_floats = 0;  // the split parts' state
+};
+
 ffi::Error AttentionItems(const AttentionArgs& a, int64_t num_seqs, int64_t real_tokens, int64_t threads,
-                          std::vector<AttentionItem>& items) {
+                          AttentionPlan& plan) {
+  std::vector<AttentionItem>& items = plan.items;
   items.clear();
+  plan.merges.clear();
+  plan.partial_floats = 0;
   int64_t blocks = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t begin = a.query_start[s], end = std::min<int64_t>(a.query_start[s + 1], real_tokens);
@@ -1672,7 +1712,25 @@ ffi::Error AttentionItems(const AttentionArgs& a, int64_t num_seqs, int64_t real
     const int64_t begin = a.query_start[s], end = std::min<int64_t>(a.query_start[s + 1], real_tokens);
     for (int64_t t = begin; t < end; t += kQueryBlock) {
       for (int64_t h = 0; h < a.kv_heads; h += heads_per_item) {
-        items.push_back({s, h, h + heads_per_item, t, std::min(end, t + kQueryBlock)});
+        const AttentionItem item{s, h, h + heads_per_item, t, std::min(end, t + kQueryBlock)};
+        const int64_t pos = a.seq_lens[s] - 1;  // a decode's one query position
+        const int64_t lowest = a.sliding_window > 0 ? std::max<int64_t>(0, pos - a.sliding_window + 1) : 0;
+        const int64_t first_page = lowest / a.page_size, pages = pos / a.page_size + 1 - first_page;
+        const int64_t parts = end - begin == 1 ? Blocks(pages, kSplitPages) : 1;
+        if (parts <= 1) {
+          items.push_back(item);
+          continue;
+        }
+        plan.merges.push_back({static_cast<int64_t>(items.size()), parts});
+        const int64_t rows = heads_per_item * (a.num_heads / a.kv_heads);
+        for (int64_t part = 0; part < parts; ++part) {
+          AttentionItem piece = item;
+          piece.page_begin = first_page + pages * part / parts;
+          piece.page_end = first_page + pages * (part + 1) / parts;
+          piece.partial = plan.partial_floats;
+          plan.partial_floats += rows * (a.head_dim + 2);
+          items.push_back(piece);
+        }
       }
     }
   }
@@ -1702,8 +1760,38 @@ ffi::Error AttentionShapes(AttentionArgs& a, int64_t num_heads, int64_t head_dim
   return ffi::Error::Success();
 }
 
-Phase AttentionPhase(const AttentionArgs& a, const std::vector<AttentionItem>& items) {
-  return {static_cast<int64_t>(items.size()), [&a, &items](int64_t i) { AttendItem(a, items[i]); }};
+// Combines a split decode's parts: each part's rows are rescaled to the largest of their maxima, summed and
+// normalized, then stored as an unsplit item's would be.
+void MergeParts(const AttentionArgs& a, const AttentionItem* parts, int64_t count) {
+  const int64_t d_size = a.head_dim;
+  const int64_t rows = (parts[0].kv_head_end - parts[0].kv_head_begin) * (a.num_heads / a.kv_heads);
+  thread_local std::vector<float> merged;
+  merged.assign(static_cast<size_t>(rows * d_size), 0.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < count; ++p) top = std::max(top, a.partials[parts[p].partial + rows * d_size + r]);
+    if (top == -std::numeric_limits<float>::infinity()) continue;  // no visible key: zeros, as unsplit
+    float sum = 0.0f;
+    float* out = merged.data() + r * d_size;
+    for (int64_t p = 0; p < count; ++p) {
+      const float* state = a.partials + parts[p].partial;
+      const float weight = std::exp(state[rows * d_size + r] - top);  // 0 for a part that saw no key
+      sum += weight * state[rows * d_size + rows + r];
+      for (int64_t d = 0; d < d_size; ++d) out[d] += weight * state[r * d_size + d];
+    }
+    const float inv = sum > 0 ? 1.0f / sum : 0.0f;
+    for (int64_t d = 0; d < d_size; ++d) out[d] *= inv;
+  }
+  StoreAttentionRows(a, parts[0], merged.data());
+}
+
+// Attention as two phases: the items, then the merges of split decodes (none: an empty phase).
+std::array<Phase, 2> AttentionPhases(const AttentionArgs& a, const AttentionPlan& plan) {
+  return {Phase{static_cast<int64_t>(plan.items.size()), [&a, &plan](int64_t i) { AttendItem(a, plan.items[i]); }},
+          Phase{static_cast<int64_t>(plan.merges.size()), [&a, &plan](int64_t i) {
+                  const MergeItem& m = plan.merges[i];
+                  MergeParts(a, plan.items.data() + m.first, m.count);
+                }}};
 }
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
@@ -1732,10 +1820,13 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   const int64_t real_tokens = std::clamp<int64_t>(a.query_start[num_seqs], 0, num_tokens);
   float* out_data = out->typed_data();
   std::fill(out_data + real_tokens * a.q_stride, out_data + num_tokens * a.q_stride, 0.0f);  // padding: zeros
-  std::vector<AttentionItem> items;
-  ffi::Error valid = AttentionItems(a, num_seqs, real_tokens, pool.num_threads(), items);
+  AttentionPlan plan;
+  ffi::Error valid = AttentionItems(a, num_seqs, real_tokens, pool.num_threads(), plan);
   if (valid.failure()) return valid;
-  RunPhases(pool, {AttentionPhase(a, items)});
+  std::vector<float> partials(static_cast<size_t>(plan.partial_floats));
+  a.partials = partials.data();
+  std::array<Phase, 2> phases = AttentionPhases(a, plan);
+  RunPhases(pool, {phases[0], phases[1]});
   return ffi::Error::Success();
 }
 
@@ -1852,7 +1943,7 @@ struct LayerScratch {
 // Appends one layer's nine phases. Matmul inputs: float32, or for bfloat16 weights (plain or packed) Bf16Input:
 // bfloat16 bits for vdpbf16ps, else float32 rounded to bfloat16 values.
 template <typename X, typename W>
-void AppendLayerPhases(std::vector<Phase>& phases, LayerRun<W>& r, const std::vector<AttentionItem>& items,
+void AppendLayerPhases(std::vector<Phase>& phases, LayerRun<W>& r, const AttentionPlan& plan,
                        const LayerScratch<X>& scratch, int64_t threads) {
   constexpr bool round = !(std::is_same_v<W, float> || std::is_same_v<W, F32Panels>);  // bf16 weights: rounded
   const LayerShape& s = r.s;
@@ -1906,7 +1997,7 @@ void AppendLayerPhases(std::vector<Phase>& phases, LayerRun<W>& r, const std::ve
       StoreKv(run->v_pages, a.kv_bf16, slot, v, kv_size);
     }
   }); }});
-  phases.push_back(AttentionPhase(a, items));
+  for (Phase& phase : AttentionPhases(a, plan)) phases.push_back(std::move(phase));
   phases.push_back(MatmulPhase(MatmulJob<X, W>{in, w.o, s.x_out, w.o_bias, true, t_size, e, q_size}, threads));
   phases.push_back({row_items, [run, in, rows](int64_t item) { rows(item, [&](int64_t t) {
     const LayerShape& s = run->s;
@@ -1928,7 +2019,7 @@ void AppendLayerPhases(std::vector<Phase>& phases, LayerRun<W>& r, const std::ve
 // them (a call's setup and XLA's step to the next call cost 10-17 us a layer on caches the weights just flushed).
 template <typename W>
 void RunDecoderLayers(ffi::ThreadPool& pool, std::vector<LayerRun<W>>& layers,
-                      const std::vector<AttentionItem>& items) {
+                      const AttentionPlan& plan) {
   constexpr bool f32_weights = std::is_same_v<W, float> || std::is_same_v<W, F32Panels>;
   using X = std::conditional_t<f32_weights, float, Bf16Input>;
   const LayerShape& s = layers[0].s;
@@ -1944,7 +2035,12 @@ void RunDecoderLayers(ffi::ThreadPool& pool, std::vector<LayerRun<W>>& layers,
   const LayerScratch<X> scratch{inputs.data(), qkv.data(), gate_up.data()};
   std::vector<Phase> phases;
   phases.reserve(9 * layers.size());
-  for (LayerRun<W>& layer : layers) AppendLayerPhases(phases, layer, items, scratch, pool.num_threads());
+  thread_local std::vector<float> partials;  // split decodes' parts, reused by every layer in turn
+  partials.resize(static_cast<size_t>(plan.partial_floats));
+  for (LayerRun<W>& layer : layers) {
+    layer.a.partials = partials.data();
+    AppendLayerPhases(phases, layer, plan, scratch, pool.num_threads());
+  }
   RunPhases(pool, std::move(phases));
 }
 
@@ -2023,7 +2119,7 @@ ffi::Error CheckLayerWeights(LayerBuffers& b, int64_t q_size, int64_t kv_size, i
 
 template <typename W>
 void RunLayers(ffi::ThreadPool& pool, std::vector<LayerBuffers>& buffers, const LayerShape& first,
-               const AttentionArgs& shape_args, ffi::RemainingRets& rets, const std::vector<AttentionItem>& items) {
+               const AttentionArgs& shape_args, ffi::RemainingRets& rets, const AttentionPlan& plan) {
   const size_t num_layers = buffers.size();
   std::vector<LayerRun<W>> layers;
   layers.reserve(num_layers);  // the phases point into it: it never reallocates
@@ -2037,7 +2133,7 @@ void RunLayers(ffi::ThreadPool& pool, std::vector<LayerBuffers>& buffers, const 
     a.v_pages = v_pages;
     layers.push_back({s, Weights<W>(buffers[l]), a, k_pages, v_pages});
   }
-  RunDecoderLayers(pool, layers, items);
+  RunDecoderLayers(pool, layers, plan);
 }
 
 ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> positions,
@@ -2110,19 +2206,19 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   // Padding rows carry the residual through untouched (nothing reads them).
   std::memcpy(x_out->typed_data() + real_tokens * e, x.typed_data() + real_tokens * e,
               static_cast<size_t>((num_tokens - real_tokens) * e) * 4);
-  std::vector<AttentionItem> items;
-  ffi::Error valid = AttentionItems(a, num_seqs, real_tokens, pool.num_threads(), items);
+  AttentionPlan plan;
+  ffi::Error valid = AttentionItems(a, num_seqs, real_tokens, pool.num_threads(), plan);
   if (valid.failure()) return valid;
   const LayerShape first{real_tokens, e, i_size, eps, x.typed_data(), x_out->typed_data(), positions.typed_data(),
                          slot_mapping.typed_data(), inv_freq.typed_data()};
   if (packed && w_type == ffi::DataType::U32) {
-    RunLayers<uint32_t>(pool, buffers, first, a, rets, items);
+    RunLayers<uint32_t>(pool, buffers, first, a, rets, plan);
   } else if (packed) {
-    RunLayers<F32Panels>(pool, buffers, first, a, rets, items);
+    RunLayers<F32Panels>(pool, buffers, first, a, rets, plan);
   } else if (IsBf16Bits(w_type)) {
-    RunLayers<uint16_t>(pool, buffers, first, a, rets, items);
+    RunLayers<uint16_t>(pool, buffers, first, a, rets, plan);
   } else {
-    RunLayers<float>(pool, buffers, first, a, rets, items);
+    RunLayers<float>(pool, buffers, first, a, rets, plan);
   }
   return ffi::Error::Success();
 }

@@ -152,6 +152,19 @@ def test_long_prefill_chunk_over_a_cached_prefix():
     assert max_error(cpu_kernels.ragged_paged_attention, args, ref_meta, scale=0.125) <= 1e-5
 
 
+@pytest.mark.parametrize(("dtype", "extra"), [(jnp.float32, {}), (jnp.bfloat16, {}),
+                                             (jnp.float32, {"sliding_window": 300, "soft_cap": 20.0}),
+                                             (jnp.bfloat16, {"sliding_window": 300})])
+def test_long_decodes_split_into_parts_match_the_reference(dtype, extra):
+    """Decodes over more than 16 pages are split into parts of about equal page counts, merged after; with a
+    sliding window only the window's pages are split."""
+    rng = np.random.default_rng(23)
+    args, ref_meta = make_batch(rng, [(1, 600), (1, 257), (1, 1000), (1, 17), (5, 400)], heads=9, kv_heads=3,
+                                head_dim=64, page_size=16, dtype=dtype)
+    err = max_error(cpu_kernels.ragged_paged_attention, args, ref_meta, scale=0.125, **extra)
+    assert err <= (1e-5 if dtype == jnp.float32 else 2e-2), f"max abs error {err:.3g}"
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_a_decode_attends_to_the_same_bits_alone_and_batched(dtype):
     """How work is split into items may depend on the batch (a lone decode splits over KV heads), but never a

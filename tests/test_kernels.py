@@ -239,6 +239,28 @@ def test_model_step_logits_match_reference(hf_model_dir, backend, dtype, atol):
     np.testing.assert_allclose(step_logits(backend), step_logits("reference"), atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize(("dtype", "atol"), [("float32", 1e-4), ("bfloat16", 5e-2)])
+def test_long_decode_through_the_layer_kernel_matches_reference(hf_model_dir, dtype, atol):
+    """A decode over 300 tokens of context (19 pages: the CPU layer kernel splits it into parts and merges them)
+    after a 299-token prefill, against the reference backend's logits."""
+    from checkpoints.loading import load_model
+    from jserve.engine.runner import ModelRunner, ScheduledChunk
+    from jserve.engine.sequence import Sequence
+    from jserve.sampling_params import SamplingParams
+
+    def decode_logits(attention_backend: str) -> np.ndarray:
+        model = load_model(hf_model_dir("llama"), dtype, attention_backend)
+        runner = ModelRunner(model, dtype=dtype, num_blocks=24, block_size=16, max_num_batched_tokens=512,
+                             max_num_seqs=2, max_model_len=512)
+        seq = Sequence("long", [3 + (7 * i) % 380 for i in range(300)], SamplingParams())
+        seq.block_table = list(range(23, 4, -1))  # 19 pages, in reverse order
+        runner.run(runner.prepare([ScheduledChunk(seq, 299, False)]))
+        seq.num_computed_tokens = 299
+        return np.asarray(runner.run(runner.prepare([ScheduledChunk(seq, 1, True)])))[:1]
+
+    np.testing.assert_allclose(decode_logits("cpu"), decode_logits("reference"), atol=atol, rtol=0)
+
+
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_check_lowering_passes(platform):
     """The CI gate itself: every kernel exports for its platform at the 8B and benchmark shapes (~3 s each)."""
