@@ -4,16 +4,16 @@
 // bandwidth and pays a fixed cost per op, and its paged attention has to gather every page of every token first.
 // These kernels do what llama.cpp does instead: for few rows, stream each weight row once with all M rows of x in
 // cache; for many, accumulate register tiles over packed weight panels; read each sequence's K/V pages in place;
-// and run a whole decoder layer in one call, so a step pays per-op costs once per layer, not fifteen times.
+// and run every decoder layer in one call, so a step pays per-op costs once, not fifteen times a layer.
 //
 //   jserve_matmul:          y f32[M, N] = x[M, K] . w[N, K]^T   (w float32, or bfloat16 as uint16 bits: then x is
 //                           rounded to bfloat16 first, as XLA's dot of x.astype(bfloat16) does; or w packed once
 //                           at load time, cpu_kernels.pack_weight)
 //   jserve_argmax:          the first index of each row's maximum (the greedy sampler's argmax)
 //   jserve_paged_attention: the spec of pallas_kernels/interface.py, with float32 q and out, K/V f32 or bf16 bits.
-//   jserve_decoder_layer:   one Llama-family decoder layer (jserve/models/llama.py's DecoderLayer) over a ragged
-//                           batch: norm, qkv, q/k norm, rotary, the K/V write, attention, o, norm, gate/up, SiLU,
-//                           down and both residuals; the K/V pages are updated in place (aliased to the outputs).
+//   jserve_decoder_layers:  every Llama-family decoder layer (jserve/models/llama.py's DecoderLayer) in turn over a
+//                           ragged batch: norm, qkv, q/k norm, rotary, the K/V write, attention, o, norm, gate/up,
+//                           SiLU, down and both residuals; the K/V pages are updated in place (aliased to outputs).
 //   JserveReadBandwidth:    (plain C, through ctypes) the memory's all-core read bandwidth, for the roofline
 //
 // bfloat16 weights meet bfloat16 activations: with AVX512-BF16 (vdpbf16ps) the pairs multiply in hardware with
