@@ -1459,6 +1459,11 @@ void WithRows(int64_t rows, Fn&& fn) {
 // is one contiguous run read front to back, which the prefetchers follow.
 void StoreAttentionRows(const AttentionArgs& a, const AttentionItem& item, const float* acc);
 
+// The first key a query at `pos` sees (a sliding window hides the older ones).
+inline int64_t LowestKey(const AttentionArgs& a, int64_t pos) {
+  return a.sliding_window > 0 ? std::max<int64_t>(0, pos - a.sliding_window + 1) : 0;
+}
+
 void AttendItem(const AttentionArgs& a, const AttentionItem& item) {
   const int64_t group = a.num_heads / a.kv_heads, d_size = a.head_dim, b_size = a.page_size;
   const int64_t q_len = a.query_start[item.seq + 1] - a.query_start[item.seq];
@@ -1492,8 +1497,7 @@ void AttendItem(const AttentionArgs& a, const AttentionItem& item) {
   std::fill(row_sum, row_sum + rows, 0.0f);
   const int64_t last_pos = row_pos[head_rows - 1];
   const int64_t prefetch_head = heads == a.kv_heads ? -1 : item.kv_head_begin;  // -1: whole pages
-  int64_t lowest_key = 0;
-  if (a.sliding_window > 0) lowest_key = std::max<int64_t>(0, row_pos[0] - a.sliding_window + 1);
+  const int64_t lowest_key = LowestKey(a, row_pos[0]);
   const int32_t* pages = a.page_table + item.seq * a.pages_per_seq;
   const int64_t first_page = std::max(lowest_key / b_size, item.page_begin);
   const int64_t end_page = std::min(last_pos / b_size + 1, item.page_end);
@@ -1714,9 +1718,8 @@ ffi::Error AttentionItems(const AttentionArgs& a, int64_t num_seqs, int64_t real
       for (int64_t h = 0; h < a.kv_heads; h += heads_per_item) {
         const AttentionItem item{s, h, h + heads_per_item, t, std::min(end, t + kQueryBlock)};
         const int64_t pos = a.seq_lens[s] - 1;  // a decode's one query position
-        const int64_t lowest = a.sliding_window > 0 ? std::max<int64_t>(0, pos - a.sliding_window + 1) : 0;
-        const int64_t first_page = lowest / a.page_size, pages = pos / a.page_size + 1 - first_page;
-        const int64_t parts = end - begin == 1 ? Blocks(pages, kSplitPages) : 1;
+        const int64_t first_page = LowestKey(a, pos) / a.page_size, pages = pos / a.page_size + 1 - first_page;
+        const int64_t parts = end - begin == 1 ? Blocks(pages, kSplitPages) : 1;  // only decodes split
         if (parts <= 1) {
           items.push_back(item);
           continue;
@@ -1940,8 +1943,9 @@ struct LayerScratch {
   float* gate_up;       // [T, 2 I]
 };
 
-// Appends one layer's nine phases. Matmul inputs: float32, or for bfloat16 weights (plain or packed) Bf16Input:
-// bfloat16 bits for vdpbf16ps, else float32 rounded to bfloat16 values.
+// Appends one layer's ten phases (attention is two: its items, then the merges of split decodes). Matmul inputs:
+// float32, or for bfloat16 weights (plain or packed) Bf16Input: bfloat16 bits for vdpbf16ps, else float32 rounded
+// to bfloat16 values.
 template <typename X, typename W>
 void AppendLayerPhases(std::vector<Phase>& phases, LayerRun<W>& r, const AttentionPlan& plan,
                        const LayerScratch<X>& scratch, int64_t threads) {
@@ -2034,7 +2038,7 @@ void RunDecoderLayers(ffi::ThreadPool& pool, std::vector<LayerRun<W>>& layers,
   // The phases run on other threads too: they get these pointers, never the thread_local names.
   const LayerScratch<X> scratch{inputs.data(), qkv.data(), gate_up.data()};
   std::vector<Phase> phases;
-  phases.reserve(9 * layers.size());
+  phases.reserve(10 * layers.size());
   thread_local std::vector<float> partials;  // split decodes' parts, reused by every layer in turn
   partials.resize(static_cast<size_t>(plan.partial_floats));
   for (LayerRun<W>& layer : layers) {
@@ -2089,7 +2093,8 @@ LayerWeights<W> Weights(LayerBuffers& b) {
           static_cast<const W*>(b.down.untyped_data()), Optional(b.down_bias)};
 }
 
-// Checks one layer's weights against the first layer's shapes; returns an error or fills the shape facts.
+// Checks one layer's weights against the model's shapes and fills in what the caller compares across layers: the
+// intermediate size, the weights' dtype and whether they are packed.
 ffi::Error CheckLayerWeights(LayerBuffers& b, int64_t q_size, int64_t kv_size, int64_t e, int64_t d,
                              int64_t& i_size, ffi::DataType& w_type, bool& packed) {
   const WeightShape qkv_shape = ShapeOf(b.qkv), o_shape = ShapeOf(b.o), gate_up_shape = ShapeOf(b.gate_up),
