@@ -54,6 +54,9 @@ def load_tokenizer(path: str | os.PathLike[str], *, trust_remote_code: bool = Fa
         hf = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as e:  # transformers raises OSError, ValueError or KeyError depending on what is wrong
         raise TokenizerLoadError(f"cannot load the tokenizer at {path!r}: {e}") from e
+    # The engine checks a prompt against max_model_len itself; transformers' own limit would only log a misleading
+    # "indexing errors" warning for every long prompt (and bench serve builds its prompts from long random texts).
+    hf.model_max_length = int(1e30)
     return Tokenizer(hf)
 
 

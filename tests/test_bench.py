@@ -422,3 +422,31 @@ def test_bench_serve_against_jserve(hf_model_dir, tmp_path):
     assert (report["completed"], report["failed"]) == (4, 0)
     assert report["output_lens"] == [4, 4, 4, 4]  # usage.completion_tokens, with EOS ignored
     assert report["mean_ttft_ms"] > 0 and report["mean_tpot_ms"] > 0
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["serve", "--num-prompts", "0"], "--num-prompts: must be at least 1, got 0"),
+    (["serve", "--max-concurrency", "0"], "--max-concurrency: must be at least 1"),
+    (["serve", "--request-rate", "-2"], "--request-rate: must be positive"),
+    (["serve", "--burstiness", "nan"], "--burstiness: must be positive"),
+    (["serve", "--random-range-ratio", "1.5"], "--random-range-ratio: must be in [0, 1)"),
+    (["serve", "--random-output-len", "0"], "--random-output-len: must be at least 1"),
+    (["serve", "--plot", "/nonexistent-folder/cdf.png"], "--plot: the folder /nonexistent-folder does not exist"),
+    (["throughput", "--num-prompts", "-1"], "--num-prompts: must be at least 1, got -1"),
+    (["throughput", "--hf-batch-size", "0"], "--hf-batch-size: must be at least 1"),
+    (["latency", "--output-len", "1"], "--output-len: must be at least 2"),
+    (["latency", "--num-iters", "many"], "--num-iters: expected an integer, got 'many'"),
+])
+def test_bench_flags_are_checked_before_anything_runs(argv, message, tmp_path, capsys):
+    # A bad count or an unwritable output used to surface as a traceback, a hang (no request may ever be in flight)
+    # or an error after the whole run; each is now refused when the command line is parsed.
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", *argv, "--model", str(tmp_path / "never-loaded")])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_result_json_must_be_a_writable_file(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "latency", "--result-json", str(tmp_path)])
+    assert "is a directory, not a file" in capsys.readouterr().err

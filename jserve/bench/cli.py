@@ -6,8 +6,63 @@ Flag names follow vLLM's `vllm bench` where the concept matches, so commands car
 from __future__ import annotations
 
 import argparse
+import math
+import os
 
 from jserve.bench import DATASETS
+
+# Flag types that reject a bad value when the command line is parsed, before a model loads or a request is sent.
+
+def at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if math.isnan(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if math.isnan(value) or math.isinf(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def range_ratio(text: str) -> float:
+    value = non_negative_float(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+def output_file(text: str) -> str:
+    """A file the command writes at its end: its folder must exist and be writable now, not after the run."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a directory, not a file")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"the folder {folder} is not writable")
+    return text
 
 
 def add_dataset_args(parser: argparse.ArgumentParser, *, default_dataset: str, default_num_prompts: int,
@@ -19,20 +74,20 @@ def add_dataset_args(parser: argparse.ArgumentParser, *, default_dataset: str, d
                             "mixed: ShareGPT-like synthetic (prompts 16-1024, outputs 16-512 tokens, log-uniform); "
                             "sharegpt: a ShareGPT-format JSON file (--dataset-path)")
     group.add_argument("--dataset-path", help="ShareGPT-format JSON for --dataset sharegpt")
-    group.add_argument("--num-prompts", type=int, default=default_num_prompts, help="how many requests")
-    group.add_argument("--random-input-len", type=int, default=1024, help="random: mean prompt tokens")
-    group.add_argument("--random-output-len", type=int, default=128, help="random: mean output tokens")
-    group.add_argument("--random-range-ratio", type=float, default=0.0,
+    group.add_argument("--num-prompts", type=at_least(1), default=default_num_prompts, help="how many requests")
+    group.add_argument("--random-input-len", type=at_least(1), default=1024, help="random: mean prompt tokens")
+    group.add_argument("--random-output-len", type=at_least(1), default=128, help="random: mean output tokens")
+    group.add_argument("--random-range-ratio", type=range_ratio, default=0.0,
                        help="random: lengths are uniform in [len * (1 - r), len * (1 + r)]")
-    group.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
-    group.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
-    group.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
-    group.add_argument("--prefix-repetition-output-len", type=int, default=128)
-    group.add_argument("--sharegpt-output-len", type=int, default=None,
+    group.add_argument("--prefix-repetition-prefix-len", type=at_least(0), default=256)
+    group.add_argument("--prefix-repetition-suffix-len", type=at_least(1), default=256)
+    group.add_argument("--prefix-repetition-num-prefixes", type=at_least(1), default=10)
+    group.add_argument("--prefix-repetition-output-len", type=at_least(1), default=128)
+    group.add_argument("--sharegpt-output-len", type=at_least(1), default=None,
                        help="sharegpt: generate this many tokens instead of the recorded answer's length")
     if with_seed:
         group.add_argument("--seed", type=int, default=0, help="seeds the requests and their arrival times")
-    parser.add_argument("--result-json", help="write the results (and settings) to this JSON file")
+    parser.add_argument("--result-json", type=output_file, help="write the results (and settings) to this JSON file")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
@@ -43,7 +98,7 @@ def add_throughput_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=("jserve", "hf"), default="jserve",
                    help="hf: transformers generate() with static batches, the baseline without a server")
     p.add_argument("--hf-dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--hf-batch-size", type=int, default=32, help="rows per static batch for --backend hf")
+    p.add_argument("--hf-batch-size", type=at_least(1), default=32, help="rows per static batch for --backend hf")
     p.add_argument("--hf-sort", action=argparse.BooleanOptionalAction, default=True,
                    help="sort requests longest first before batching (less padding: the strongest baseline)")
     add_dataset_args(p, default_dataset="mixed", default_num_prompts=256, with_seed=False)
@@ -55,11 +110,11 @@ def add_latency_parser(sub: argparse._SubParsersAction) -> None:
     from jserve.cli import add_engine_args
 
     p = sub.add_parser("latency", help="batch-1 prefill and decode speed beside the memory-bandwidth roofline")
-    p.add_argument("--input-len", type=int, default=128, help="prompt tokens")
-    p.add_argument("--output-len", type=int, default=128, help="generated tokens")
-    p.add_argument("--num-iters-warmup", type=int, default=2)
-    p.add_argument("--num-iters", type=int, default=10)
-    p.add_argument("--result-json", help="write the results to this JSON file")
+    p.add_argument("--input-len", type=at_least(1), default=128, help="prompt tokens")
+    p.add_argument("--output-len", type=at_least(2), default=128, help="generated tokens")
+    p.add_argument("--num-iters-warmup", type=at_least(0), default=2)
+    p.add_argument("--num-iters", type=at_least(1), default=10)
+    p.add_argument("--result-json", type=output_file, help="write the results to this JSON file")
     add_engine_args(p)
     p.set_defaults(run=_run_latency)
 
@@ -73,16 +128,17 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                                                "(default: --model, else the first of GET /v1/models)")
     p.add_argument("--tokenizer", help="local tokenizer directory for building prompts (default: --model)")
     p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
-    p.add_argument("--request-rate", type=float, default=float("inf"),
+    p.add_argument("--request-rate", type=positive_float, default=float("inf"),
                    help="requests per second (inf: all at once); gaps are gamma-distributed, Poisson by default")
-    p.add_argument("--burstiness", type=float, default=1.0,
+    p.add_argument("--burstiness", type=positive_float, default=1.0,
                    help="gamma shape of the gaps: 1 = Poisson, < 1 burstier, > 1 more regular")
-    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    p.add_argument("--max-concurrency", type=at_least(1), default=None, help="most requests in flight at once")
     p.add_argument("--ignore-eos", action="store_true", help="ask the server to generate every requested token")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0)
     p.add_argument("--goodput", nargs="+", metavar="NAME:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 (names: ttft, tpot, e2el)")
-    p.add_argument("--plot", metavar="PNG", help="write latency CDFs and throughput over time to this PNG")
+    p.add_argument("--plot", metavar="PNG", type=output_file,
+                   help="write latency CDFs and throughput over time to this PNG")
     add_dataset_args(p, default_dataset="random", default_num_prompts=1000, with_seed=True)
     p.set_defaults(run=_run_serve)
 
