@@ -229,12 +229,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        optional = ("max_model_len", "kv_cache_memory_bytes")  # None: derived from the model or the device
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
-                     "data_parallel_size", "num_processes", "decode_burst"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+                     "data_parallel_size", "num_processes", "decode_burst", *optional):
+            value = getattr(self, name)
+            if value is None and name in optional:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not 0 <= self.process_id < self.num_processes:
             raise ValueError(f"process_id must be in [0, num_processes={self.num_processes}), got {self.process_id!r}")
         if self.num_processes > 1 and not self.coordinator_address:

@@ -90,13 +90,24 @@ def test_generate_missing_input_file_is_a_clear_error(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flag, value", [("--decode-burst", "0"), ("--decode-burst-ms", "0"),
-                                         ("--decode-burst-ms", "nan"), ("--max-num-seqs", "-1")])
+                                         ("--decode-burst-ms", "nan"), ("--max-num-seqs", "-1"),
+                                         ("--kv-cache-memory-bytes", "-1")])
 def test_bad_engine_flags_are_clear_errors(tmp_path, flag, value, capsys):
     write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "hi"}])
     code = main(["generate", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"),
                  *ENGINE_FLAGS, flag, value])
     assert code == 2
     assert f"{flag[2:].replace('-', '_')} must be a positive" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value, message", [("--port", "99999", "must be in [1, 65535]"),
+                                                  ("--port", "http", "expected a port number"),
+                                                  ("--shutdown-timeout", "-1", "must be a finite number >= 0")])
+def test_bad_server_flags_are_refused_before_the_model_loads(flag, value, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", flag, value])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: {message}" in capsys.readouterr().err
 
 
 @pytest.fixture

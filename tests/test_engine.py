@@ -8,6 +8,7 @@ import pytest
 import torch
 from hf_models import load_hf
 
+from jserve.config import EngineConfig
 from jserve.sampling_params import SamplingParams
 
 NUM_REQUESTS = 64
@@ -325,3 +326,12 @@ def test_a_bfloat16_decode_burst_reads_no_weight_outside_its_steps(hf_model_dir,
                if "%params_" in line and " tuple(" not in line and " parameter(" not in line]
     assert any(" tuple(" in line and "%params_" in line for line in entry)  # the weights do enter the loop
     assert outside == []
+
+
+@pytest.mark.parametrize("kwargs", [dict(kv_cache_memory_bytes=-1), dict(kv_cache_memory_bytes=0),
+                                    dict(max_model_len=0), dict(block_size=0), dict(decode_burst_ms=0),
+                                    dict(kv_cache_fraction=2.0), dict(max_num_seqs=True)])
+def test_engine_settings_are_checked_when_made(kwargs):
+    (name, value), = kwargs.items()
+    with pytest.raises(ValueError, match=f"{name} must be"):
+        EngineConfig(**kwargs)
