@@ -243,6 +243,26 @@ def test_bad_parameters_are_bad_requests(client, model_name):
         assert info.value.body["param"] == param and info.value.status_code == 400
 
 
+def test_tools_and_json_mode_are_refused_not_ignored(client, model_name):
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
+    for kwargs, param in [(dict(tools=tools), "tools"), (dict(response_format={"type": "json_object"}),
+                                                          "response_format")]:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=2, **kwargs)
+        assert info.value.body["param"] == param
+    # What the server can honour goes through: tools the client asks to be ignored, and plain text.
+    reply = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=2, tools=tools,
+                                           tool_choice="none", response_format={"type": "text"})
+    assert reply.choices[0].message.content is not None
+
+
+def test_prompt_errors_describe_every_accepted_shape(client, model_name):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model_name, prompt=[["a"]])
+    assert info.value.body["message"] == ("prompt must be a string or an array of strings or an array of integers "
+                                          "or an array of arrays of integers")
+
+
 def test_too_long_prompt_is_a_bad_request(client, model_name):
     with pytest.raises(openai.BadRequestError, match="maximum context length is 512 tokens"):
         client.completions.create(model=model_name, prompt=[5] * 600, max_tokens=4)

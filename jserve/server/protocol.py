@@ -93,8 +93,18 @@ def _describe(schema: dict) -> str:
         return " or ".join(_describe(s) for s in schema["anyOf"])
     kind = schema.get("type", "value")
     if kind == "array" and "items" in schema:
-        return f"an array of {_describe(schema['items'])}s"
+        return f"an array of {_plural(schema['items'])}"
     return {"integer": "an integer", "array": "an array", "object": "an object", "null": "null"}.get(kind, f"a {kind}")
+
+
+def _plural(schema: dict) -> str:
+    """'strings', 'arrays of integers': what an array's items are, for _describe."""
+    if "anyOf" in schema:
+        return " or ".join(_plural(s) for s in schema["anyOf"])
+    kind = schema.get("type", "value")
+    if kind == "array" and "items" in schema:
+        return f"arrays of {_plural(schema['items'])}"
+    return "nulls" if kind == "null" else f"{kind}s"
 
 
 def schema_errors(value: Any, schema: dict, where: str) -> str | None:
@@ -338,6 +348,15 @@ def parse_chat(body: dict) -> ChatRequest:
         messages = normalize_messages(values["messages"])
     except InvalidParameterError as e:
         raise bad_request(str(e), e.param) from None
+    # Accepted and ignored, these would silently break their promise (JSON output, tool calls), as vLLM's refusal
+    # without a tool parser or a guided-decoding backend makes clear.
+    if body.get("tools") and body.get("tool_choice", "auto") != "none":
+        raise bad_request("tools are not supported: this server has no tool-call parser (send tool_choice 'none' "
+                          "to have them ignored)", "tools")
+    response_format = body.get("response_format")
+    if response_format is not None and (not isinstance(response_format, dict) or response_format.get("type") != "text"):
+        raise bad_request("response_format: only {\"type\": \"text\"} is supported (no JSON mode or schemas)",
+                          "response_format")
     if "top_logprobs" in values and not values.get("logprobs"):
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = values.get("top_logprobs", 0) if values.get("logprobs") else None
