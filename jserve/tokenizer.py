@@ -10,6 +10,7 @@ text across token boundaries, so a stream could not agree with a one-shot decode
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from functools import cached_property
@@ -51,13 +52,39 @@ def load_tokenizer(path: str | os.PathLike[str], *, trust_remote_code: bool = Fa
     from transformers import AutoTokenizer  # imported here so that importing jserve stays fast
 
     try:
-        hf = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+        hf = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code,
+                                           config=_model_type_only_config(path))
     except Exception as e:  # transformers raises OSError, ValueError or KeyError depending on what is wrong
         raise TokenizerLoadError(f"cannot load the tokenizer at {path!r}: {e}") from e
     # The engine checks a prompt against max_model_len itself; transformers' own limit would only log a misleading
     # "indexing errors" warning for every long prompt (and bench serve builds its prompts from long random texts).
     hf.model_max_length = int(1e30)
     return Tokenizer(hf)
+
+
+def _model_type_only_config(path: str) -> Any | None:
+    """What AutoTokenizer needs of the model's config when tokenizer_config.json names the tokenizer class: the model
+    type (for its per-family exceptions) and any tokenizer_class. Left to load the config itself, AutoTokenizer
+    imports the model family's config class and with it transformers' modeling stack: 2 s of the 135M model's start-
+    up here. None (AutoTokenizer loads the config as usual) where the class is not named or comes from remote code."""
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            tokenizer_config = json.load(f)
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            model_config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(tokenizer_config, dict) and isinstance(model_config, dict)
+            and isinstance(tokenizer_config.get("tokenizer_class"), str) and "auto_map" not in tokenizer_config
+            and isinstance(model_config.get("model_type"), str)):
+        return None
+    from transformers import PretrainedConfig
+
+    config = PretrainedConfig()
+    config.model_type = model_config["model_type"]
+    config.tokenizer_class = model_config.get("tokenizer_class")
+    config._name_or_path = path
+    return config
 
 
 def _plain_rust_decode(hf: Any):

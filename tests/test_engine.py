@@ -335,3 +335,24 @@ def test_engine_settings_are_checked_when_made(kwargs):
     (name, value), = kwargs.items()
     with pytest.raises(ValueError, match=f"{name} must be"):
         EngineConfig(**kwargs)
+
+
+def test_start_up_pauses_the_collector_and_always_turns_it_back_on(hf_model_dir, tmp_path):
+    import gc
+
+    from jserve.engine.engine import LLMEngine
+
+    model = str(hf_model_dir("llama"))
+    collections = []
+    callback = lambda phase, info: collections.append(info["generation"]) if phase == "stop" else None
+    gc.callbacks.append(callback)
+    try:
+        LLMEngine(EngineConfig(model=model, max_model_len=256, kv_cache_memory_bytes=1 << 20, warmup=True,
+                               compilation_cache_dir=""))
+    finally:
+        gc.callbacks.remove(callback)
+    assert collections == [2]  # only the one full collection at the end: none walked the objects on the way
+    assert gc.isenabled()
+    with pytest.raises(ValueError):  # a failure inside the paused part
+        LLMEngine(EngineConfig(model=model, max_model_len=256, kv_cache_memory_bytes=1))
+    assert gc.isenabled()

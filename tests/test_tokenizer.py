@@ -396,3 +396,33 @@ def test_no_tokenizer_is_a_clear_error(tmp_path, setup: str) -> None:
     with pytest.raises(TokenizerLoadError, match="no tokenizer at") as err:
         load_tokenizer(str(path))
     assert isinstance(err.value, ValueError) and str(path) in str(err.value)
+
+
+@pytest.mark.parametrize(("kind", "declared_class", "model_type"), [
+    ("byte_level", None, "llama"),  # the class save_pretrained writes
+    ("byte_level", "LlamaTokenizerFast", "llama"),  # Llama 3: a Llama class over a byte-level tokenizer.json
+    ("metaspace", "LlamaTokenizerFast", "llama"),
+    ("byte_level", "Qwen2TokenizerFast", "qwen2"),
+    ("byte_fallback", "GemmaTokenizerFast", "gemma"),
+])
+def test_load_tokenizer_picks_what_auto_tokenizer_picks(toks, tmp_path, kind: str, declared_class, model_type) -> None:
+    # load_tokenizer hands AutoTokenizer a config holding only the model type (loading the model's own config
+    # class costs seconds); the tokenizer must come out the same as when AutoTokenizer loads the config itself.
+    from transformers import AutoTokenizer, LlamaConfig
+
+    toks[kind].hf.save_pretrained(tmp_path)
+    LlamaConfig(vocab_size=len(toks[kind].hf)).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    if declared_class is not None:
+        tokenizer_config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+        tokenizer_config["tokenizer_class"] = declared_class
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    ours = load_tokenizer(str(tmp_path)).hf
+    reference = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    assert type(ours) is type(reference)
+    text = "Hello world! 你好 🎉 <|im_start|> café\\n  indented"
+    assert ours.encode(text) == reference.encode(text)
+    assert ours.all_special_tokens == reference.all_special_tokens
+    assert ours.decode(ours.encode(text), skip_special_tokens=True) == reference.decode(reference.encode(text),
+                                                                                       skip_special_tokens=True)
