@@ -86,46 +86,63 @@ class EngineStats:
     device_wait_seconds: float = 0.0  # of which blocked on the device's results; the rest is the host's work
 
 
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic collector off for the block (a decorator here), then one full collection. Each full collection
+    walks every object made so far, and loading and compiling make ~600 K of them: the 135M model's start-up ran 9
+    (up to 0.25 s each); with the engine's part paused, 4 remain (docs/benchmarks.md). Not frozen after, as vLLM's
+    engine process is: here the engine shares the user's process, and a notebook that builds a new LLM would never
+    free the old one's frozen cycles."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+    gc.collect()  # once now, not on the first request's first allocation (every object made is still young)
+
+
 class LLMEngine:
+    @_collector_paused()  # loading and compiling make ~600 K objects that live as long as the engine
     def __init__(self, config: EngineConfig, devices: list[jax.Device] | None = None):
         """devices: the devices of this engine's [1, tensor_parallel_size] mesh (a data-parallel replica's share);
         None: the first tensor_parallel_size devices, or no mesh at all when tensor_parallel_size is 1."""
         if config.data_parallel_size > 1:
             raise ValueError("data_parallel_size > 1 needs jserve.engine.data_parallel.create_engine (one LLMEngine "
                              "per replica)")
-        with _collector_paused():  # loading and compiling make ~600 K objects that live as long as the engine
-            self.config = config
-            distributed.initialize(config)  # multi-host: join the other processes before touching a device
-            _enable_compilation_cache(config.compilation_cache_dir)
-            model_dir = resolve_model_path(config.model) if config.model else DEMO_MODEL_DIR
-            self.model_dir = model_dir
-            self.tokenizer: Tokenizer = load_tokenizer(str(config.tokenizer or model_dir))
-            self.mesh = None if devices is None and config.tensor_parallel_size == 1 and config.num_processes == 1 \
-                else make_mesh(config.tensor_parallel_size, 1, devices)
-            if config.num_processes > 1 and self.mesh.size != jax.device_count():
-                raise ValueError(f"multi-host: tensor_parallel_size must cover every process's devices "
-                                 f"({jax.device_count()} in all), got {config.tensor_parallel_size}")
-            model = load_model(model_dir, config.dtype, resolve_backend(config.attention_backend), mesh=self.mesh)
-            self.model_config = model.config
-            self.max_model_len = self._max_model_len()
-            num_blocks = self._num_kv_blocks()
-            self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-            self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
-            runner_class = ModelRunner if config.num_processes == 1 else distributed.MultiHostRunner
-            self.runner = runner_class(model, dtype=config.dtype, num_blocks=num_blocks, block_size=config.block_size,
-                                      max_num_batched_tokens=config.max_num_batched_tokens,
-                                      max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                                      mesh=self.mesh)
-            self.eos_token_ids = self._eos_token_ids()
-            self.requests: dict[str, RequestState] = {}
-            self.stats = EngineStats()
-            self._rng = random.Random(config.seed)
-            # Decode-only steps run forward and sample in one device call (a burst of 1 or more steps) where the runner
-            # can: one dispatch instead of two, and the logits never leave the device.
-            self._bursts_possible = self.runner.supports_burst
-            self._decode_step_seconds: dict[int, float] = {}  # the last decode step's time, by batch bucket (bursts)
-            if config.warmup:
-                self.warmup()
+        self.config = config
+        distributed.initialize(config)  # multi-host: join the other processes before touching a device
+        _enable_compilation_cache(config.compilation_cache_dir)
+        model_dir = resolve_model_path(config.model) if config.model else DEMO_MODEL_DIR
+        self.model_dir = model_dir
+        self.tokenizer: Tokenizer = load_tokenizer(str(config.tokenizer or model_dir))
+        self.mesh = None if devices is None and config.tensor_parallel_size == 1 and config.num_processes == 1 \
+            else make_mesh(config.tensor_parallel_size, 1, devices)
+        if config.num_processes > 1 and self.mesh.size != jax.device_count():
+            raise ValueError(f"multi-host: tensor_parallel_size must cover every process's devices "
+                             f"({jax.device_count()} in all), got {config.tensor_parallel_size}")
+        model = load_model(model_dir, config.dtype, resolve_backend(config.attention_backend), mesh=self.mesh)
+        self.model_config = model.config
+        self.max_model_len = self._max_model_len()
+        num_blocks = self._num_kv_blocks()
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        runner_class = ModelRunner if config.num_processes == 1 else distributed.MultiHostRunner
+        self.runner = runner_class(model, dtype=config.dtype, num_blocks=num_blocks, block_size=config.block_size,
+                                  max_num_batched_tokens=config.max_num_batched_tokens,
+                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+                                  mesh=self.mesh)
+        self.eos_token_ids = self._eos_token_ids()
+        self.requests: dict[str, RequestState] = {}
+        self.stats = EngineStats()
+        self._rng = random.Random(config.seed)
+        # Decode-only steps run forward and sample in one device call (a burst of 1 or more steps) where the runner
+        # can: one dispatch instead of two, and the logits never leave the device.
+        self._bursts_possible = self.runner.supports_burst
+        self._decode_step_seconds: dict[int, float] = {}  # the last decode step's time, by batch bucket (bursts)
+        if config.warmup:
+            self.warmup()
 
     # ----- set-up -----
 
@@ -455,23 +472,6 @@ def _device_kv_budget(fraction: float) -> int | None:
     stats = jax.local_devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
     return int((limit - stats.get("bytes_in_use", 0)) * fraction) if limit else None
-
-
-@contextlib.contextmanager
-def _collector_paused():
-    """Python's cyclic collector off for the block, then one full collection. Each full collection walks every
-    object made so far, and loading and compiling make ~600 K of them: the 135M model's start-up ran 9 (up to 0.25 s
-    each); with the engine's part paused, 4 remain and start-up was 0.2-0.9 s shorter. Not frozen after, as vLLM's
-    engine process is: here the engine shares the user's process, and a notebook that builds a new LLM would never
-    free the old one's frozen cycles."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-    gc.collect()  # once now, not on the first request's first allocation (every object made is still young)
 
 
 def _enable_compilation_cache(cache_dir: str) -> None:
