@@ -42,18 +42,28 @@ def sse_events(response: httpx.Response):
             yield line[len("data: "):]
 
 
-def test_queue_full_is_429_with_retry_after(tiny_server):
+def test_queue_full_is_429_with_retry_after(tiny_server, monkeypatch):
     client = openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key="none", max_retries=0,
                            _strict_response_validation=True)
-    with httpx.stream("POST", f"{tiny_server.url}/v1/completions", json=LONG, timeout=60) as running:
-        events = sse_events(running)  # kept alive: dropping the iterator would close the connection
-        assert next(events)  # the first request holds the only place
-        raw = httpx.post(f"{tiny_server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
-        assert raw.status_code == 429 and raw.headers["retry-after"] == "1"
-        assert raw.json()["error"]["code"] == "rate_limit_exceeded"
-        with pytest.raises(openai.RateLimitError):
-            client.chat.completions.create(model=tiny_server.state.model_name, max_tokens=2,
-                                           messages=[{"role": "user", "content": "hi"}])
+    # The engine is held before each step until the over-capacity requests have been answered: the first request
+    # keeps the only place however fast the model runs (on a busy machine its 400 tokens could end first).
+    engine, release = tiny_server.state.engine.engine, threading.Event()
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: release.wait(60) and step())
+    try:
+        with httpx.stream("POST", f"{tiny_server.url}/v1/completions", json=LONG, timeout=60) as running:
+            assert wait_until(lambda: tiny_server.state.engine.num_in_flight == 1, 30.0)  # the only place is taken
+            raw = httpx.post(f"{tiny_server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert raw.status_code == 429 and raw.headers["retry-after"] == "1"
+            assert raw.json()["error"]["code"] == "rate_limit_exceeded"
+            with pytest.raises(openai.RateLimitError):
+                client.chat.completions.create(model=tiny_server.state.model_name, max_tokens=2,
+                                               messages=[{"role": "user", "content": "hi"}])
+            release.set()
+            events = sse_events(running)  # kept alive: dropping the iterator would close the connection
+            assert next(events)  # the first request runs once the engine steps again
+    finally:
+        release.set()
     # Closing the stream aborted it, which frees the place again.
     assert wait_until(lambda: tiny_server.state.engine.num_in_flight == 0, 2.0)
     done = client.completions.create(model=tiny_server.state.model_name, prompt="hi", max_tokens=2)
