@@ -6,63 +6,9 @@ Flag names follow vLLM's `vllm bench` where the concept matches, so commands car
 from __future__ import annotations
 
 import argparse
-import math
-import os
 
+from jserve.arg_types import at_least, non_negative_float, output_file, positive_float, range_ratio
 from jserve.bench import DATASETS
-
-# Flag types that reject a bad value when the command line is parsed, before a model loads or a request is sent.
-
-def at_least(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-    parse.__name__ = f"integer >= {minimum}"
-    return parse
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if math.isnan(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if math.isnan(value) or math.isinf(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
-def range_ratio(text: str) -> float:
-    value = non_negative_float(text)
-    if value >= 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return value
-
-
-def output_file(text: str) -> str:
-    """A file the command writes at its end: its folder must exist and be writable now, not after the run."""
-    folder = os.path.dirname(os.path.abspath(text))
-    if os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"{text} is a directory, not a file")
-    if not os.path.isdir(folder):
-        raise argparse.ArgumentTypeError(f"the folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise argparse.ArgumentTypeError(f"the folder {folder} is not writable")
-    return text
 
 
 def add_dataset_args(parser: argparse.ArgumentParser, *, default_dataset: str, default_num_prompts: int,

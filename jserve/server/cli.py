@@ -13,6 +13,7 @@ import signal
 import threading
 from collections.abc import Iterator
 
+from jserve.arg_types import at_least, non_negative_float
 from jserve.server.settings import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -21,33 +22,13 @@ DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 EXIT_LOAD_FAILED = 2
 
 
-def port_number(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in [1, 65535], got {port}")
-    return port
-
-
-def seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     from jserve.cli import add_engine_args
 
     serve = sub.add_parser("serve", help="OpenAI-compatible streaming server (the demo model without --model)")
     group = serve.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
-    group.add_argument("--port", type=port_number, default=8000)
+    group.add_argument("--port", type=at_least(1, 65535), default=8000)
     group.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize")
     group.add_argument("--served-model-name", default=None,
@@ -56,7 +37,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                        help="sequences that may wait beyond the max_num_seqs running ones; more get 429")
     group.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                        help="larger request bodies get 413")
-    group.add_argument("--shutdown-timeout", type=seconds, default=DEFAULT_SHUTDOWN_TIMEOUT,
+    group.add_argument("--shutdown-timeout", type=non_negative_float, default=DEFAULT_SHUTDOWN_TIMEOUT,
                        help="seconds running requests may take to finish after SIGTERM")
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(serve)

@@ -88,23 +88,16 @@ def _json_type(value: Any) -> str:
     return next((name for name, ok in _TYPES.items() if name not in ("integer",) and ok(value)), "unknown")
 
 
-def _describe(schema: dict) -> str:
+def _describe(schema: dict, plural: bool = False) -> str:
+    """'an array of strings', or with plural what an array holds: 'strings', 'arrays of integers'."""
     if "anyOf" in schema:
-        return " or ".join(_describe(s) for s in schema["anyOf"])
+        return " or ".join(_describe(s, plural) for s in schema["anyOf"])
     kind = schema.get("type", "value")
     if kind == "array" and "items" in schema:
-        return f"an array of {_plural(schema['items'])}"
+        return f"{'arrays' if plural else 'an array'} of {_describe(schema['items'], plural=True)}"
+    if plural:
+        return "nulls" if kind == "null" else f"{kind}s"
     return {"integer": "an integer", "array": "an array", "object": "an object", "null": "null"}.get(kind, f"a {kind}")
-
-
-def _plural(schema: dict) -> str:
-    """'strings', 'arrays of integers': what an array's items are, for _describe."""
-    if "anyOf" in schema:
-        return " or ".join(_plural(s) for s in schema["anyOf"])
-    kind = schema.get("type", "value")
-    if kind == "array" and "items" in schema:
-        return f"arrays of {_plural(schema['items'])}"
-    return "nulls" if kind == "null" else f"{kind}s"
 
 
 def schema_errors(value: Any, schema: dict, where: str) -> str | None:
