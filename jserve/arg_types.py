@@ -15,7 +15,7 @@ def _parse(text: str, kind: type, what: str):
         raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
 
 
-def at_least(minimum: int, maximum: float = math.inf):
+def integer(minimum: int, maximum: float = math.inf):
     """An integer in [minimum, maximum]."""
     def parse(text: str) -> int:
         value = _parse(text, int, "an integer")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from jserve.arg_types import at_least, non_negative_float, output_file, positive_float, range_ratio
+from jserve.arg_types import integer, non_negative_float, output_file, positive_float, range_ratio
 from jserve.bench import DATASETS
 
 
@@ -20,16 +20,16 @@ def add_dataset_args(parser: argparse.ArgumentParser, *, default_dataset: str, d
                             "mixed: ShareGPT-like synthetic (prompts 16-1024, outputs 16-512 tokens, log-uniform); "
                             "sharegpt: a ShareGPT-format JSON file (--dataset-path)")
     group.add_argument("--dataset-path", help="ShareGPT-format JSON for --dataset sharegpt")
-    group.add_argument("--num-prompts", type=at_least(1), default=default_num_prompts, help="how many requests")
-    group.add_argument("--random-input-len", type=at_least(1), default=1024, help="random: mean prompt tokens")
-    group.add_argument("--random-output-len", type=at_least(1), default=128, help="random: mean output tokens")
+    group.add_argument("--num-prompts", type=integer(1), default=default_num_prompts, help="how many requests")
+    group.add_argument("--random-input-len", type=integer(1), default=1024, help="random: mean prompt tokens")
+    group.add_argument("--random-output-len", type=integer(1), default=128, help="random: mean output tokens")
     group.add_argument("--random-range-ratio", type=range_ratio, default=0.0,
                        help="random: lengths are uniform in [len * (1 - r), len * (1 + r)]")
-    group.add_argument("--prefix-repetition-prefix-len", type=at_least(0), default=256)
-    group.add_argument("--prefix-repetition-suffix-len", type=at_least(1), default=256)
-    group.add_argument("--prefix-repetition-num-prefixes", type=at_least(1), default=10)
-    group.add_argument("--prefix-repetition-output-len", type=at_least(1), default=128)
-    group.add_argument("--sharegpt-output-len", type=at_least(1), default=None,
+    group.add_argument("--prefix-repetition-prefix-len", type=integer(0), default=256)
+    group.add_argument("--prefix-repetition-suffix-len", type=integer(1), default=256)
+    group.add_argument("--prefix-repetition-num-prefixes", type=integer(1), default=10)
+    group.add_argument("--prefix-repetition-output-len", type=integer(1), default=128)
+    group.add_argument("--sharegpt-output-len", type=integer(1), default=None,
                        help="sharegpt: generate this many tokens instead of the recorded answer's length")
     if with_seed:
         group.add_argument("--seed", type=int, default=0, help="seeds the requests and their arrival times")
@@ -44,7 +44,7 @@ def add_throughput_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=("jserve", "hf"), default="jserve",
                    help="hf: transformers generate() with static batches, the baseline without a server")
     p.add_argument("--hf-dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--hf-batch-size", type=at_least(1), default=32, help="rows per static batch for --backend hf")
+    p.add_argument("--hf-batch-size", type=integer(1), default=32, help="rows per static batch for --backend hf")
     p.add_argument("--hf-sort", action=argparse.BooleanOptionalAction, default=True,
                    help="sort requests longest first before batching (less padding: the strongest baseline)")
     add_dataset_args(p, default_dataset="mixed", default_num_prompts=256, with_seed=False)
@@ -56,10 +56,10 @@ def add_latency_parser(sub: argparse._SubParsersAction) -> None:
     from jserve.cli import add_engine_args
 
     p = sub.add_parser("latency", help="batch-1 prefill and decode speed beside the memory-bandwidth roofline")
-    p.add_argument("--input-len", type=at_least(1), default=128, help="prompt tokens")
-    p.add_argument("--output-len", type=at_least(2), default=128, help="generated tokens")
-    p.add_argument("--num-iters-warmup", type=at_least(0), default=2)
-    p.add_argument("--num-iters", type=at_least(1), default=10)
+    p.add_argument("--input-len", type=integer(1), default=128, help="prompt tokens")
+    p.add_argument("--output-len", type=integer(2), default=128, help="generated tokens")
+    p.add_argument("--num-iters-warmup", type=integer(0), default=2)
+    p.add_argument("--num-iters", type=integer(1), default=10)
     p.add_argument("--result-json", type=output_file, help="write the results to this JSON file")
     add_engine_args(p)
     p.set_defaults(run=_run_latency)
@@ -78,7 +78,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="requests per second (inf: all at once); gaps are gamma-distributed, Poisson by default")
     p.add_argument("--burstiness", type=positive_float, default=1.0,
                    help="gamma shape of the gaps: 1 = Poisson, < 1 burstier, > 1 more regular")
-    p.add_argument("--max-concurrency", type=at_least(1), default=None, help="most requests in flight at once")
+    p.add_argument("--max-concurrency", type=integer(1), default=None, help="most requests in flight at once")
     p.add_argument("--ignore-eos", action="store_true", help="ask the server to generate every requested token")
     p.add_argument("--temperature", type=non_negative_float, default=0.0)
     p.add_argument("--goodput", nargs="+", metavar="NAME:MS",

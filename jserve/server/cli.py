@@ -13,7 +13,7 @@ import signal
 import threading
 from collections.abc import Iterator
 
-from jserve.arg_types import at_least, non_negative_float
+from jserve.arg_types import integer, non_negative_float
 from jserve.server.settings import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible streaming server (the demo model without --model)")
     group = serve.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
-    group.add_argument("--port", type=at_least(1, 65535), default=8000)
+    group.add_argument("--port", type=integer(1, 65535), default=8000)
     group.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize")
     group.add_argument("--served-model-name", default=None,
