@@ -24,7 +24,6 @@ def integer(minimum: int, maximum: float = math.inf):
         if value > maximum:
             raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
         return value
-    parse.__name__ = f"integer >= {minimum}"  # argparse names the type in its own messages
     return parse
 
 
