@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from jserve.config import EngineConfig
 from jserve.outputs import RequestOutput
-from jserve.sampling_params import SamplingParams
+from jserve.sampling_params import RequestOutputKind, SamplingParams
 
 _SAMPLING_FIELDS = {"n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                     "frequency_penalty", "logit_bias", "seed", "max_tokens", "min_tokens", "stop",
@@ -122,7 +122,8 @@ def run_batch(config: EngineConfig, input_path: Path, output_path: Path, *, stri
             prompt = item.prompt
             if item.messages is not None:
                 prompt = {"prompt_token_ids": engine.tokenizer.apply_chat_template(item.messages)}
-            engine.add_request(item.id, prompt, item.params, priority=item.priority)
+            params = item.params.clone(output_kind=RequestOutputKind.FINAL_ONLY)  # only results are written
+            engine.add_request(item.id, prompt, params, priority=item.priority)
             pending[item.id] = item
         except ValueError as e:
             if strict:

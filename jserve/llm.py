@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from jserve.config import EngineConfig
 from jserve.engine.data_parallel import create_engine
 from jserve.outputs import RequestOutput
-from jserve.sampling_params import InvalidParameterError, SamplingParams
+from jserve.sampling_params import InvalidParameterError, RequestOutputKind, SamplingParams
 
 PromptType = str | list[int] | dict
 
@@ -63,6 +63,8 @@ class LLM:
         added = []
         try:
             for request_id, prompt, p, prio in zip(ids, prompts, params, priorities, strict=True):
+                # Only finished outputs are returned: no per-step outputs, and each text decoded once.
+                p = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
                 self.engine.add_request(request_id, prompt, p, priority=prio)
                 added.append(request_id)
         except Exception:

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 
 # The largest number of top logprobs a request may ask for (OpenAI allows 20).
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    """When the engine reports a request (vLLM's names)."""
+
+    CUMULATIVE = "cumulative"  # after every step that changed it: the text and tokens so far (for streaming)
+    FINAL_ONLY = "final_only"  # once, finished: no per-step outputs, and the text decoded once at the end
 
 
 @dataclass
@@ -36,6 +44,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine, not by users: the tokens that end the request besides stop_token_ids.
     eos_token_ids: list[int] = field(default_factory=list, repr=False)
 
@@ -78,6 +87,8 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "stop must be non-empty strings")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "stop_token_ids must be non-negative integers")
+        _check(isinstance(self.output_kind, RequestOutputKind), "output_kind",
+               f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.logit_bias is not None:
             _check(isinstance(self.logit_bias, dict), "logit_bias", "logit_bias must map token ids to numbers")
             for token, bias in self.logit_bias.items():

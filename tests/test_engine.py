@@ -9,7 +9,7 @@ import torch
 from hf_models import load_hf
 
 from jserve.config import EngineConfig
-from jserve.sampling_params import SamplingParams
+from jserve.sampling_params import RequestOutputKind, SamplingParams
 
 NUM_REQUESTS = 64
 
@@ -174,6 +174,49 @@ def test_decode_bursts_give_the_tokens_and_text_of_single_steps(hf_model_dir, ll
     bursts.engine.block_manager.check_invariants()
 
 
+def test_final_only_requests_report_once_with_what_streaming_requests_end_with(hf_model_dir, llm_factory):
+    """FINAL_ONLY (what LLM.generate sends) returns nothing per step, then the finished output a streaming
+    (CUMULATIVE) request ends with; its text, decoded once at the end, is transformers' decode of the tokens."""
+    from transformers import AutoTokenizer
+
+    model_dir = hf_model_dir("llama")
+    engine = llm_factory(model_dir).engine
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    rng = np.random.default_rng(17)
+    prompts = [rng.integers(3, 500, int(n)).tolist() for n in (5, 40, 12, 70)]
+    free = llm_factory(model_dir).generate({"prompt_token_ids": prompts[2]}, greedy(30), use_tqdm=False)[0]
+    params = [greedy(25), SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[free.outputs[0].text[-9:][:2]]),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                             stop_token_ids=[free.outputs[0].token_ids[8]])]
+    prompts[3] = prompts[2]
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"stream-{i}", {"prompt_token_ids": prompt}, p)
+        final_only = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+        engine.add_request(f"final-{i}", {"prompt_token_ids": prompt}, final_only)
+    seen: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out)
+    for i in range(len(prompts)):
+        streamed, final = seen[f"stream-{i}"], seen[f"final-{i}"]
+        assert len(final) == 1 and final[0].finished and len(streamed) > 1
+        describe = lambda out: [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in out.outputs]
+        assert describe(final[0]) == describe(streamed[-1])
+    assert seen["final-2"][0].outputs[0].finish_reason == "stop"  # the stop string still ends it
+    assert seen["final-3"][0].outputs[0].finish_reason == "stop"
+    for i in (0, 1):
+        for c in seen[f"final-{i}"][0].outputs:
+            assert c.text == hf_tokenizer.decode(c.token_ids)
+
+    engine.add_request("aborted", {"prompt_token_ids": prompts[1]},
+                       greedy(200).clone(output_kind=RequestOutputKind.FINAL_ONLY))
+    for _ in range(3):
+        assert engine.step() == []
+    aborted = engine.abort_request("aborted").outputs[0]
+    assert aborted.token_ids and aborted.text == hf_tokenizer.decode(aborted.token_ids)
+
+
 def test_stop_strings_and_stop_tokens_end_generation(hf_model_dir, llm_factory):
     llm = llm_factory(hf_model_dir("llama"))
     tokenizer = llm.get_tokenizer()
@@ -233,6 +276,7 @@ def test_bad_requests_raise_value_error_naming_the_parameter(hf_model_dir, llm_f
 @pytest.mark.parametrize("kwargs, param", [
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(temperature=-0.1), "temperature"),
     (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"), (dict(top_k=-3), "top_k"),
+    (dict(output_kind="final_only"), "output_kind"),
 ])
 def test_bad_sampling_params_raise_value_error_naming_the_parameter(kwargs, param):
     with pytest.raises(ValueError, match=param) as info:

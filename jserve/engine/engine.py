@@ -28,7 +28,7 @@ from jserve.engine.sampler import build_metadata, has_penalty, sample, token_log
 from jserve.engine.scheduler import Scheduler, SchedulerOutput
 from jserve.engine.sequence import Sequence
 from jserve.outputs import CompletionOutput, RequestOutput
-from jserve.sampling_params import InvalidParameterError, SamplingParams
+from jserve.sampling_params import InvalidParameterError, RequestOutputKind, SamplingParams
 from jserve.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer, load_tokenizer
 from pallas_kernels import resolve_backend
 from sharding import distributed, make_mesh
@@ -57,6 +57,7 @@ class RequestState:
     prompt_token_ids: list[int]
     streams: list[SeqStream]
     arrival_time: float
+    final_only: bool = False  # reported once, when it finishes (RequestOutputKind.FINAL_ONLY)
     first_token_time: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -202,16 +203,19 @@ class LLMEngine:
         prompt_text, prompt_ids = self._tokenize_prompt(prompt)
         params = self._resolve_params(params, len(prompt_ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        final_only = params.output_kind is RequestOutputKind.FINAL_ONLY
         streams = []
         for index in range(params.n):
             seq = Sequence(request_id, prompt_ids, params, index=index, priority=priority, arrival_time=arrival)
             seq.sampling_seed = self._sampling_seed(params.seed, index)
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens)
+            # Text nobody reads until the end is decoded once, at the end, unless stop strings must watch it.
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
+                                           streaming=not final_only or bool(params.stop))
             streams.append(SeqStream(seq, detok, StopStringMatcher(params.stop, params.include_stop_str_in_output),
                                      logprobs=[] if params.logprobs is not None else None))
         for stream in streams:  # raises before anything is registered if the request could never run
             self.scheduler.check_fits(stream.seq)
-        self.requests[request_id] = RequestState(request_id, prompt_text, prompt_ids, streams, arrival)
+        self.requests[request_id] = RequestState(request_id, prompt_text, prompt_ids, streams, arrival, final_only)
         for stream in streams:
             self.scheduler.add(stream.seq)
 
@@ -266,6 +270,9 @@ class LLMEngine:
         if state is None:
             return None
         self.scheduler.abort(request_id)
+        for stream in state.streams:
+            if not stream.detokenizer.streaming:
+                stream.text += stream.detokenizer.finish()  # the text of the tokens it got ("" if it finished)
         return state.output()
 
     def has_unfinished_requests(self) -> bool:
@@ -274,7 +281,8 @@ class LLMEngine:
     # ----- the step -----
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns the outputs of every request that changed (finished ones last time)."""
+        """Run one engine step; returns the outputs of every request that changed (finished ones last time;
+        a FINAL_ONLY request only when it finishes)."""
         start = time.perf_counter()
         plan: SchedulerOutput = self.scheduler.schedule()
         if not plan.scheduled:
@@ -321,7 +329,7 @@ class LLMEngine:
             self._append_token(stream, int(token_ids[row]), None if logprob_rows is None else logprob_rows[row])
             state.first_token_time = state.first_token_time or now
             changed[state.request_id] = state
-        return [self._emit(state) for state in changed.values()]
+        return self._emit_changed(changed)
 
     def _burst_length(self, plan: SchedulerOutput) -> int:
         """How many decode steps to run in one fused forward-and-sample device call; 0: this step needs the plain
@@ -357,7 +365,7 @@ class LLMEngine:
 
     def _step_burst(self, plan: SchedulerOutput, length: int) -> list[RequestOutput]:
         """`length` decode steps in one device call; tokens after a sequence stops are computed but dropped."""
-        for chunk in plan.scheduled:
+        for chunk in plan.scheduled if length > 1 else ():  # the scheduler gave each the first step's slot
             allocated = self.block_manager.allocate_slots(chunk.seq, length)
             assert allocated, "_burst_length checked the free blocks"
         batch = self.runner.prepare(plan.scheduled, lookahead=length - 1)
@@ -376,7 +384,7 @@ class LLMEngine:
                 self.block_manager.mark_computed(seq, 1)  # the token fed at this step of the burst
                 self._append_token(state.streams[seq.index], token, None)
             changed[state.request_id] = state
-        return [self._emit(state) for state in changed.values()]
+        return self._emit_changed(changed)
 
     @staticmethod
     def _wants_prompt_logprobs(chunk) -> bool:
@@ -444,6 +452,9 @@ class LLMEngine:
         if reason is not None:
             seq.stop_reason = stop_reason
             self.scheduler.finish(seq, reason)
+
+    def _emit_changed(self, changed: dict[str, RequestState]) -> list[RequestOutput]:
+        return [self._emit(state) for state in changed.values() if not state.final_only or state.finished]
 
     def _emit(self, state: RequestState) -> RequestOutput:
         output = state.output()
