@@ -187,8 +187,9 @@ class EngineConfig:
         and no request waits (1 = off). Saves the host's per-step work (dispatch, batch building) on all but one
         step of a burst; streams then receive tokens several at a time. Only a single-device step with one page
         width (the CPU kernels) takes bursts; requests with penalties, logprobs or a pending min_tokens step singly.
-      decode_burst_ms: a burst holds only the steps that fit this long, by the last measured decode step at that
-        batch size, so a burst holds back a stream's tokens, or a newly arrived request, about this long at most.
+      decode_burst_ms: while any running request streams, a burst holds only the steps that fit this long, by the
+        last measured decode step at that batch size, so it holds back a stream's tokens, or a newly arrived request,
+        about this long at most. Requests reported only when finished (LLM.generate, `jserve generate`) burst fully.
       compilation_cache_dir: JAX's persistent compilation cache; "" disables it.
       warmup: compile every step shape at start-up so serving never stalls on a compile.
       attention_backend: "auto" (the Pallas kernel on TPU/GPU, the C++ kernels on CPU where they build, else the

@@ -140,8 +140,7 @@ def test_n_samples_share_the_prompt_and_differ(hf_model_dir, llm_factory):
 def test_decode_bursts_give_the_tokens_and_text_of_single_steps(hf_model_dir, llm_factory, monkeypatch):
     """Several decode steps in one device call (decode_burst): greedy and seeded draws, stop tokens, stop strings
     and length limits falling inside a burst all end exactly where single steps end, and every block comes back.
-    The reference runs every step through the plain forward and then the sampler; the burst engine's first decode
-    step at each batch size is a fused burst of one step."""
+    The reference runs every step through the plain forward and then the sampler."""
     rng = np.random.default_rng(21)
     prompts = [{"prompt_token_ids": rng.integers(3, 500, int(n)).tolist()} for n in rng.integers(1, 120, 6)]
     single = llm_factory(hf_model_dir("llama"), decode_burst=8, decode_burst_ms=1e-3)
@@ -215,6 +214,27 @@ def test_final_only_requests_report_once_with_what_streaming_requests_end_with(h
         assert engine.step() == []
     aborted = engine.abort_request("aborted").outputs[0]
     assert aborted.token_ids and aborted.text == hf_tokenizer.decode(aborted.token_ids)
+
+
+def test_only_streaming_requests_hold_bursts_to_the_time_budget(hf_model_dir, llm_factory, monkeypatch):
+    """decode_burst_ms bounds how long a burst holds back streamed tokens; requests reported only when finished
+    (LLM.generate) burst the full decode_burst, with the tokens streaming requests get."""
+    llm = llm_factory(hf_model_dir("llama"), decode_burst=8, decode_burst_ms=1e-3)
+    engine, calls = llm.engine, []
+    run_burst = engine.runner.run_burst
+    monkeypatch.setattr(engine.runner, "run_burst", lambda *args: calls.append(args[2]) or run_burst(*args))
+    prompts = [np.random.default_rng(5).integers(3, 500, n).tolist() for n in (9, 30)]
+    params = SamplingParams(temperature=0.8, seed=11, max_tokens=30, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"stream-{i}", {"prompt_token_ids": prompt}, params)
+    streamed = {}
+    while engine.has_unfinished_requests():
+        streamed.update((out.request_id, out.outputs[0].token_ids) for out in engine.step() if out.finished)
+    assert calls and set(calls) == {1}
+    calls.clear()
+    final = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert max(calls) == 8
+    assert [o.outputs[0].token_ids for o in final] == [streamed[f"stream-{i}"] for i in range(len(prompts))]
 
 
 def test_stop_strings_and_stop_tokens_end_generation(hf_model_dir, llm_factory):

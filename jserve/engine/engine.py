@@ -336,12 +336,12 @@ class LLMEngine:
         forward and sampler (a prompt chunk; logprobs, which are per step; penalties and a pending min_tokens, which
         change the sampling metadata every step; a runner that cannot burst).
 
-        Up to config.decode_burst steps when no request waits and the cache has the slots; no more than fit in
-        config.decode_burst_ms at the last measured step time for this batch size, nor past any sequence's
-        max_tokens or max_model_len."""
+        Up to config.decode_burst steps when no request waits and the cache has the slots, nor past any sequence's
+        max_tokens or max_model_len; while any request streams (not FINAL_ONLY), no more than fit in
+        config.decode_burst_ms at the last measured step time for this batch size."""
         if not self._bursts_possible:
             return 0
-        length = self.config.decode_burst
+        length, streaming = self.config.decode_burst, False
         for chunk in plan.scheduled:
             seq, params = chunk.seq, chunk.seq.params
             if not _is_decode(chunk):
@@ -349,11 +349,15 @@ class LLMEngine:
             if params.logprobs is not None or has_penalty(params) or seq.num_output_tokens < params.min_tokens:
                 return 0
             length = min(length, params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
-        step_seconds = self._decode_step_seconds.get(self._decode_bucket(plan))
-        if self.scheduler.num_waiting or step_seconds is None:
-            return 1  # this batch size's first decode step runs alone, and is timed
-        fits = self.config.decode_burst_ms / 1e3 / max(step_seconds, 1e-9)  # inf: no time limit
-        length = length if fits >= length else max(1, int(fits))
+            streaming = streaming or params.output_kind is not RequestOutputKind.FINAL_ONLY
+        if self.scheduler.num_waiting:
+            return 1
+        if streaming:  # the time budget bounds how long a burst holds back streamed tokens
+            step_seconds = self._decode_step_seconds.get(self._decode_bucket(plan))
+            if step_seconds is None:
+                return 1  # this batch size's first decode step runs alone, and is timed
+            fits = self.config.decode_burst_ms / 1e3 / max(step_seconds, 1e-9)  # inf: no time limit
+            length = length if fits >= length else max(1, int(fits))
         bm = self.block_manager
         if length <= 1 or sum(bm.num_new_blocks(chunk.seq, length) for chunk in plan.scheduled) > bm.num_free_blocks:
             return 1
