@@ -21,6 +21,7 @@ from tp_workload import ENGINE_ARGS, greedy_tokens  # noqa: E402
 
 from checkpoints.loading import load_model  # noqa: E402
 from jserve import LLM  # noqa: E402
+from jserve.engine.packing import pack  # noqa: E402
 from jserve.engine.runner import ModelRunner, ScheduledChunk  # noqa: E402
 from jserve.engine.sequence import Sequence  # noqa: E402
 from jserve.sampling_params import SamplingParams  # noqa: E402
@@ -101,7 +102,9 @@ def tpu_export(model_dir: str, tp: int) -> dict:
     platform = interface.jax.default_backend
     interface.jax.default_backend = lambda: "tpu"  # "pallas" picks the kernel of the platform it believes it is on
     try:
-        text = jax.export.export(runner._step, platforms=["tpu"])(runner.params, runner.kv_cache, batch).mlir_module()
+        packed, layout = pack(batch)
+        text = jax.export.export(runner._step, platforms=["tpu"])(runner.params, runner.kv_cache, packed,
+                                                                  layout).mlir_module()
     finally:
         interface.jax.default_backend = platform
     return {"mosaic_kernel": "tpu_custom_call" in text, "per_device_shard_map": "manual_computation" in text}

@@ -384,7 +384,7 @@ def test_a_bfloat16_decode_burst_reads_no_weight_outside_its_steps(hf_model_dir,
     runner = llm.engine.runner
     batch = next(runner.burst_batches())
     meta = warmup_metadata(len(batch.seq_lens))[0]
-    hlo = runner._burst.lower(runner.params, runner.kv_cache, batch, meta, np.int32(1), 4).compile().as_text()
+    hlo = runner.lower_burst(batch, meta, 4)[1].compile().as_text()
     entry = hlo[hlo.index("\nENTRY"):].splitlines()[1:]
     outside = [line.strip() for line in entry
                if "%params_" in line and " tuple(" not in line and " parameter(" not in line]

@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from checkpoints.loading import LoadedModel
+from jserve.engine.packing import PackedLayout, pack, unpack
 from jserve.engine.sampler import SamplingMetadata, sample
 from jserve.engine.sequence import Sequence
 from jserve.models.batch import KVCache, StepBatch
@@ -57,15 +58,6 @@ def pick_bucket(buckets: list[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-def _shape_key(batch: StepBatch) -> tuple:
-    return tuple(np.shape(leaf) for leaf in jax.tree.leaves(batch))
-
-
-def _burst_key(batch: StepBatch, meta: SamplingMetadata, max_steps: int) -> tuple:
-    # The metadata's static flags live in its tree structure; its array widths (history, bias) vary too.
-    return _shape_key(batch), jax.tree.structure(meta), tuple(np.shape(a) for a in jax.tree.leaves(meta)), max_steps
-
-
 def kv_bytes_per_block(config, block_size: int, dtype: str) -> int:
     return 2 * config.num_layers * block_size * config.kv_size * jnp.dtype(dtype).itemsize
 
@@ -89,7 +81,7 @@ class ModelRunner:
         if mesh is None:
             self.kv_cache = KVCache(k=[jnp.zeros(shape, storage) for _ in range(cfg.num_layers)],
                                     v=[jnp.zeros(shape, storage) for _ in range(cfg.num_layers)])
-            self._step = jax.jit(self._forward, donate_argnums=(1,))
+            self._step = jax.jit(self._packed_forward, donate_argnums=(1,), static_argnums=(3,))
         else:
             # Each device allocates only its own KV heads (never the whole cache on one device).
             zeros = jax.jit(lambda: jnp.zeros(shape, storage),
@@ -99,7 +91,7 @@ class ModelRunner:
             # The cache keeps its layout across steps and logits come back whole (the sampler runs unsharded);
             # parameters keep the shardings they were loaded with, and GSPMD propagates them through the step.
             cache_shardings = jax.tree.map(lambda a: a.sharding, self.kv_cache)
-            self._step = jax.jit(self._forward, donate_argnums=(1,),
+            self._step = jax.jit(self._packed_forward, donate_argnums=(1,), static_argnums=(3,),
                                  out_shardings=(cache_shardings, replicated(mesh)))
         cpu_kernels = model.attention_backend == "cpu"
         # Without the CPU kernels, decode batches are padded to at least 8 rows: XLA CPU matmuls with M = 1 are
@@ -111,11 +103,22 @@ class ModelRunner:
         # only the pages below each sequence's length, so one full-width table serves every step (7x fewer shapes).
         max_pages = math.ceil(max_model_len / block_size)
         self.page_buckets = [max_pages] if cpu_kernels else pow2_buckets(1, max_pages)
-        self._compiled: dict[tuple, Callable] = {}  # step executables compiled ahead, by batch shape
+        # The batch (and a burst's sampling metadata and step count) travel packed into one array; the packing
+        # layout, which holds every shape and the metadata's static flags, keys the executables compiled ahead.
+        self._compiled: dict[PackedLayout, Callable] = {}
         # A decode burst runs several steps in one call, so it needs one page width for all of them.
         self.supports_burst = mesh is None and len(self.page_buckets) == 1
-        self._burst = jax.jit(self._burst_steps, donate_argnums=(1,), static_argnums=(5,))
-        self._compiled_bursts: dict[tuple, Callable] = {}  # burst executables compiled ahead (_burst_key)
+        self._burst = jax.jit(self._packed_burst, donate_argnums=(1,), static_argnums=(3, 4))
+        self._compiled_bursts: dict[tuple[PackedLayout, int], Callable] = {}  # by (layout, max_steps)
+
+    def _packed_forward(self, params: list[jax.Array], kv_cache: KVCache, packed: jax.Array,
+                        layout: PackedLayout) -> tuple[KVCache, jax.Array]:
+        return self._forward(params, kv_cache, unpack(packed, layout))
+
+    def _packed_burst(self, params: list[jax.Array], kv_cache: KVCache, packed: jax.Array, layout: PackedLayout,
+                      max_steps: int) -> tuple[KVCache, jax.Array]:
+        batch, meta, num_steps = unpack(packed, layout)
+        return self._burst_steps(params, kv_cache, batch, meta, num_steps, max_steps)
 
     def _forward(self, params: list[jax.Array], kv_cache: KVCache, batch: StepBatch) -> tuple[KVCache, jax.Array]:
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._params_tree, params))
@@ -159,12 +162,12 @@ class ModelRunner:
         """Run a decode-only batch num_steps (<= max_steps, the compiled bound) steps on the device -> sampled token
         ids i32[max_steps, S] on the device (rows past num_steps are zeros). The batch's sequences must hold slots
         for num_steps tokens (prepare with lookahead=num_steps - 1)."""
-        steps = np.int32(num_steps)
-        compiled = self._compiled_bursts.get(_burst_key(batch, meta, max_steps))
+        packed, layout = pack((batch, meta, np.int32(num_steps)))
+        compiled = self._compiled_bursts.get((layout, max_steps))
         if compiled is None:  # a shape or sampler variant not compiled ahead goes through jit
-            self.kv_cache, tokens = self._burst(self.params, self.kv_cache, batch, meta, steps, max_steps)
+            self.kv_cache, tokens = self._burst(self.params, self.kv_cache, packed, layout, max_steps)
         else:
-            self.kv_cache, tokens = compiled(self.params, self.kv_cache, batch, meta, steps)
+            self.kv_cache, tokens = compiled(self.params, self.kv_cache, packed)
         return tokens
 
     def seq_rows_for(self, num_tokens_bucket: int) -> int:
@@ -221,8 +224,12 @@ class ModelRunner:
 
     def run(self, batch: StepBatch) -> jax.Array:
         """Run one step; returns float32 logits [S, V] (rows past the real sequences are padding)."""
-        step = self._compiled.get(_shape_key(batch), self._step)  # a shape not compiled ahead goes through jit
-        self.kv_cache, logits = step(self.params, self.kv_cache, batch)
+        packed, layout = pack(batch)
+        compiled = self._compiled.get(layout)
+        if compiled is None:  # a shape not compiled ahead goes through jit
+            self.kv_cache, logits = self._step(self.params, self.kv_cache, packed, layout)
+        else:
+            self.kv_cache, logits = compiled(self.params, self.kv_cache, packed)
         return logits
 
     def compile_ahead(self, batches: list[StepBatch], bursts: Seq[tuple[StepBatch, SamplingMetadata, int]] = (),
@@ -233,9 +240,7 @@ class ModelRunner:
         Tracing runs one shape at a time; XLA compiles several at once on worker threads (it releases the GIL).
         Only a single-device step is compiled this way: sharded steps warm up by running (see LLMEngine.warmup).
         """
-        lowered = [(_shape_key(b), self._step.lower(self.params, self.kv_cache, b)) for b in batches]
-        lowered += [(_burst_key(b, meta, n), self._burst.lower(self.params, self.kv_cache, b, meta, np.int32(n), n))
-                    for b, meta, n in bursts]
+        lowered = [self.lower_step(b) for b in batches] + [self.lower_burst(*burst) for burst in bursts]
         workers = workers or min(4, os.cpu_count() or 1)
         with ThreadPoolExecutor(workers, thread_name_prefix="jserve-compile") as pool:
             compiled = list(pool.map(lambda item: (item[0], item[1].compile()), lowered))
@@ -243,6 +248,17 @@ class ModelRunner:
         self._compiled.update(steps)
         self._compiled_bursts.update(burst_executables)
         return [tuple(exe.out_info[1].shape) for _, exe in steps]
+
+    def lower_step(self, batch: StepBatch) -> tuple[PackedLayout, jax.stages.Lowered]:
+        """The step for this batch's shapes, lowered (not compiled), and the key run() finds it by."""
+        packed, layout = pack(batch)
+        return layout, self._step.lower(self.params, self.kv_cache, packed, layout)
+
+    def lower_burst(self, batch: StepBatch, meta: SamplingMetadata,
+                    max_steps: int) -> tuple[tuple[PackedLayout, int], jax.stages.Lowered]:
+        """A burst of up to max_steps for this batch and metadata, lowered, and the key run_burst() finds it by."""
+        packed, layout = pack((batch, meta, np.int32(max_steps)))
+        return (layout, max_steps), self._burst.lower(self.params, self.kv_cache, packed, layout, max_steps)
 
     def burst_batches(self):
         """The warm-up batches a decode burst can take: one token per sequence row."""
