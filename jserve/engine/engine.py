@@ -23,8 +23,9 @@ from checkpoints import DEMO_MODEL_DIR
 from checkpoints.loading import load_model, resolve_model_path
 from jserve.config import EngineConfig, ModelLoadError
 from jserve.engine.kv_cache import BlockManager
+from jserve.engine.packing import pack
 from jserve.engine.runner import ModelRunner, kv_bytes_per_block, pick_bucket
-from jserve.engine.sampler import build_metadata, has_penalty, sample, token_logprobs, warmup_metadata
+from jserve.engine.sampler import build_metadata, has_penalty, sample_packed, token_logprobs, warmup_metadata
 from jserve.engine.scheduler import Scheduler, SchedulerOutput
 from jserve.engine.sequence import Sequence
 from jserve.outputs import CompletionOutput, RequestOutput
@@ -189,7 +190,7 @@ class LLMEngine:
         for shape in sorted(logits_shapes):
             logits = jnp.zeros(shape, jnp.float32)
             for meta in warmup_metadata(shape[0]):
-                jax.block_until_ready(sample(logits, meta))
+                jax.block_until_ready(sample_packed(logits, *pack(meta)))
         logger.info("warm-up compiled %d step shapes and %d decode bursts in %.1f s", len(batches), len(bursts),
                     time.perf_counter() - start)
 
@@ -312,7 +313,7 @@ class LLMEngine:
             last_rows[:len(plan.scheduled)] = batch.query_start[1:len(plan.scheduled) + 1] - 1
             logits = logits[last_rows]
         meta = build_metadata([c.seq for c in plan.scheduled], pad_to=logits.shape[0])
-        sampled = sample(logits, meta)
+        sampled = sample_packed(logits, *pack(meta))
         token_ids = self._fetch(sampled.token_ids)
         self._count_prompt_tokens(plan)
         self.scheduler.on_step_done(plan)

@@ -8,6 +8,7 @@ own PRNG key, fold_in(key(seed), step), so a seeded request gets the same tokens
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import cpu_kernels
+from jserve.engine.packing import PackedLayout, unpack
 from jserve.engine.sequence import Sequence
 from jserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -327,6 +329,12 @@ def _top_logprobs(logits: jax.Array, lse: jax.Array, k: int) -> tuple[jax.Array,
         return jnp.zeros((logits.shape[0], 0), jnp.int32), jnp.zeros((logits.shape[0], 0), jnp.float32)
     values, ids = jax.lax.top_k(logits, k)  # top-k of the logits is top-k of log_softmax, without building it
     return ids.astype(jnp.int32), values - lse[:, None]
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def sample_packed(logits: jax.Array, packed: jax.Array, layout: PackedLayout) -> SamplerOutput:
+    """sample() with the metadata packed by jserve.engine.packing.pack: one transfer instead of 13 arrays."""
+    return sample(logits, unpack(packed, layout))
 
 
 @jax.jit
