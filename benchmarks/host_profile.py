@@ -64,6 +64,7 @@ def main() -> None:
         (engine.scheduler, "schedule", "schedule"), (engine.runner, "prepare", "build the batch"),
         (engine.runner, "run", "dispatch forward"), (engine.runner, "run_burst", "dispatch forward + sample"),
         (engine_module, "build_metadata", "sampling metadata"), (engine_module, "sample", "dispatch sample"),
+        (getattr(engine, "_metadata", None), "build", "sampling metadata"),
         (engine_module, "sample_packed", "dispatch sample"),
         (engine, "_append_token", "append and detokenize"), (engine, "_emit", "outputs"),
         (engine.scheduler, "on_step_done", "mark computed")]

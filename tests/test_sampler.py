@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from jserve.engine.sampler import (
     GREEDY_EPS,
+    MetadataCache,
     SamplerOutput,
     SamplingMetadata,
     _sort_descending,
@@ -356,3 +357,23 @@ def test_buckets_are_powers_of_two() -> None:
     assert [pow2_bucket(n, 16) for n in (0, 1, 16, 17, 100)] == [0, 16, 16, 32, 128]
     assert hash_seed(-1) == hash_seed(2**64 - 1)  # the same 64 bits, read as signed or unsigned
     assert len({hash_seed(s) for s in (-1, -2, 2**32, 2**32 + 1, 2**63)}) == 5
+
+
+def test_metadata_cache_gives_what_build_metadata_gives_step_after_step() -> None:
+    """The cache keeps a batch's metadata across steps and replaces only the step counts; batches whose
+    metadata changes otherwise (a penalty's history, a pending min_tokens) or whose sequences change are rebuilt."""
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=4, logit_bias={5: 2.0})
+    waits = SamplingParams(temperature=0.5, min_tokens=2, stop_token_ids=[9])
+    penalized = SamplingParams(temperature=0.7, repetition_penalty=1.2)
+    a, b, c, d = (make_seq(p) for p in (greedy, seeded, waits, penalized))
+    cache = MetadataCache()
+    for batch, pad_to in [([a, b], 4), ([a, b], 4), ([a, b, c], 4), ([a, b, c], 4), ([a, b, c], 4), ([a, b, c], 4),
+                          ([a, b, c], 8), ([a, b, c, d], 4), ([a, b, c, d], 4), ([b, a], 2)]:
+        got, want = cache.build(batch, pad_to), build_metadata(batch, pad_to)
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(x, y)
+        for seq in batch:
+            seq.append_token(11 + seq.num_output_tokens)
+    assert cache.build([a, b], 4) is not cache.build([a, b], 4)  # fresh step counts every call

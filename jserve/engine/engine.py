@@ -25,7 +25,7 @@ from jserve.config import EngineConfig, ModelLoadError
 from jserve.engine.kv_cache import BlockManager
 from jserve.engine.packing import pack
 from jserve.engine.runner import ModelRunner, kv_bytes_per_block, pick_bucket
-from jserve.engine.sampler import build_metadata, has_penalty, sample_packed, token_logprobs, warmup_metadata
+from jserve.engine.sampler import MetadataCache, has_penalty, sample_packed, token_logprobs, warmup_metadata
 from jserve.engine.scheduler import Scheduler, SchedulerOutput
 from jserve.engine.sequence import Sequence
 from jserve.outputs import CompletionOutput, RequestOutput
@@ -143,6 +143,7 @@ class LLMEngine:
         # can: one dispatch instead of two, and the logits never leave the device.
         self._bursts_possible = self.runner.supports_burst
         self._decode_step_seconds: dict[int, float] = {}  # the last decode step's time, by batch bucket (bursts)
+        self._metadata = MetadataCache()
         if config.warmup:
             self.warmup()
 
@@ -312,7 +313,7 @@ class LLMEngine:
             last_rows = np.zeros(self.runner.seq_rows_for(len(batch.token_ids)), np.int32)
             last_rows[:len(plan.scheduled)] = batch.query_start[1:len(plan.scheduled) + 1] - 1
             logits = logits[last_rows]
-        meta = build_metadata([c.seq for c in plan.scheduled], pad_to=logits.shape[0])
+        meta = self._metadata.build([c.seq for c in plan.scheduled], pad_to=logits.shape[0])
         sampled = sample_packed(logits, *pack(meta))
         token_ids = self._fetch(sampled.token_ids)
         self._count_prompt_tokens(plan)
@@ -374,7 +375,7 @@ class LLMEngine:
             allocated = self.block_manager.allocate_slots(chunk.seq, length)
             assert allocated, "_burst_length checked the free blocks"
         batch = self.runner.prepare(plan.scheduled, lookahead=length - 1)
-        meta = build_metadata([c.seq for c in plan.scheduled], pad_to=self.runner.seq_rows_for(len(batch.token_ids)))
+        meta = self._metadata.build([c.seq for c in plan.scheduled], self.runner.seq_rows_for(len(batch.token_ids)))
         start = time.perf_counter()
         tokens = self._fetch(self.runner.run_burst(batch, meta, length, self.config.decode_burst))[:length]  # [L, S]
         self._decode_step_seconds[self._decode_bucket(plan)] = (time.perf_counter() - start) / length

@@ -131,6 +131,28 @@ def build_metadata(seqs: list[Sequence], pad_to: int,
     )
 
 
+class MetadataCache:
+    """build_metadata for consecutive steps of the same sequences, where only `steps` changes: the last batch's
+    metadata is kept and its step counts replaced. Rows with a penalty (their history grows) or a pending
+    min_tokens (its bias lifts) change more than that, so a batch holding one is never kept."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._meta: SamplingMetadata | None = None
+
+    def build(self, seqs: list[Sequence], pad_to: int) -> SamplingMetadata:
+        key = (pad_to, *[seq.seq_id for seq in seqs])
+        if key != self._key:
+            self._meta = build_metadata(seqs, pad_to)
+            fixed = all(not _sampling_row(seq).has_penalty and seq.num_output_tokens >= seq.params.min_tokens
+                        for seq in seqs)
+            self._key = key if fixed else None
+            return self._meta
+        steps = np.zeros(pad_to, np.int32)
+        steps[:len(seqs)] = [seq.num_output_tokens for seq in seqs]
+        return dataclasses.replace(self._meta, steps=steps)
+
+
 # The values of a padded row: greedy, no filter, no penalty, seed 0 (the order of SamplingRow.values).
 _ROW_FILL = (*_NO_DRAW, 1.0, 0.0, 0.0, 0)
 
