@@ -27,7 +27,7 @@ from jserve.engine.packing import pack
 from jserve.engine.runner import ModelRunner, kv_bytes_per_block, pick_bucket
 from jserve.engine.sampler import MetadataCache, has_penalty, sample_packed, token_logprobs, warmup_metadata
 from jserve.engine.scheduler import Scheduler, SchedulerOutput
-from jserve.engine.sequence import Sequence
+from jserve.engine.sequence import Sequence, SequenceStatus
 from jserve.outputs import CompletionOutput, RequestOutput
 from jserve.sampling_params import InvalidParameterError, RequestOutputKind, SamplingParams
 from jserve.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer, load_tokenizer
@@ -64,7 +64,7 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.seq.is_finished for s in self.streams)
+        return all([s.seq.status is SequenceStatus.FINISHED for s in self.streams])  # read per request per step
 
     def output(self) -> RequestOutput:
         outputs = [CompletionOutput(index=s.seq.index, text=s.text, token_ids=list(s.seq.output_token_ids),
