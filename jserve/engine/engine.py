@@ -381,10 +381,10 @@ class LLMEngine:
         self._decode_step_seconds[self._decode_bucket(plan)] = (time.perf_counter() - start) / length
         self.stats.num_steps += length
         changed: dict[str, RequestState] = {}
-        for row, chunk in enumerate(plan.scheduled):
+        for chunk, row_tokens in zip(plan.scheduled, tokens.T.tolist(), strict=False):  # padding rows unused
             seq = chunk.seq
             state = self.requests[seq.request_id]
-            for token in tokens[:, row].tolist():
+            for token in row_tokens:
                 if seq.is_finished:  # stopped on EOS, a stop token or a stop string inside the burst
                     break
                 self.block_manager.mark_computed(seq, 1)  # the token fed at this step of the burst

@@ -38,7 +38,7 @@ def pack(tree: Any) -> tuple[np.ndarray, PackedLayout]:
 
 
 def unpack(buffer: jax.Array, layout: PackedLayout) -> Any:
-    """The tree `pack` was given, as slices of the buffer (inside jit: free views, one transfer)."""
+    """The tree `pack` was given, as slices of the buffer (called inside the jitted step)."""
     leaves, offset = [], 0
     for shape, dtype in zip(layout.shapes, layout.dtypes, strict=True):
         size = math.prod(shape)
