@@ -14,10 +14,7 @@ from pathlib import Path
 
 from jserve.bench.cli import add_bench_parser
 from jserve.config import EngineConfig, ModelLoadError
-from jserve.sampling_params import SamplingParams
 from jserve.server.cli import add_serve_parser
-
-SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams) if f.name != "eos_token_ids"}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
