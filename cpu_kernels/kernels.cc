@@ -622,6 +622,21 @@ void MatmulPanel(const MatmulJob<X, W>& job, int64_t n_begin, bool prefetch_next
   PanelTiles(job, n_begin, cols, panel.data(), kPanel, next, next + next_cols * job.k_size * sizeof(W));
 }
 
+// Tiles of up to kWideRows rows of x are bandwidth-bound: each streams a whole 32-column block once (AVX2: WideTile
+// for float32, WidePairTile for bfloat16 pairs; AVX-512: PackedTile).
+constexpr int64_t kWideRows = 2;
+// Such a tile requests, at each k (or pair of k), the two lines this far ahead, non-temporal; the blocks are one
+// forward stream, so near a block's end this reaches into the next. On an AVX2 EPYC batch-1 f32 decode went 48.7 ->
+// 52.6-53.1 tok/s with 384-768 bytes, but fell to 45.8 at 1024 (bfloat16 pairs: level at 384-1024). On an AVX-512
+// EPYC (Zen 4), 40 alternations in one process: bfloat16 117.8 -> 126.4 tok/s, float32 63.3 -> 65.8 (T0 hints, or
+// 1024 bytes, gained less).
+constexpr int64_t kWidePrefetchBytes = 512;
+inline void PrefetchAhead(const void* at) {
+  const char* ahead = static_cast<const char*>(at) + kWidePrefetchBytes;
+  _mm_prefetch(ahead, _MM_HINT_NTA);
+  _mm_prefetch(ahead + 64, _MM_HINT_NTA);
+}
+
 #ifdef JSERVE_AVX512_BF16
 // bfloat16 panels for vdpbf16ps: a panel holds 16 weight rows as k-pairs, (w[j, 2kp], w[j, 2kp + 1]) for j < 16,
 // one 512-bit vector per pair of k. A tile is R <= 12 rows of x by two panels (32 columns): per pair of k, two
@@ -634,6 +649,7 @@ void PackedTile(const uint16_t* x, int64_t k_size, const float* panel_a, const f
   for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const int64_t pairs = k_size / 2;
   for (int64_t kp = 0; kp < pairs; ++kp) {
+    if constexpr (R <= kWideRows) PrefetchAhead(panel_a + kp * stride);
     const __m512bh wa = reinterpret_cast<__m512bh>(_mm512_loadu_ps(panel_a + kp * stride));
     const __m512bh wb = reinterpret_cast<__m512bh>(_mm512_loadu_ps(panel_b + kp * stride));
 #pragma GCC unroll 16
@@ -668,13 +684,8 @@ int64_t PanelCols() {
 // each block is one forward stream (two 16-column panels interleaved a k, or a pair of k, at a time).
 struct F32Panels {};  // the weight type of a packed float32 job (its pointer is the panels' floats)
 
-// Wide tiles (AVX2: WideTile for float32, WidePairTile for bfloat16 pairs): one or two rows of x stream a whole
-// 32-column block once (bandwidth-bound). More rows take each 16-column panel in turn, which requests the next block
+// Wide tiles (kWideRows above): on AVX2, more rows take each 16-column panel in turn, which requests the next block
 // as it goes (float32 at 4 rows: 14 -> 15-19 GB/s against two wide tiles).
-constexpr int64_t kWideRows = 2;
-// Each k (or pair of k) requests the two lines this far ahead, non-temporal: batch-1 f32 decode went 48.7 ->
-// 52.6-53.1 tok/s with 384-768 bytes on an AVX2 EPYC, but fell to 45.8 at 1024 (bfloat16 pairs: level at 384-1024).
-constexpr int64_t kWidePrefetchBytes = 512;
 
 // A wide tile's accumulators (kSets sets, summed, of R rows by four 8-column vectors) stored as its rows.
 template <int64_t kSets, int64_t R>
@@ -716,6 +727,7 @@ void PackedTile(const float* x, int64_t k_size, const float* panel_a, const floa
 #pragma GCC unroll 16
   for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < k_size; ++k) {
+    if constexpr (R <= kWideRows) PrefetchAhead(panel_a + k * stride);
     const __m512 wa = _mm512_loadu_ps(panel_a + k * stride);
     const __m512 wb = _mm512_loadu_ps(panel_b + k * stride);
 #pragma GCC unroll 16
@@ -770,9 +782,7 @@ void WideTile(const float* x, int64_t k_size, const float* panel_a, const float*
   for (int64_t i = 0; i < kSets * R * 4; ++i) acc[i / (R * 4)][i / 4 % R][i % 4] = _mm256_setzero_ps();
   int64_t k = 0;
   auto step = [&](int64_t set, int64_t kk) {
-    const char* ahead = reinterpret_cast<const char*>(panel_a + kk * stride) + kWidePrefetchBytes;
-    _mm_prefetch(ahead, _MM_HINT_NTA);
-    _mm_prefetch(ahead + 64, _MM_HINT_NTA);
+    PrefetchAhead(panel_a + kk * stride);
     const __m256 w0 = _mm256_loadu_ps(panel_a + kk * stride), w1 = _mm256_loadu_ps(panel_a + kk * stride + 8);
     const __m256 w2 = _mm256_loadu_ps(panel_b + kk * stride), w3 = _mm256_loadu_ps(panel_b + kk * stride + 8);
 #pragma GCC unroll 2
@@ -824,9 +834,7 @@ void WidePairTile(const float* x, int64_t k_size, const float* block, float tile
   for (int64_t i = 0; i < kSets * R * 4; ++i) acc[i / (R * 4)][i / 4 % R][i % 4] = _mm256_setzero_ps();
   for (int64_t kp = 0; kp < k_size / 2; ++kp) {
     const float* w = block + kp * 2 * kPanel;
-    const char* ahead = reinterpret_cast<const char*>(w) + kWidePrefetchBytes;
-    _mm_prefetch(ahead, _MM_HINT_NTA);
-    _mm_prefetch(ahead + 64, _MM_HINT_NTA);
+    PrefetchAhead(w);
     __m256 x_even[R], x_odd[R];
 #pragma GCC unroll 2
     for (int64_t r = 0; r < R; ++r) {

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import statistics
 import threading
 import time
 from argparse import Namespace
@@ -281,6 +282,13 @@ def test_bench_latency_reports_speed_and_roofline(hf_model_dir, tmp_path):
     assert report["bytes_per_decode_token"] == decode_bytes_per_token(cfg, "float32", 8 + 4 / 2)
     assert report["roofline_decode_tokens_per_s"] == pytest.approx(
         report["stream_bandwidth_gb_s"] * 1e9 / report["bytes_per_decode_token"])
+    # The bandwidth is measured before each timed iteration, and each decode is set against its own.
+    bandwidths, decodes = report["stream_bandwidth_gb_s_each"], report["decode_s_each"]
+    assert len(bandwidths) == len(decodes) == 2 and min(bandwidths) > 0
+    assert report["stream_bandwidth_gb_s"] == pytest.approx(statistics.median(bandwidths))
+    roofline_each = [bw * 1e9 / report["bytes_per_decode_token"] for bw in bandwidths]
+    shares = [3 / seconds / roofline for seconds, roofline in zip(decodes, roofline_each, strict=True)]
+    assert report["decode_fraction_of_roofline"] == pytest.approx(statistics.median(shares))
 
 
 # ----- bench serve against a fake OpenAI-compatible server -----

@@ -4,6 +4,9 @@ Each iteration runs one request with a fresh random prompt (so the prefix cache 
 tokens and --output-len greedy tokens, EOS ignored. Prefill speed is input tokens / time to the first token;
 decode speed is the remaining tokens / the time after the first token. Medians over --num-iters are reported,
 after --num-iters-warmup untimed iterations.
+
+The memory's read bandwidth is measured right before each timed iteration: on a shared machine it moves (seen
+halving for minutes at a time), so each iteration's decode is set against the bandwidth of its own moment.
 """
 
 from __future__ import annotations
@@ -46,49 +49,58 @@ def measure(args: Namespace) -> dict:
     engine = llm.engine
     rng = np.random.default_rng(args.seed)
     vocab = ordinary_token_ids(engine.tokenizer, engine.tokenizer.special_token_ids)
-    ttfts, decodes = [], []
+    ttfts, decodes, bandwidths = [], [], []
     for i in range(args.num_iters_warmup + args.num_iters):
+        timed = i >= args.num_iters_warmup
+        if timed:
+            bandwidths.append(stream_bandwidth())
         ttft, decode = time_request(engine, f"latency-{i}", random_prompt(rng, vocab, args.input_len),
                                     args.output_len)
-        if i >= args.num_iters_warmup:
+        if timed:
             ttfts.append(ttft)
             decodes.append(decode)
     ttft, decode = statistics.median(ttfts), statistics.median(decodes)
     return {"ttft_s": ttft, "decode_s": decode, "prefill_tokens_per_s": args.input_len / ttft,
-            "decode_tokens_per_s": (args.output_len - 1) / decode if args.output_len > 1 else float("nan"),
-            "model_config": engine.model_config}
+            "decode_tokens_per_s": (args.output_len - 1) / decode, "decode_s_each": decodes,
+            "bandwidth_each": bandwidths, "model_config": engine.model_config}
 
 
-def roofline(cfg, dtype: str, input_len: int, output_len: int, bandwidth_before: float) -> dict:
-    """bandwidth_before: stream_bandwidth() measured before the decode timing; it is measured again after, and
-    the higher of the two bounds the decode (a shared machine's bandwidth moves over a run)."""
+def roofline(cfg, dtype: str, input_len: int, output_len: int, decode_s_each: list[float],
+             bandwidth_each: list[float]) -> dict:
+    """The roofline at the median of the bandwidths measured before each iteration, and the median over iterations
+    of each decode's share of the roofline at its own bandwidth."""
     context = input_len + output_len / 2  # the mean context a decode step attends over
-    bandwidth = max(bandwidth_before, stream_bandwidth())
     per_token = decode_bytes_per_token(cfg, dtype, context)
-    return {"stream_bandwidth_gb_s": bandwidth / 1e9, "weight_bytes_per_token": weight_params_read_per_token(cfg)
-            * DTYPE_BYTES[dtype], "bytes_per_decode_token": per_token, "mean_context": context,
-            "roofline_decode_tokens_per_s": bandwidth / per_token}
+    bandwidth = statistics.median(bandwidth_each)
+    shares = [(output_len - 1) / seconds / (bw / per_token) for seconds, bw in zip(decode_s_each, bandwidth_each,
+                                                                                     strict=True)]
+    return {"stream_bandwidth_gb_s": bandwidth / 1e9, "stream_bandwidth_gb_s_each": [bw / 1e9 for bw in bandwidth_each],
+            "weight_bytes_per_token": weight_params_read_per_token(cfg) * DTYPE_BYTES[dtype],
+            "bytes_per_decode_token": per_token, "mean_context": context,
+            "roofline_decode_tokens_per_s": bandwidth / per_token,
+            "decode_fraction_of_roofline": statistics.median(shares)}
 
 
 def run_latency(args: Namespace) -> int:
     if args.output_len < 2:
         raise ValueError("--output-len must be at least 2 to time decoding")
-    bandwidth_before = stream_bandwidth()
     result = measure(args)
     cfg = result.pop("model_config")
+    bandwidth_each = result.pop("bandwidth_each")
     report = {"model": args.model, "dtype": args.dtype, "input_len": args.input_len, "output_len": args.output_len,
               "num_iters": args.num_iters, **result,
-              **roofline(cfg, args.dtype, args.input_len, args.output_len, bandwidth_before)}
-    report["decode_fraction_of_roofline"] = report["decode_tokens_per_s"] / report["roofline_decode_tokens_per_s"]
+              **roofline(cfg, args.dtype, args.input_len, args.output_len, result["decode_s_each"], bandwidth_each)}
     print(f"Prefill: {report['prefill_tokens_per_s']:.1f} tokens/s (TTFT {report['ttft_s'] * 1000:.1f} ms for "
           f"{args.input_len} tokens)")
     print(f"Decode:  {report['decode_tokens_per_s']:.1f} tokens/s at batch 1 "
           f"({report['decode_s'] / (args.output_len - 1) * 1000:.2f} ms/token)")
     print(f"Roofline: {report['roofline_decode_tokens_per_s']:.1f} tokens/s = "
-          f"{report['stream_bandwidth_gb_s']:.1f} GB/s read bandwidth / "
-          f"{report['bytes_per_decode_token'] / 1e6:.1f} MB per token (weights "
+          f"{report['stream_bandwidth_gb_s']:.1f} GB/s read bandwidth (median; "
+          f"{min(report['stream_bandwidth_gb_s_each']):.1f}-{max(report['stream_bandwidth_gb_s_each']):.1f} before "
+          f"the iterations) / {report['bytes_per_decode_token'] / 1e6:.1f} MB per token (weights "
           f"{report['weight_bytes_per_token'] / 1e6:.1f} MB + KV at {report['mean_context']:.0f} tokens of context); "
-          f"decode reaches {report['decode_fraction_of_roofline']:.0%} of it")
+          f"decode reaches {report['decode_fraction_of_roofline']:.0%} of it (median over the iterations, each against "
+          f"the bandwidth measured before it)")
     if args.result_json:
         Path(args.result_json).write_text(json.dumps(report, indent=2) + "\n")
     return 0
