@@ -1,9 +1,10 @@
 #!/bin/bash
 # The side-by-side comparison behind docs/benchmarks.md (about 35 minutes on 2 cores): llama.cpp and jserve batch-1
-# latency, llama-server and jserve serving 32 concurrent streams in bfloat16 and float32, jserve and transformers
-# offline throughput (uniform 128/128 and the ShareGPT-like mixed workload), TTFT with a cached 1,024-token prefix,
-# and cold / cached warm-up. Needs benchmarks/build_bench_model.py, llama.cpp built and both GGUFs converted as
-# benchmarks/README.md describes. Run it on a quiet machine; raw reports go to $OUT (default /tmp/jserve-bench).
+# latency (also in turns, paired round by round: benchmarks/batch1_pair.py), llama-server and jserve serving 32
+# concurrent streams in bfloat16 and float32, jserve and transformers offline throughput (uniform 128/128 and the
+# ShareGPT-like mixed workload), TTFT with a cached 1,024-token prefix, and cold / cached warm-up. Needs
+# benchmarks/build_bench_model.py, llama.cpp built and both GGUFs converted as benchmarks/README.md describes.
+# Run it on a quiet machine; raw reports go to $OUT (default /tmp/jserve-bench).
 #
 #   bash benchmarks/quick_compare.sh [BASELINE_CHECKOUT]
 #
@@ -37,6 +38,11 @@ for tree in "${trees[@]}"; do
       --num-iters 3 --num-iters-warmup 1 --max-model-len 512 --max-num-seqs 8 --max-num-batched-tokens 256 \
       2>&1 | grep -E "warm-up|Prefill|Decode|Roofline")
   done
+done
+# Where the memory bandwidth moves between minutes, only rounds taken in turns compare the two fairly.
+for dtype in bfloat16 float32; do
+  echo "### batch-1 decode, jserve and llama-bench in turns ($dtype, 6 rounds)"
+  python3 benchmarks/batch1_pair.py --dtype $dtype --rounds 6 --llama-bin "$B" 2>&1 | grep -E "^round|median"
 done
 
 serve_bench() {  # URL NAME [extra bench flags]
