@@ -629,7 +629,8 @@ constexpr int64_t kWideRows = 2;
 // forward stream, so near a block's end this reaches into the next. On an AVX2 EPYC batch-1 f32 decode went 48.7 ->
 // 52.6-53.1 tok/s with 384-768 bytes, but fell to 45.8 at 1024 (bfloat16 pairs: level at 384-1024). On an AVX-512
 // EPYC (Zen 4), switched on and off between batch-1 generations in one process: bfloat16 +6.7% (median of 30 paired
-// rounds, 25 faster), float32 level (0.995, 11 of 24); T0 hints, or 1024-2048 bytes, gained less.
+// rounds, 25 faster), float32 level (0.995, 11 of 24); T0 hints at 512-2048 bytes gained less, T1 at 1024-2048 was
+// level with this (16 paired rounds).
 constexpr int64_t kWidePrefetchBytes = 512;
 inline void PrefetchAhead(const void* at) {
   const char* ahead = static_cast<const char*>(at) + kWidePrefetchBytes;
