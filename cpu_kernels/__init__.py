@@ -240,13 +240,15 @@ class LayerWeights(NamedTuple):
     k_norm: jax.Array | None = None  # f32[D]
 
 
-def decoder_layers(x: jax.Array, layers: Sequence[LayerWeights], k_pages: Sequence[jax.Array],
-                   v_pages: Sequence[jax.Array], *, positions: jax.Array, slot_mapping: jax.Array,
+def decoder_layers(x: jax.Array, layers: Sequence[LayerWeights], k_pages: Sequence[jax.Array] | jax.Array,
+                   v_pages: Sequence[jax.Array] | jax.Array, *, positions: jax.Array, slot_mapping: jax.Array,
                    page_table: jax.Array, query_start: jax.Array, seq_lens: jax.Array, inv_freq: np.ndarray,
                    num_heads: int, eps: float, scale: float, sliding_window: int | None = None,
-                   soft_cap: float | None = None) -> tuple[jax.Array, list[jax.Array], list[jax.Array]]:
+                   soft_cap: float | None = None) -> tuple[jax.Array, list[jax.Array] | jax.Array,
+                                                           list[jax.Array] | jax.Array]:
     """Llama-family decoder layers, one after another, over a ragged batch in one kernel call
-    -> (x_out, k_pages, v_pages), the pages a list per layer as given.
+    -> (x_out, k_pages, v_pages), the pages in the form given: a list per layer, or stacked, one
+    [L, num_pages, page_size, num_kv_heads, head_dim] array each.
 
     x f32[T, E] is the residual stream; each layer's new K/V are written to their slots (out of range: dropped) and
     the pages come back updated in place (aliased: inside a jitted step with a donated cache nothing is copied).
@@ -254,9 +256,14 @@ def decoder_layers(x: jax.Array, layers: Sequence[LayerWeights], k_pages: Sequen
     all packed by pack_weight, with the same shapes in every layer."""
     _require()
     num_layers = len(layers)
-    if num_layers == 0 or len(k_pages) != num_layers or len(v_pages) != num_layers:
-        raise ValueError(f"decoder_layers: {num_layers} layers need as many k_pages and v_pages, got "
-                         f"{len(k_pages)} and {len(v_pages)}")
+    stacked = isinstance(k_pages, jax.Array | np.ndarray)
+    kv_arrays = [k_pages, v_pages] if stacked else [*k_pages, *v_pages]
+    num_kv = k_pages.shape[0] if stacked and k_pages.ndim == 5 else (-1 if stacked else len(k_pages))
+    if num_layers == 0 or num_kv != num_layers or stacked != isinstance(v_pages, jax.Array | np.ndarray) or \
+            (not stacked and len(v_pages) != num_layers) or (stacked and v_pages.shape != k_pages.shape):
+        shape = lambda pages: pages.shape if isinstance(pages, jax.Array | np.ndarray) else f"{len(pages)} arrays"
+        raise ValueError(f"decoder_layers: {num_layers} layers need as many k_pages and v_pages (a list each, or one "
+                         f"[{num_layers}, N, B, Hkv, D] array each), got {shape(k_pages)} and {shape(v_pages)}")
     dtype = layers[0].qkv.dtype
     for weights in layers:
         matmuls = (weights.qkv, weights.o, weights.gate_up, weights.down)
@@ -275,11 +282,13 @@ def decoder_layers(x: jax.Array, layers: Sequence[LayerWeights], k_pages: Sequen
         args += [f32(w.input_norm), w.qkv, f32(w.qkv_bias), f32(w.q_norm), f32(w.k_norm), w.o, f32(w.o_bias),
                  f32(w.post_norm), w.gate_up, f32(w.gate_up_bias), w.down, f32(w.down_bias)]
     kv_in = len(args)
-    args += [*k_pages, *v_pages]
+    args += kv_arrays
     out = [jax.ShapeDtypeStruct(x.shape, jnp.float32)]
-    out += [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in (*k_pages, *v_pages)]
-    aliases = {kv_in + i: 1 + i for i in range(2 * num_layers)}
+    out += [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in kv_arrays]
+    aliases = {kv_in + i: 1 + i for i in range(len(kv_arrays))}
     x_out, *pages = jax.ffi.ffi_call("jserve_decoder_layers", out, input_output_aliases=aliases)(
         *args, num_heads=np.int64(num_heads), eps=np.float32(eps), scale=np.float32(scale),
         sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0))
+    if stacked:
+        return x_out, pages[0], pages[1]
     return x_out, pages[:num_layers], pages[num_layers:]

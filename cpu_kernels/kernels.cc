@@ -2133,7 +2133,8 @@ ffi::Error CheckLayerWeights(LayerBuffers& b, int64_t q_size, int64_t kv_size, i
 
 template <typename W>
 void RunLayers(ffi::ThreadPool& pool, std::vector<LayerBuffers>& buffers, const LayerShape& first,
-               const AttentionArgs& shape_args, ffi::RemainingRets& rets, const AttentionPlan& plan) {
+               const AttentionArgs& shape_args, ffi::RemainingRets& rets, const AttentionPlan& plan,
+               int64_t stacked_layer_bytes) {
   const size_t num_layers = buffers.size();
   std::vector<LayerRun<W>> layers;
   layers.reserve(num_layers);  // the phases point into it: it never reallocates
@@ -2141,8 +2142,15 @@ void RunLayers(ffi::ThreadPool& pool, std::vector<LayerBuffers>& buffers, const 
     LayerShape s = first;
     if (l > 0) s.x = first.x_out;  // later layers update the residual stream in place
     AttentionArgs a = shape_args;
-    void* k_pages = (*rets.get<ffi::AnyBuffer>(l))->untyped_data();
-    void* v_pages = (*rets.get<ffi::AnyBuffer>(num_layers + l))->untyped_data();
+    void* k_pages;
+    void* v_pages;
+    if (stacked_layer_bytes > 0) {  // layer l's pages are the l-th slice of the one k and one v array
+      k_pages = static_cast<char*>((*rets.get<ffi::AnyBuffer>(0))->untyped_data()) + l * stacked_layer_bytes;
+      v_pages = static_cast<char*>((*rets.get<ffi::AnyBuffer>(1))->untyped_data()) + l * stacked_layer_bytes;
+    } else {
+      k_pages = (*rets.get<ffi::AnyBuffer>(l))->untyped_data();
+      v_pages = (*rets.get<ffi::AnyBuffer>(num_layers + l))->untyped_data();
+    }
     a.k_pages = k_pages;
     a.v_pages = v_pages;
     layers.push_back({s, Weights<W>(buffers[l]), a, k_pages, v_pages});
@@ -2160,10 +2168,12 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   if (x_dims.size() != 2 || num_heads <= 0) {
     return ffi::Error::InvalidArgument("jserve_decoder_layers: expected x[T, E]");
   }
-  // After the layers' weights come every layer's k_pages, then every layer's v_pages (each aliased to its result).
-  const size_t num_layers = rets.size() / 2;
-  if (num_layers == 0 || rets.size() != 2 * num_layers || args.size() != num_layers * (kLayerWeightArgs + 2)) {
-    return ffi::Error::InvalidArgument("jserve_decoder_layers: expected 12 weights and k/v pages for each layer");
+  // After the layers' weights come the K/V pages, each array aliased to its result: every layer's k_pages, then every
+  // layer's v_pages, or stacked, one k[L, N, B, Hkv, D] and one v (2 arrays for the step to dispatch, not 2L).
+  const size_t kv_arrays = rets.size();
+  const size_t num_layers = args.size() >= kv_arrays ? (args.size() - kv_arrays) / kLayerWeightArgs : 0;
+  if (num_layers == 0 || kv_arrays < 2 || args.size() != num_layers * kLayerWeightArgs + kv_arrays) {
+    return ffi::Error::InvalidArgument("jserve_decoder_layers: expected 12 weights a layer, then k/v pages");
   }
   std::vector<LayerBuffers> buffers;
   buffers.reserve(num_layers);
@@ -2173,7 +2183,12 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   }
   ffi::ErrorOr<ffi::AnyBuffer> k0 = args.get<ffi::AnyBuffer>(num_layers * kLayerWeightArgs);
   if (k0.has_error()) return k0.error();
-  const auto kv_dims = k0->dimensions();
+  const auto all_kv_dims = k0->dimensions();
+  const bool stacked = kv_arrays == 2 && all_kv_dims.size() == 5;
+  if (stacked ? all_kv_dims[0] != static_cast<int64_t>(num_layers) : kv_arrays != 2 * num_layers) {
+    return ffi::Error::InvalidArgument("jserve_decoder_layers: expected k/v pages for each layer (or stacked)");
+  }
+  const auto kv_dims = stacked ? all_kv_dims.last(4) : all_kv_dims;
   AttentionArgs a;
   ffi::Error shapes = AttentionShapes(a, num_heads, kv_dims.size() == 4 ? kv_dims[3] : 0, kv_dims,
                                       page_table.dimensions(), k0->element_type(), k0->element_type());
@@ -2196,17 +2211,17 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
     if (layer_i != i_size || layer_type != w_type || layer_packed != packed) {
       return ffi::Error::InvalidArgument("jserve_decoder_layers: every layer must have the same weight shapes");
     }
-    for (size_t kv : {l, num_layers + l}) {
-      ffi::ErrorOr<ffi::AnyBuffer> pages = args.get<ffi::AnyBuffer>(num_layers * kLayerWeightArgs + kv);
-      ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> out = rets.get<ffi::AnyBuffer>(kv);
-      if (pages.has_error()) return pages.error();
-      if (out.has_error()) return out.error();
-      const auto dims = pages->dimensions();
-      if (pages->element_type() != k0->element_type() || !std::equal(dims.begin(), dims.end(), kv_dims.begin(),
-                                                                      kv_dims.end()) ||
-          (*out)->untyped_data() != pages->untyped_data()) {
-        return ffi::Error::InvalidArgument("jserve_decoder_layers: every layer's pages must match (and be aliased)");
-      }
+  }
+  for (size_t kv = 0; kv < kv_arrays; ++kv) {
+    ffi::ErrorOr<ffi::AnyBuffer> pages = args.get<ffi::AnyBuffer>(num_layers * kLayerWeightArgs + kv);
+    ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> out = rets.get<ffi::AnyBuffer>(kv);
+    if (pages.has_error()) return pages.error();
+    if (out.has_error()) return out.error();
+    const auto dims = pages->dimensions();
+    if (pages->element_type() != k0->element_type() ||
+        !std::equal(dims.begin(), dims.end(), all_kv_dims.begin(), all_kv_dims.end()) ||
+        (*out)->untyped_data() != pages->untyped_data()) {
+      return ffi::Error::InvalidArgument("jserve_decoder_layers: every layer's pages must match (and be aliased)");
     }
   }
   a.page_table = page_table.typed_data();
@@ -2225,14 +2240,16 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   if (valid.failure()) return valid;
   const LayerShape first{real_tokens, e, i_size, eps, x.typed_data(), x_out->typed_data(), positions.typed_data(),
                          slot_mapping.typed_data(), inv_freq.typed_data()};
+  const int64_t stacked_layer_bytes =
+      stacked ? a.num_pages * a.page_size * kv_size * (a.kv_bf16 ? 2 : 4) : 0;
   if (packed && w_type == ffi::DataType::U32) {
-    RunLayers<uint32_t>(pool, buffers, first, a, rets, plan);
+    RunLayers<uint32_t>(pool, buffers, first, a, rets, plan, stacked_layer_bytes);
   } else if (packed) {
-    RunLayers<F32Panels>(pool, buffers, first, a, rets, plan);
+    RunLayers<F32Panels>(pool, buffers, first, a, rets, plan, stacked_layer_bytes);
   } else if (IsBf16Bits(w_type)) {
-    RunLayers<uint16_t>(pool, buffers, first, a, rets, plan);
+    RunLayers<uint16_t>(pool, buffers, first, a, rets, plan, stacked_layer_bytes);
   } else {
-    RunLayers<float>(pool, buffers, first, a, rets, plan);
+    RunLayers<float>(pool, buffers, first, a, rets, plan, stacked_layer_bytes);
   }
   return ffi::Error::Success();
 }
@@ -2318,7 +2335,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveDecoderLayers, DecoderLayersImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // inv_freq
                                   .RemainingArgs()                // 12 weights a layer, then k_pages, then v_pages
                                   .Ret<ffi::Buffer<ffi::F32>>()   // x_out
-                                  .RemainingRets()                // k_pages of each layer, then v_pages (aliased)
+                                  .RemainingRets()                // the k_pages, then the v_pages (aliased)
                                   .Attr<int64_t>("num_heads")
                                   .Attr<float>("eps")
                                   .Attr<float>("scale")

@@ -261,6 +261,44 @@ def test_long_decode_through_the_layer_kernel_matches_reference(hf_model_dir, dt
     np.testing.assert_allclose(decode_logits("cpu"), decode_logits("reference"), atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_stacked_kv_cache_gives_the_per_layer_results(hf_model_dir, backend):
+    """The CPU runner keeps K and V as one [L, ...] array each (2 arrays to dispatch, not 2 L). A prefill and then a
+    decode over it give the logits and cache contents a per-layer cache gives: through the layer kernel, and through
+    the per-op layers (which split a stacked cache and stack it again)."""
+    from checkpoints.loading import load_model
+    from jserve.engine.runner import ModelRunner, ScheduledChunk
+    from jserve.engine.sequence import Sequence
+    from jserve.models.batch import KVCache
+    from jserve.sampling_params import SamplingParams
+
+    model = load_model(hf_model_dir("llama"), "float32", backend)
+
+    def prefill_and_decode(stacked: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        runner = ModelRunner(model, dtype="float32", num_blocks=12, block_size=16, max_num_batched_tokens=64,
+                             max_num_seqs=2, max_model_len=128)
+        assert runner.stacked_cache == (backend == "cpu")
+        cache = runner.kv_cache
+        if stacked != cache.stacked:
+            runner.kv_cache = KVCache(k=jnp.stack(cache.k), v=jnp.stack(cache.v)) if stacked else \
+                KVCache(k=list(cache.k), v=list(cache.v))
+        seqs = [Sequence(f"r{i}", [3 + (5 * j + i) % 380 for j in range(n)], SamplingParams())
+                for i, n in enumerate((40, 9))]
+        seqs[0].block_table, seqs[1].block_table = [9, 2, 11], [5]
+        runner.run(runner.prepare([ScheduledChunk(s, s.num_tokens - 1, False) for s in seqs]))
+        for s in seqs:
+            s.num_computed_tokens = s.num_tokens - 1
+        logits = np.asarray(runner.run(runner.prepare([ScheduledChunk(s, 1, True) for s in seqs])))[:2]
+        assert runner.kv_cache.stacked == stacked
+        k, v = runner.kv_cache.k, runner.kv_cache.v
+        return logits, np.asarray(k) if stacked else np.stack(k), np.asarray(v) if stacked else np.stack(v)
+
+    stacked, per_layer = prefill_and_decode(True), prefill_and_decode(False)
+    assert np.abs(per_layer[1]).max() > 0  # the steps wrote K/V
+    for got, want in zip(stacked, per_layer, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_check_lowering_passes(platform):
     """The CI gate itself: every kernel exports for its platform at the 8B and benchmark shapes (~3 s each)."""

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+import cpu_kernels as kernel_library
 from checkpoints.loading import LoadedModel
 from jserve.engine.packing import PackedLayout, pack, unpack
 from jserve.engine.sampler import SamplingMetadata, sample
@@ -78,9 +79,18 @@ class ModelRunner:
         cfg = self.config
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         storage = kv_storage_dtype(dtype, jax.default_backend())
+        cpu_kernels = model.attention_backend == "cpu"
+        # Where every step runs the CPU layer kernel (one device, and no batch too large for it), the cache is one
+        # stacked array for K and one for V: 58 fewer arrays to dispatch a step (~0.16 ms with the caches cold).
+        self.stacked_cache = cpu_kernels and mesh is None and cfg.fused_shards == 1 and \
+            max_num_batched_tokens <= kernel_library.max_kernel_rows()
         if mesh is None:
-            self.kv_cache = KVCache(k=[jnp.zeros(shape, storage) for _ in range(cfg.num_layers)],
-                                    v=[jnp.zeros(shape, storage) for _ in range(cfg.num_layers)])
+            if self.stacked_cache:
+                stacked = (cfg.num_layers, *shape)
+                self.kv_cache = KVCache(k=jnp.zeros(stacked, storage), v=jnp.zeros(stacked, storage))
+            else:
+                self.kv_cache = KVCache(k=[jnp.zeros(shape, storage) for _ in range(cfg.num_layers)],
+                                        v=[jnp.zeros(shape, storage) for _ in range(cfg.num_layers)])
             self._step = jax.jit(self._packed_forward, donate_argnums=(1,), static_argnums=(3,))
         else:
             # Each device allocates only its own KV heads (never the whole cache on one device).
@@ -93,7 +103,6 @@ class ModelRunner:
             cache_shardings = jax.tree.map(lambda a: a.sharding, self.kv_cache)
             self._step = jax.jit(self._packed_forward, donate_argnums=(1,), static_argnums=(3,),
                                  out_shardings=(cache_shardings, replicated(mesh)))
-        cpu_kernels = model.attention_backend == "cpu"
         # Without the CPU kernels, decode batches are padded to at least 8 rows: XLA CPU matmuls with M = 1 are
         # up to 10x slower per row. The kernels stream weights at any row count, so a lone decode stays one row.
         smallest = 1 if cpu_kernels else 8

@@ -29,7 +29,14 @@ class StepBatch:
 @jax.tree_util.register_dataclass
 @dataclass
 class KVCache:
-    """Per-layer paged key and value caches, donated to every step and returned updated in place."""
+    """The paged key and value caches of every layer, donated to every step and returned updated in place.
 
-    k: list[jax.Array]  # num_layers x [num_pages, page_size, num_kv_heads, head_dim]
-    v: list[jax.Array]  # num_layers x [num_pages, page_size, num_kv_heads, head_dim]
+    Per layer (a list of arrays) or stacked (one array each, layer first): a jitted call pays its dispatch per array
+    argument, so the CPU kernels, which take the whole stack in one call, get 2 arrays instead of 2 x num_layers."""
+
+    k: list[jax.Array] | jax.Array  # num_layers x [num_pages, page_size, num_kv_heads, head_dim], or stacked
+    v: list[jax.Array] | jax.Array  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+
+    @property
+    def stacked(self) -> bool:
+        return not isinstance(self.k, list | tuple)

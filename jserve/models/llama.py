@@ -136,12 +136,14 @@ class LlamaForCausalLM(nnx.Module):
     def __call__(self, kv_cache: KVCache, batch: StepBatch) -> tuple[KVCache, jax.Array]:
         inv_freq = rope_inv_freq(self.config)
         x = embed_lookup(self.embed_tokens[...], batch.token_ids)
-        k_cache, v_cache = list(kv_cache.k), list(kv_cache.v)
-        if self.layers[0].fused(x.shape[0]):
-            x, k_cache, v_cache = _kernel_layers(list(self.layers), x, k_cache, v_cache, batch, inv_freq)
-        else:
+        if self.layers[0].fused(x.shape[0]):  # the kernel takes the cache in either form
+            x, k_cache, v_cache = _kernel_layers(list(self.layers), x, kv_cache.k, kv_cache.v, batch, inv_freq)
+        else:  # a stacked cache is split into layers and stacked again (correct, but copies: runners avoid it)
+            k_cache, v_cache = list(kv_cache.k), list(kv_cache.v)
             for i, layer in enumerate(self.layers):
                 x, k_cache[i], v_cache[i] = layer(x, k_cache[i], v_cache[i], batch, inv_freq)
+            if kv_cache.stacked:
+                k_cache, v_cache = jnp.stack(k_cache), jnp.stack(v_cache)
         last = self.norm(x[batch.logits_indices])  # only the positions that produce a next token
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         logits = matmul(last, head[...], self.cpu_kernel, self.config.vocab_size)
