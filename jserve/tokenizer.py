@@ -107,6 +107,7 @@ class Tokenizer:
     def __init__(self, hf: Any):
         self.hf = hf
         self._rust_decode = _plain_rust_decode(hf)
+        self._token_text: dict[bool, dict[int, str]] = {True: {}, False: {}}  # decode_token's, by skip_special_tokens
 
     @property
     def eos_token_id(self) -> int | None:
@@ -145,6 +146,14 @@ class Tokenizer:
         if self._rust_decode is not None:  # what hf.decode does here, without ~3 us of Python (twice a token)
             return self._rust_decode(ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+    def decode_token(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        """decode([token_id]), remembered: a function of the token alone, and a stream asks for it once a token."""
+        known = self._token_text[skip_special_tokens]
+        text = known.get(token_id)
+        if text is None:
+            text = known[token_id] = self.decode([token_id], skip_special_tokens)
+        return text
 
     def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
                     **kwargs: Any) -> str:
@@ -267,7 +276,10 @@ class IncrementalDetokenizer:
             return ""
         delta = new_text[len(self._prefix_text):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        if self._read_offset - self._prefix_offset == 1:  # the usual delta: one token, whose text is remembered
+            self._prefix_text = self.tokenizer.decode_token(token_id, self.skip_special_tokens)
+        else:
+            self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
         return self._emit(delta)
 
     def finish(self) -> str:

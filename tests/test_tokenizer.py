@@ -163,6 +163,16 @@ def test_decode_is_hf_decode(toks, kind: str, data) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_decode_token_is_hf_decode_of_the_token(toks, kind: str) -> None:
+    """Every token of the vocabulary, twice (the second answer is the remembered one), both ways of skipping."""
+    tok = toks[kind]
+    for _ in range(2):
+        for skip in (True, False):
+            assert [tok.decode_token(i, skip) for i in range(tok.vocab_size)] == \
+                [hf_decode(tok, [i], skip) for i in range(tok.vocab_size)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @PROPERTY
 @given(text=texts)
 def test_stream_without_prompt_is_plain_decode(toks, kind: str, text: str) -> None:
