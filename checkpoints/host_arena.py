@@ -12,6 +12,7 @@ step is refused, `place` falls back to a copy by jax.device_put.
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import sys
 
@@ -61,6 +62,25 @@ class HugePageArena:
             self.enabled = False
         return placed
 
+    def reserve(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+        """An uninitialized array in the arena (None where the arena is off): fill it, then `alias` it."""
+        if not self.enabled:
+            return None
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        if self._chunk is None or self._offset + nbytes > self._end:
+            self._map(nbytes)
+        view = np.frombuffer(self._chunk, dtype, math.prod(shape), self._offset).reshape(shape)
+        self._offset += -(-nbytes // ALIGN) * ALIGN
+        return view
+
+    @staticmethod
+    def alias(view: np.ndarray) -> jax.Array | None:
+        """A jax.Array over `view`'s memory, not a copy; None where JAX would copy (or the dtype has no DLPack)."""
+        if view.dtype.kind not in "fiu":
+            return None
+        placed = jnp.from_dlpack(view)
+        return placed if placed.unsafe_buffer_pointer() == view.ctypes.data else None
+
     def _map(self, nbytes: int) -> None:
         size = max(self.chunk_bytes, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)
         # Private: a shared anonymous mapping is shmem, which takes huge pages only where the host enables them.
@@ -70,3 +90,43 @@ class HugePageArena:
         if not _madvise_huge(address + start, size):
             self.enabled = False
         self._chunk, self._offset, self._end = chunk, start, start + size
+
+
+class LayerStacks:
+    """Every layer's copy of one parameter (say, each layer's qkv weight) in one [num_layers, ...] array of the arena.
+
+    The CPU layer kernel then takes each kind of weight as one array (a jitted step pays its dispatch per array: 12
+    instead of 12 a layer), while each layer's own parameter is a view of its slice, so nothing is held twice.
+    `stacked()` gives the stacks once every layer is placed; None if any slice had to be a copy."""
+
+    def __init__(self, arena: HugePageArena, num_layers: int):
+        self.arena, self.num_layers = arena, num_layers
+        self._blocks: dict[tuple, np.ndarray] = {}
+        self._filled: dict[tuple, set[int]] = {}
+        self._usable = True
+
+    def place(self, kind: tuple, layer: int, array: np.ndarray) -> jax.Array:
+        """Layer `layer`'s parameter of this kind (e.g. ("self_attn", "qkv_proj", "weight")), as a jax.Array."""
+        array = np.ascontiguousarray(array)
+        block = self._blocks.get(kind)
+        if block is None and self._usable:
+            block = self.arena.reserve((self.num_layers, *array.shape), array.dtype)
+            if block is not None:
+                self._blocks[kind], self._filled[kind] = block, set()
+        if block is None or block.shape[1:] != array.shape or block.dtype != array.dtype:
+            self._usable = False
+            return jax.device_put(array)
+        block[layer] = array
+        placed = self.arena.alias(block[layer])
+        if placed is None:
+            self._usable = False
+            return jax.device_put(array)
+        self._filled[kind].add(layer)
+        return placed
+
+    def stacked(self) -> dict[tuple, jax.Array] | None:
+        """Each kind's [num_layers, ...] array (aliasing the layers' own), or None if the stacks are not whole."""
+        if not self._usable or any(len(filled) != self.num_layers for filled in self._filled.values()):
+            return None
+        stacks = {kind: self.arena.alias(block) for kind, block in self._blocks.items()}
+        return None if any(stack is None for stack in stacks.values()) else stacks

@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh, Sharding
 
 import cpu_kernels
-from checkpoints.host_arena import HugePageArena
+from checkpoints.host_arena import HugePageArena, LayerStacks
 from checkpoints.safetensors_loader import ParamSource, load_state
 from jserve.config import ModelConfig, ModelLoadError
 from jserve.models import model_class
@@ -25,6 +25,9 @@ class LoadedModel:
     graphdef: nnx.GraphDef
     state: nnx.State  # parameters as device arrays
     attention_backend: str = "reference"  # the concrete backend baked into graphdef
+    # The cpu backend's layer weights stacked by kind ([num_layers, ...], aliasing the state's per-layer arrays: see
+    # host_arena.LayerStacks), for the layer kernel; None where they could not be stacked without a copy.
+    layer_stack: cpu_kernels.LayerWeights | None = None
 
 
 def resolve_model_path(model: str) -> Path:
@@ -66,11 +69,15 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
     packed = _packed_paths(config, param_dtype) if _packs_weights(attention_backend, param_dtype, mesh) else set()
 
     arena = HugePageArena() if attention_backend == "cpu" and mesh is None else None
+    stack_paths = getattr(model_class(config), "kernel_weight_paths", None)
+    stacks = LayerStacks(arena, config.num_layers) if arena is not None and stack_paths is not None else None
 
     def place(path: tuple, source: ParamSource) -> jax.Array:
         if mesh is None:
             array = source.read()
             array = cpu_kernels.pack_weight(array) if path in packed else array
+            if stacks is not None and path[0] == "layers":
+                return stacks.place(path[2:], path[1], array)
             return jax.device_put(array) if arena is None else arena.place(array)
         return place_sharded(source, logical_sharding(mesh, axes[path], source.shape))
 
@@ -78,7 +85,20 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
     for path, array in placed.items():
         _assign(pure, path, array)
     nnx.replace_by_pure_dict(state, pure)
-    return LoadedModel(config=config, graphdef=graphdef, state=state, attention_backend=attention_backend)
+    layer_stack = _layer_stack(stacks.stacked(), stack_paths) if stacks is not None else None
+    return LoadedModel(config=config, graphdef=graphdef, state=state, attention_backend=attention_backend,
+                       layer_stack=layer_stack)
+
+
+def _layer_stack(stacks: dict[tuple, jax.Array] | None,
+                 paths: cpu_kernels.LayerWeights) -> cpu_kernels.LayerWeights | None:
+    """The kernel's weights from the stacks by kind; None if a stack is missing or the layers hold a weight the
+    kernel does not take."""
+    if stacks is None or not set(stacks) <= set(paths):
+        return None
+    weights = cpu_kernels.LayerWeights(*(stacks.get(path) for path in paths))
+    required = (weights.input_norm, weights.qkv, weights.o, weights.post_norm, weights.gate_up, weights.down)
+    return None if any(w is None for w in required) else weights
 
 
 def _packs_weights(attention_backend: str, dtype: jnp.dtype, mesh: Mesh | None) -> bool:

@@ -240,22 +240,31 @@ class LayerWeights(NamedTuple):
     k_norm: jax.Array | None = None  # f32[D]
 
 
-def decoder_layers(x: jax.Array, layers: Sequence[LayerWeights], k_pages: Sequence[jax.Array] | jax.Array,
-                   v_pages: Sequence[jax.Array] | jax.Array, *, positions: jax.Array, slot_mapping: jax.Array,
-                   page_table: jax.Array, query_start: jax.Array, seq_lens: jax.Array, inv_freq: np.ndarray,
-                   num_heads: int, eps: float, scale: float, sliding_window: int | None = None,
-                   soft_cap: float | None = None) -> tuple[jax.Array, list[jax.Array] | jax.Array,
-                                                           list[jax.Array] | jax.Array]:
+def stack_layer_weights(layers: Sequence[LayerWeights]) -> LayerWeights:
+    """Per-layer weights as one LayerWeights of [L, ...] arrays, as decoder_layers takes them (a copy: the loader
+    stacks at load time instead, checkpoints.host_arena.LayerStacks)."""
+    return LayerWeights(*(None if parts[0] is None else jnp.stack(parts) for parts in zip(*layers, strict=True)))
+
+
+def decoder_layers(x: jax.Array, layers: Sequence[LayerWeights] | LayerWeights,
+                   k_pages: Sequence[jax.Array] | jax.Array, v_pages: Sequence[jax.Array] | jax.Array, *,
+                   positions: jax.Array, slot_mapping: jax.Array, page_table: jax.Array, query_start: jax.Array,
+                   seq_lens: jax.Array, inv_freq: np.ndarray, num_heads: int, eps: float, scale: float,
+                   sliding_window: int | None = None, soft_cap: float | None = None
+                   ) -> tuple[jax.Array, list[jax.Array] | jax.Array, list[jax.Array] | jax.Array]:
     """Llama-family decoder layers, one after another, over a ragged batch in one kernel call
     -> (x_out, k_pages, v_pages), the pages in the form given: a list per layer, or stacked, one
     [L, num_pages, page_size, num_kv_heads, head_dim] array each.
 
+    `layers` is a LayerWeights per layer, or one whose arrays are stacked, layer first (stack_layer_weights): a
+    jitted step pays its dispatch per array, so stacked weights and pages make ~15 arrays of ~14 a layer.
     x f32[T, E] is the residual stream; each layer's new K/V are written to their slots (out of range: dropped) and
     the pages come back updated in place (aliased: inside a jitted step with a donated cache nothing is copied).
     The batch arrays follow pallas_kernels.interface; every layer's matmul weights are all float32, all bfloat16, or
     all packed by pack_weight, with the same shapes in every layer."""
     _require()
-    num_layers = len(layers)
+    stacked_weights = isinstance(layers, LayerWeights)
+    num_layers = layers.input_norm.shape[0] if stacked_weights else len(layers)
     stacked = isinstance(k_pages, jax.Array | np.ndarray)
     kv_arrays = [k_pages, v_pages] if stacked else [*k_pages, *v_pages]
     num_kv = k_pages.shape[0] if stacked and k_pages.ndim == 5 else (-1 if stacked else len(k_pages))
@@ -264,8 +273,13 @@ def decoder_layers(x: jax.Array, layers: Sequence[LayerWeights], k_pages: Sequen
         shape = lambda pages: pages.shape if isinstance(pages, jax.Array | np.ndarray) else f"{len(pages)} arrays"
         raise ValueError(f"decoder_layers: {num_layers} layers need as many k_pages and v_pages (a list each, or one "
                          f"[{num_layers}, N, B, Hkv, D] array each), got {shape(k_pages)} and {shape(v_pages)}")
-    dtype = layers[0].qkv.dtype
-    for weights in layers:
+    if stacked_weights:
+        present = [w for w in layers if w is not None]
+        if layers.input_norm.ndim != 2 or any(w.shape[0] != num_layers for w in present):
+            raise ValueError(f"decoder_layers: stacked weights must all be [{num_layers}, ...], got "
+                             f"{[w.shape for w in present]}")
+    dtype = (layers if stacked_weights else layers[0]).qkv.dtype
+    for weights in [layers] if stacked_weights else layers:
         matmuls = (weights.qkv, weights.o, weights.gate_up, weights.down)
         if any(w.dtype != dtype for w in matmuls) or dtype not in (jnp.float32, jnp.bfloat16, jnp.uint32):
             raise ValueError(f"decoder_layers: the matmul weights must all be float32, bfloat16 or packed, got "
@@ -278,7 +292,7 @@ def decoder_layers(x: jax.Array, layers: Sequence[LayerWeights], k_pages: Sequen
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     args = [x.astype(jnp.float32), i32(positions), i32(slot_mapping), i32(page_table), i32(query_start),
             i32(seq_lens), jnp.asarray(inv_freq, jnp.float32)]
-    for w in layers:  # the order kernels.cc's LayerBuffersAt reads
+    for w in [layers] if stacked_weights else layers:  # the order kernels.cc's LayerBuffersAt reads
         args += [f32(w.input_norm), w.qkv, f32(w.qkv_bias), f32(w.q_norm), f32(w.k_norm), w.o, f32(w.o_bias),
                  f32(w.post_norm), w.gate_up, f32(w.gate_up_bias), w.down, f32(w.down_bias)]
     kv_in = len(args)

@@ -2094,6 +2094,40 @@ ffi::Error LayerBuffersAt(const ffi::RemainingArgs& args, size_t layer, std::vec
   return ffi::Error::Success();
 }
 
+// Stacked weights: each of the 12 operands holds every layer, layer first ([L, ...]; an empty one stands for every
+// layer's missing bias or norm). Layer l's buffers are views of the l-th slices, described in `views` (12 a layer),
+// which must outlive `out`.
+ffi::Error StackedLayerBuffers(const ffi::RemainingArgs& args, size_t num_layers, std::vector<XLA_FFI_Buffer>& views,
+                               std::vector<LayerBuffers>& out) {
+  views.resize(num_layers * kLayerWeightArgs);
+  for (size_t i = 0; i < kLayerWeightArgs; ++i) {
+    ffi::ErrorOr<ffi::AnyBuffer> stack = args.get<ffi::AnyBuffer>(i);
+    if (stack.has_error()) return stack.error();
+    const auto dims = stack->dimensions();
+    const bool empty = stack->element_count() == 0;
+    if (!empty && (dims.size() < 2 || dims[0] != static_cast<int64_t>(num_layers))) {
+      return ffi::Error::InvalidArgument("jserve_decoder_layers: stacked weights must all be [num_layers, ...]");
+    }
+    const size_t layer_bytes = empty ? 0 : stack->size_bytes() / num_layers;
+    for (size_t l = 0; l < num_layers; ++l) {
+      XLA_FFI_Buffer& view = views[l * kLayerWeightArgs + i];
+      view.struct_size = XLA_FFI_Buffer_STRUCT_SIZE;
+      view.extension_start = nullptr;
+      view.dtype = static_cast<XLA_FFI_DataType>(stack->element_type());
+      view.data = static_cast<char*>(stack->untyped_data()) + l * layer_bytes;
+      view.rank = empty ? static_cast<int64_t>(dims.size()) : static_cast<int64_t>(dims.size()) - 1;
+      view.dims = const_cast<int64_t*>(dims.begin()) + (empty ? 0 : 1);
+    }
+  }
+  for (size_t l = 0; l < num_layers; ++l) {
+    const XLA_FFI_Buffer* v = &views[l * kLayerWeightArgs];
+    using F32 = ffi::Buffer<ffi::F32>;
+    out.push_back({F32(v + 0), ffi::AnyBuffer(v + 1), F32(v + 2), F32(v + 3), F32(v + 4), ffi::AnyBuffer(v + 5),
+                   F32(v + 6), F32(v + 7), ffi::AnyBuffer(v + 8), F32(v + 9), ffi::AnyBuffer(v + 10), F32(v + 11)});
+  }
+  return ffi::Error::Success();
+}
+
 template <typename W>
 LayerWeights<W> Weights(LayerBuffers& b) {
   return {b.input_norm.typed_data(), static_cast<const W*>(b.qkv.untyped_data()), Optional(b.qkv_bias),
@@ -2168,20 +2202,32 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   if (x_dims.size() != 2 || num_heads <= 0) {
     return ffi::Error::InvalidArgument("jserve_decoder_layers: expected x[T, E]");
   }
-  // After the layers' weights come the K/V pages, each array aliased to its result: every layer's k_pages, then every
-  // layer's v_pages, or stacked, one k[L, N, B, Hkv, D] and one v (2 arrays for the step to dispatch, not 2L).
+  // The weights come per layer (12 operands a layer) or stacked (12 operands, each [L, ...]: see StackedLayerBuffers),
+  // then the K/V pages, each array aliased to its result: every layer's k_pages, then every layer's v_pages, or
+  // stacked, one k[L, N, B, Hkv, D] and one v. Stacked, a step dispatches ~14 arrays instead of ~14 a layer.
   const size_t kv_arrays = rets.size();
-  const size_t num_layers = args.size() >= kv_arrays ? (args.size() - kv_arrays) / kLayerWeightArgs : 0;
-  if (num_layers == 0 || kv_arrays < 2 || args.size() != num_layers * kLayerWeightArgs + kv_arrays) {
-    return ffi::Error::InvalidArgument("jserve_decoder_layers: expected 12 weights a layer, then k/v pages");
+  ffi::ErrorOr<ffi::AnyBuffer> norms = args.get<ffi::AnyBuffer>(0);
+  if (norms.has_error()) return norms.error();
+  const bool stacked_weights = args.size() == kLayerWeightArgs + kv_arrays && norms->dimensions().size() == 2;
+  const size_t num_layers = stacked_weights ? static_cast<size_t>(norms->dimensions()[0])
+                            : args.size() >= kv_arrays ? (args.size() - kv_arrays) / kLayerWeightArgs : 0;
+  const size_t weight_args = stacked_weights ? kLayerWeightArgs : num_layers * kLayerWeightArgs;
+  if (num_layers == 0 || kv_arrays < 2 || args.size() != weight_args + kv_arrays) {
+    return ffi::Error::InvalidArgument("jserve_decoder_layers: expected 12 weights a layer (or stacked), then k/v pages");
   }
   std::vector<LayerBuffers> buffers;
   buffers.reserve(num_layers);
-  for (size_t l = 0; l < num_layers; ++l) {
-    ffi::Error got = LayerBuffersAt(args, l, buffers);
+  std::vector<XLA_FFI_Buffer> views;  // the stacked weights' per-layer slices, which `buffers` point into
+  if (stacked_weights) {
+    ffi::Error got = StackedLayerBuffers(args, num_layers, views, buffers);
     if (got.failure()) return got;
+  } else {
+    for (size_t l = 0; l < num_layers; ++l) {
+      ffi::Error got = LayerBuffersAt(args, l, buffers);
+      if (got.failure()) return got;
+    }
   }
-  ffi::ErrorOr<ffi::AnyBuffer> k0 = args.get<ffi::AnyBuffer>(num_layers * kLayerWeightArgs);
+  ffi::ErrorOr<ffi::AnyBuffer> k0 = args.get<ffi::AnyBuffer>(weight_args);
   if (k0.has_error()) return k0.error();
   const auto all_kv_dims = k0->dimensions();
   const bool stacked = kv_arrays == 2 && all_kv_dims.size() == 5;
@@ -2213,7 +2259,7 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
     }
   }
   for (size_t kv = 0; kv < kv_arrays; ++kv) {
-    ffi::ErrorOr<ffi::AnyBuffer> pages = args.get<ffi::AnyBuffer>(num_layers * kLayerWeightArgs + kv);
+    ffi::ErrorOr<ffi::AnyBuffer> pages = args.get<ffi::AnyBuffer>(weight_args + kv);
     ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> out = rets.get<ffi::AnyBuffer>(kv);
     if (pages.has_error()) return pages.error();
     if (out.has_error()) return out.error();
@@ -2333,7 +2379,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveDecoderLayers, DecoderLayersImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // query_start
                                   .Arg<ffi::Buffer<ffi::S32>>()   // seq_lens
                                   .Arg<ffi::Buffer<ffi::F32>>()   // inv_freq
-                                  .RemainingArgs()                // 12 weights a layer, then k_pages, then v_pages
+                                  .RemainingArgs()                // 12 weights a layer (or stacked), then the pages
                                   .Ret<ffi::Buffer<ffi::F32>>()   // x_out
                                   .RemainingRets()                // the k_pages, then the v_pages (aliased)
                                   .Attr<int64_t>("num_heads")

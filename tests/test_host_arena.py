@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from checkpoints.host_arena import HugePageArena
+from checkpoints.host_arena import HugePageArena, LayerStacks
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
                                 reason="no transparent huge pages (Linux only) on this host")
@@ -65,3 +65,35 @@ def test_cpu_models_load_into_the_arena(hf_model_dir):
         large = [leaf for leaf in jax.tree.leaves(model.state) if leaf.nbytes >= 64 << 10]
         assert large and all("hg" in _vm_flags(leaf.unsafe_buffer_pointer()) for leaf in large)
         assert any(leaf.dtype == jnp.dtype(dtype) for leaf in large)
+        # The layer kernel's stacks are the layers' own memory: layer i's array is slice i of its kind's stack.
+        stack, layers = model.layer_stack, model.state["layers"]
+        assert stack is not None and stack.qkv.shape[0] == len(layers)
+        for i, layer in layers.items():
+            qkv = layer["self_attn"]["qkv_proj"]["weight"][...]
+            norm = layer["input_layernorm"]["weight"][...]
+            assert qkv.unsafe_buffer_pointer() == stack.qkv.unsafe_buffer_pointer() + i * qkv.nbytes
+            assert norm.unsafe_buffer_pointer() == stack.input_norm.unsafe_buffer_pointer() + i * norm.nbytes
+            np.testing.assert_array_equal(np.asarray(stack.qkv[i]), np.asarray(qkv))
+
+
+def test_layer_stacks_hold_every_layer_once():
+    arena = HugePageArena(chunk_bytes=4 << 20)
+    stacks = LayerStacks(arena, num_layers=3)
+    rng = np.random.default_rng(0)
+    weights = [rng.integers(0, 1 << 31, (6, 288, 32), dtype=np.int64).astype(np.uint32) for _ in range(3)]
+    norms = [rng.standard_normal(576).astype(np.float32) for _ in range(3)]
+    placed = []
+    for layer in (2, 0, 1):  # any order
+        placed.append(stacks.place(("w",), layer, weights[layer]))
+        placed.append(stacks.place(("norm",), layer, norms[layer]))
+        assert (stacks.stacked() is None) == (layer != 1)  # whole only once every layer is in
+    stacked = stacks.stacked()
+    np.testing.assert_array_equal(np.asarray(stacked[("w",)]), np.stack(weights))
+    np.testing.assert_array_equal(np.asarray(stacked[("norm",)]), np.stack(norms))
+    for array, layer, kind in zip(placed, (2, 2, 0, 0, 1, 1), [("w",), ("norm",)] * 3, strict=True):
+        assert array.unsafe_buffer_pointer() == stacked[kind].unsafe_buffer_pointer() + layer * array.nbytes
+    # A layer whose parameter has another shape cannot be stacked: it is still placed, but there are no stacks.
+    odd = LayerStacks(arena, num_layers=2)
+    odd.place(("w",), 0, weights[0])
+    np.testing.assert_array_equal(np.asarray(odd.place(("w",), 1, weights[1][:3])), weights[1][:3])
+    assert odd.stacked() is None

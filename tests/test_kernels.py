@@ -262,10 +262,13 @@ def test_long_decode_through_the_layer_kernel_matches_reference(hf_model_dir, dt
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
-def test_stacked_kv_cache_gives_the_per_layer_results(hf_model_dir, backend):
-    """The CPU runner keeps K and V as one [L, ...] array each (2 arrays to dispatch, not 2 L). A prefill and then a
-    decode over it give the logits and cache contents a per-layer cache gives: through the layer kernel, and through
-    the per-op layers (which split a stacked cache and stack it again)."""
+def test_stacked_cache_and_weights_give_the_per_layer_results(hf_model_dir, backend):
+    """The CPU runner keeps K and V as one [L, ...] array each and takes the loader's stacked layer weights (~14
+    arrays to dispatch, not ~14 a layer). A prefill and then a decode give the logits and cache contents of per-layer
+    weights and caches: through the layer kernel (either form of each), and through the per-op layers (which split a
+    stacked cache and stack it again)."""
+    import dataclasses
+
     from checkpoints.loading import load_model
     from jserve.engine.runner import ModelRunner, ScheduledChunk
     from jserve.engine.sequence import Sequence
@@ -273,14 +276,17 @@ def test_stacked_kv_cache_gives_the_per_layer_results(hf_model_dir, backend):
     from jserve.sampling_params import SamplingParams
 
     model = load_model(hf_model_dir("llama"), "float32", backend)
+    assert (model.layer_stack is not None) == (backend == "cpu")
 
-    def prefill_and_decode(stacked: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        runner = ModelRunner(model, dtype="float32", num_blocks=12, block_size=16, max_num_batched_tokens=64,
+    def prefill_and_decode(stacked_cache: bool, stacked_weights: bool) -> tuple[np.ndarray, ...]:
+        loaded = model if stacked_weights else dataclasses.replace(model, layer_stack=None)
+        runner = ModelRunner(loaded, dtype="float32", num_blocks=12, block_size=16, max_num_batched_tokens=64,
                              max_num_seqs=2, max_model_len=128)
         assert runner.stacked_cache == (backend == "cpu")
+        assert (runner.layer_stack is not None) == stacked_weights
         cache = runner.kv_cache
-        if stacked != cache.stacked:
-            runner.kv_cache = KVCache(k=jnp.stack(cache.k), v=jnp.stack(cache.v)) if stacked else \
+        if stacked_cache != cache.stacked:
+            runner.kv_cache = KVCache(k=jnp.stack(cache.k), v=jnp.stack(cache.v)) if stacked_cache else \
                 KVCache(k=list(cache.k), v=list(cache.v))
         seqs = [Sequence(f"r{i}", [3 + (5 * j + i) % 380 for j in range(n)], SamplingParams())
                 for i, n in enumerate((40, 9))]
@@ -289,14 +295,16 @@ def test_stacked_kv_cache_gives_the_per_layer_results(hf_model_dir, backend):
         for s in seqs:
             s.num_computed_tokens = s.num_tokens - 1
         logits = np.asarray(runner.run(runner.prepare([ScheduledChunk(s, 1, True) for s in seqs])))[:2]
-        assert runner.kv_cache.stacked == stacked
+        assert runner.kv_cache.stacked == stacked_cache
         k, v = runner.kv_cache.k, runner.kv_cache.v
-        return logits, np.asarray(k) if stacked else np.stack(k), np.asarray(v) if stacked else np.stack(v)
+        return logits, np.asarray(k) if stacked_cache else np.stack(k), np.asarray(v) if stacked_cache else np.stack(v)
 
-    stacked, per_layer = prefill_and_decode(True), prefill_and_decode(False)
+    per_layer = prefill_and_decode(False, False)
     assert np.abs(per_layer[1]).max() > 0  # the steps wrote K/V
-    for got, want in zip(stacked, per_layer, strict=True):
-        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    variants = [(True, True), (True, False), (False, True)] if backend == "cpu" else [(True, False)]
+    for stacked_cache, stacked_weights in variants:
+        for got, want in zip(prefill_and_decode(stacked_cache, stacked_weights), per_layer, strict=True):
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])

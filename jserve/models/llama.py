@@ -77,6 +77,17 @@ class MLP(nnx.Module):
         return self.down_proj(jax.nn.silu(gate) * up)
 
 
+# Where each of the layer kernel's weights sits in a DecoderLayer (None-valued where the model has no such weight); the
+# loader stacks each across layers by these paths (checkpoints.host_arena.LayerStacks).
+KERNEL_WEIGHT_PATHS = cpu_kernels.LayerWeights(
+    input_norm=("input_layernorm", "weight"), qkv=("self_attn", "qkv_proj", "weight"),
+    o=("self_attn", "o_proj", "weight"), post_norm=("post_attention_layernorm", "weight"),
+    gate_up=("mlp", "gate_up_proj", "weight"), down=("mlp", "down_proj", "weight"),
+    qkv_bias=("self_attn", "qkv_proj", "bias"), o_bias=("self_attn", "o_proj", "bias"),
+    gate_up_bias=("mlp", "gate_up_proj", "bias"), down_bias=("mlp", "down_proj", "bias"),
+    q_norm=("self_attn", "q_norm", "weight"), k_norm=("self_attn", "k_norm", "weight"))
+
+
 class DecoderLayer(nnx.Module):
     def __init__(self, config: ModelConfig, dtype: jnp.dtype, attention_backend: str = "reference"):
         self.config = config
@@ -99,29 +110,31 @@ class DecoderLayer(nnx.Module):
                 and num_tokens <= cpu_kernels.max_kernel_rows())
 
     def kernel_weights(self) -> cpu_kernels.LayerWeights:
-        attn, mlp = self.self_attn, self.mlp
-        value = lambda module: None if module is None else module[...]
-        return cpu_kernels.LayerWeights(
-            input_norm=self.input_layernorm.weight[...], qkv=attn.qkv_proj.weight[...], o=attn.o_proj.weight[...],
-            post_norm=self.post_attention_layernorm.weight[...], gate_up=mlp.gate_up_proj.weight[...],
-            down=mlp.down_proj.weight[...], qkv_bias=value(attn.qkv_proj.bias), o_bias=value(attn.o_proj.bias),
-            gate_up_bias=value(mlp.gate_up_proj.bias), down_bias=value(mlp.down_proj.bias),
-            q_norm=None if attn.q_norm is None else attn.q_norm.weight[...],
-            k_norm=None if attn.k_norm is None else attn.k_norm.weight[...])
+        def value(path: tuple[str, ...]) -> jax.Array | None:
+            node = self
+            for name in path:
+                node = getattr(node, name, None)
+                if node is None:  # no bias, or no q/k norm
+                    return None
+            return node[...]
+
+        return cpu_kernels.LayerWeights(*(value(path) for path in KERNEL_WEIGHT_PATHS))
 
 
-def _kernel_layers(layers: list[DecoderLayer], x, k_cache, v_cache, batch: StepBatch, inv_freq):
+def _kernel_layers(config: ModelConfig, weights: list[cpu_kernels.LayerWeights] | cpu_kernels.LayerWeights, x,
+                   k_cache, v_cache, batch: StepBatch, inv_freq):
     """Every layer in one call of the layer kernel (no return to XLA between layers)."""
-    cfg = layers[0].config
     return cpu_kernels.decoder_layers(
-        x, [layer.kernel_weights() for layer in layers], k_cache, v_cache, positions=batch.positions,
-        slot_mapping=batch.slot_mapping, page_table=batch.page_table, query_start=batch.query_start,
-        seq_lens=batch.seq_lens, inv_freq=inv_freq, num_heads=cfg.num_heads, eps=cfg.rms_norm_eps,
-        scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window)
+        x, weights, k_cache, v_cache, positions=batch.positions, slot_mapping=batch.slot_mapping,
+        page_table=batch.page_table, query_start=batch.query_start, seq_lens=batch.seq_lens, inv_freq=inv_freq,
+        num_heads=config.num_heads, eps=config.rms_norm_eps, scale=config.head_dim**-0.5,
+        sliding_window=config.sliding_window)
 
 
 class LlamaForCausalLM(nnx.Module):
     """forward(kv_cache, batch) -> (kv_cache, logits[S, V]) over a ragged batch and a paged KV cache."""
+
+    kernel_weight_paths = KERNEL_WEIGHT_PATHS  # a layer's weights for the layer kernel, by path (the loader's stacks)
 
     def __init__(self, config: ModelConfig, dtype: jnp.dtype = jnp.float32, attention_backend: str = "reference"):
         self.config = config
@@ -133,11 +146,21 @@ class LlamaForCausalLM(nnx.Module):
         self.lm_head = None if config.tie_word_embeddings else param(
             (config.vocab_size, config.hidden_size), dtype, ("vocab", "embed"))
 
-    def __call__(self, kv_cache: KVCache, batch: StepBatch) -> tuple[KVCache, jax.Array]:
+    def __call__(self, kv_cache: KVCache, batch: StepBatch,
+                 layer_stack: cpu_kernels.LayerWeights | None = None) -> tuple[KVCache, jax.Array]:
+        """layer_stack: every layer's weights stacked (the loader's, aliasing the layers' own), for the layer kernel;
+        given it, the layers' own weights are not read (the runner traces them as placeholders)."""
         inv_freq = rope_inv_freq(self.config)
         x = embed_lookup(self.embed_tokens[...], batch.token_ids)
-        if self.layers[0].fused(x.shape[0]):  # the kernel takes the cache in either form
-            x, k_cache, v_cache = _kernel_layers(list(self.layers), x, kv_cache.k, kv_cache.v, batch, inv_freq)
+        fused = self.layers[0].fused(x.shape[0])
+        if layer_stack is not None:
+            if not fused:
+                raise ValueError(f"stacked layer weights need the layer kernel, which does not take this batch "
+                                 f"({x.shape[0]} tokens, {self.layers[0].cpu_kernel=})")
+            x, k_cache, v_cache = _kernel_layers(self.config, layer_stack, x, kv_cache.k, kv_cache.v, batch, inv_freq)
+        elif fused:  # the kernel takes the cache in either form
+            weights = [layer.kernel_weights() for layer in self.layers]
+            x, k_cache, v_cache = _kernel_layers(self.config, weights, x, kv_cache.k, kv_cache.v, batch, inv_freq)
         else:  # a stacked cache is split into layers and stacked again (correct, but copies: runners avoid it)
             k_cache, v_cache = list(kv_cache.k), list(kv_cache.v)
             for i, layer in enumerate(self.layers):
