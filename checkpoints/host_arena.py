@@ -115,12 +115,12 @@ class LayerStacks:
                 self._blocks[kind], self._filled[kind] = block, set()
         if block is None or block.shape[1:] != array.shape or block.dtype != array.dtype:
             self._usable = False
-            return jax.device_put(array)
+            return self.arena.place(array)
         block[layer] = array
         placed = self.arena.alias(block[layer])
         if placed is None:
             self._usable = False
-            return jax.device_put(array)
+            return self.arena.place(array)
         self._filled[kind].add(layer)
         return placed
 

@@ -240,12 +240,6 @@ class LayerWeights(NamedTuple):
     k_norm: jax.Array | None = None  # f32[D]
 
 
-def stack_layer_weights(layers: Sequence[LayerWeights]) -> LayerWeights:
-    """Per-layer weights as one LayerWeights of [L, ...] arrays, as decoder_layers takes them (a copy: the loader
-    stacks at load time instead, checkpoints.host_arena.LayerStacks)."""
-    return LayerWeights(*(None if parts[0] is None else jnp.stack(parts) for parts in zip(*layers, strict=True)))
-
-
 def decoder_layers(x: jax.Array, layers: Sequence[LayerWeights] | LayerWeights,
                    k_pages: Sequence[jax.Array] | jax.Array, v_pages: Sequence[jax.Array] | jax.Array, *,
                    positions: jax.Array, slot_mapping: jax.Array, page_table: jax.Array, query_start: jax.Array,
@@ -256,8 +250,9 @@ def decoder_layers(x: jax.Array, layers: Sequence[LayerWeights] | LayerWeights,
     -> (x_out, k_pages, v_pages), the pages in the form given: a list per layer, or stacked, one
     [L, num_pages, page_size, num_kv_heads, head_dim] array each.
 
-    `layers` is a LayerWeights per layer, or one whose arrays are stacked, layer first (stack_layer_weights): a
-    jitted step pays its dispatch per array, so stacked weights and pages make ~15 arrays of ~14 a layer.
+    `layers` is a LayerWeights per layer, or one whose arrays are stacked, layer first (the loader's stacks,
+    checkpoints.host_arena.LayerStacks: a jitted step pays its dispatch per array argument, and stacked weights and
+    pages are 14 arrays whatever the depth).
     x f32[T, E] is the residual stream; each layer's new K/V are written to their slots (out of range: dropped) and
     the pages come back updated in place (aliased: inside a jitted step with a donated cache nothing is copied).
     The batch arrays follow pallas_kernels.interface; every layer's matmul weights are all float32, all bfloat16, or
