@@ -110,8 +110,11 @@ class LayerStacks:
         array = np.ascontiguousarray(array)
         block = self._blocks.get(kind)
         if block is None and self._usable:
-            block = self.arena.reserve((self.num_layers, *array.shape), array.dtype)
-            if block is not None:
+            if array.dtype.kind in "fiu":  # bfloat16 has no zero-copy view (DLPack): no stacks, and nothing reserved
+                block = self.arena.reserve((self.num_layers, *array.shape), array.dtype)
+            if block is None:
+                self._usable = False
+            else:
                 self._blocks[kind], self._filled[kind] = block, set()
         if block is None or block.shape[1:] != array.shape or block.dtype != array.dtype:
             self._usable = False

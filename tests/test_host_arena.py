@@ -97,3 +97,9 @@ def test_layer_stacks_hold_every_layer_once():
     odd.place(("w",), 0, weights[0])
     np.testing.assert_array_equal(np.asarray(odd.place(("w",), 1, weights[1][:3])), weights[1][:3])
     assert odd.stacked() is None
+    # bfloat16 (no zero-copy view from numpy) is placed as usual, with no stack reserved for it.
+    bf16 = LayerStacks(arena, num_layers=2)
+    offset = arena._offset
+    small = rng.standard_normal((4, 64)).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(np.asarray(bf16.place(("w",), 0, small)), small)
+    assert bf16.stacked() is None and arena._offset == offset
