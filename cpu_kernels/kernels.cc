@@ -2108,6 +2108,10 @@ ffi::Error StackedLayerBuffers(const ffi::RemainingArgs& args, size_t num_layers
     if (!empty && (dims.size() < 2 || dims[0] != static_cast<int64_t>(num_layers))) {
       return ffi::Error::InvalidArgument("jserve_decoder_layers: stacked weights must all be [num_layers, ...]");
     }
+    const bool matmul = i == 1 || i == 5 || i == 8 || i == 10;  // the rest are norms and biases, float32
+    if (!matmul && stack->element_type() != ffi::DataType::F32) {
+      return ffi::Error::InvalidArgument("jserve_decoder_layers: stacked norms and biases must be float32");
+    }
     const size_t layer_bytes = empty ? 0 : stack->size_bytes() / num_layers;
     for (size_t l = 0; l < num_layers; ++l) {
       XLA_FFI_Buffer& view = views[l * kLayerWeightArgs + i];
@@ -2204,7 +2208,8 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   }
   // The weights come per layer (12 operands a layer) or stacked (12 operands, each [L, ...]: see StackedLayerBuffers),
   // then the K/V pages, each array aliased to its result: every layer's k_pages, then every layer's v_pages, or
-  // stacked, one k[L, N, B, Hkv, D] and one v. Stacked, a step dispatches ~14 arrays instead of ~14 a layer.
+  // stacked, one k[L, N, B, Hkv, D] and one v. Stacked, they are 14 arrays whatever the depth (a jitted step pays
+  // its dispatch per array).
   const size_t kv_arrays = rets.size();
   ffi::ErrorOr<ffi::AnyBuffer> norms = args.get<ffi::AnyBuffer>(0);
   if (norms.has_error()) return norms.error();
