@@ -78,7 +78,8 @@ void Block(const char* block, int64_t k, const uint16_t* x, int t) {
 #endif
 }
 
-// The plain read: four 32-byte loads a 128 bytes, no prefetch.
+// The plain read: four 32-byte loads a 128 bytes, no prefetch. The same loop as cpu_kernels' JserveReadBandwidth
+// (the roofline's reference), copied because this program builds alone, without XLA's FFI headers.
 void PlainRead(const char* p, size_t bytes, int t) {
   const float* f = reinterpret_cast<const float*>(p);
   __m256 a = _mm256_setzero_ps(), b = a, c = a, d = a;
