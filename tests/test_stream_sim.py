@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+import cpu_kernels
+
 SOURCE = Path(__file__).resolve().parents[1] / "benchmarks" / "stream_sim.cc"
 LINE = re.compile(r"(\S+) barriers=(\d): (fast|slow) state, (\d+) rounds: plain read ([\d.]+) GB/s, "
                   r"pass ([\d.]+) GB/s, ratio ([\d.]+), waits ([\d.]+) / ([\d.]+) ms")
@@ -17,8 +19,8 @@ LINE = re.compile(r"(\S+) barriers=(\d): (fast|slow) state, (\d+) rounds: plain 
 @pytest.fixture(scope="module")
 def stream_sim(tmp_path_factory) -> Path:
     compiler = shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        pytest.skip("no C++ compiler")
+    if compiler is None or not cpu_kernels.available():  # it needs what the CPU kernels need: a compiler, AVX2
+        pytest.skip(cpu_kernels.unavailable_reason() or "no C++ compiler")
     binary = tmp_path_factory.mktemp("stream_sim") / "stream_sim"
     subprocess.run([compiler, "-O2", "-march=native", "-std=c++17", "-pthread", str(SOURCE), "-o", str(binary)],
                    check=True, capture_output=True)
