@@ -36,13 +36,16 @@
 #include <thread>
 #include <vector>
 
+// The loops' sums, one cache line a thread: a global the optimiser must assume is read elsewhere, so the loads stay.
+float sink[2 * 16];
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr int kThreads = 2;
 constexpr int kLayers = 30;
 constexpr int64_t kPrefetchBytes = 512;
-float sink[kThreads * 16];
+static_assert(kThreads * 16 <= static_cast<int>(sizeof(sink) / sizeof(sink[0])));
 
 double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
@@ -275,5 +278,5 @@ int main(int argc, char** argv) {
                   static_cast<long long>(n), p, q, ra, w0, w1);
     }
   }
-  return static_cast<int>(sink[0] == 12345.0f);  // keeps the sums
+  return 0;
 }
