@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import cpu_kernels
+
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 ALIGN = 4096  # each array starts on its own 4 KiB page
@@ -97,17 +99,28 @@ class LayerStacks:
 
     The CPU layer kernel then takes each kind of weight as one array (a jitted step pays its dispatch per array: 12
     instead of 12 a layer), while each layer's own parameter is a view of its slice, so nothing is held twice.
-    `stacked()` gives the stacks once every layer is placed; None if any slice had to be a copy."""
+    `stacked()` gives the stacks once every layer is placed; None if any slice had to be a copy.
 
-    def __init__(self, arena: HugePageArena, num_layers: int):
+    With `parts` (a PartLayout and the kinds it holds, by matrix index), the four packed matrices go into per-thread
+    parts instead (cpu_kernels.PartLayout, `matrix_parts()`), and each layer's own parameter is an empty placeholder:
+    a layer's matrix is no longer one contiguous array, and holding it twice would double the model's memory."""
+
+    def __init__(self, arena: HugePageArena, num_layers: int,
+                 parts: tuple[cpu_kernels.PartLayout, dict[tuple, int]] | None = None):
         self.arena, self.num_layers = arena, num_layers
+        self.part_layout, self.part_kinds = parts if parts is not None else (None, {})
         self._blocks: dict[tuple, np.ndarray] = {}
         self._filled: dict[tuple, set[int]] = {}
+        self._regions: np.ndarray | None = None  # [parts, num_layers, layer_units], once reserved
         self._usable = True
 
     def place(self, kind: tuple, layer: int, array: np.ndarray) -> jax.Array:
         """Layer `layer`'s parameter of this kind (e.g. ("self_attn", "qkv_proj", "weight")), as a jax.Array."""
         array = np.ascontiguousarray(array)
+        if kind in self.part_kinds and self._reserve_parts():
+            cpu_kernels.place_in_parts(self._regions, self.part_layout, layer, self.part_kinds[kind], array)
+            self._filled.setdefault(kind, set()).add(layer)
+            return jnp.zeros((0,), array.dtype)
         block = self._blocks.get(kind)
         if block is None and self._usable:
             if array.dtype.kind in "fiu":  # bfloat16 has no zero-copy view (DLPack): no stacks, and nothing reserved
@@ -127,9 +140,26 @@ class LayerStacks:
         self._filled[kind].add(layer)
         return placed
 
+    def _reserve_parts(self) -> bool:
+        if self._regions is None and self._usable:
+            layout = self.part_layout
+            regions = self.arena.reserve((layout.parts, self.num_layers, layout.layer_units), layout.dtype)
+            if regions is not None and self.arena.alias(regions) is not None:
+                self._regions = regions  # fresh anonymous memory: the shorter parts' padding is zeros
+        return self._regions is not None
+
     def stacked(self) -> dict[tuple, jax.Array] | None:
-        """Each kind's [num_layers, ...] array (aliasing the layers' own), or None if the stacks are not whole."""
-        if not self._usable or any(len(filled) != self.num_layers for filled in self._filled.values()):
+        """Each kind's [num_layers, ...] array (aliasing the layers' own), or None if the stacks are not whole (the
+        matrices in parts are not among them: `matrix_parts()`)."""
+        whole = self._usable and all(len(filled) == self.num_layers for filled in self._filled.values())
+        if not whole and self._regions is not None:
+            raise RuntimeError("LayerStacks: the matrices went into per-thread parts, but the other stacks could not "
+                               "be completed (a layer's parameter of another shape or dtype)")
+        if not whole:
             return None
         stacks = {kind: self.arena.alias(block) for kind, block in self._blocks.items()}
         return None if any(stack is None for stack in stacks.values()) else stacks
+
+    def matrix_parts(self) -> jax.Array | None:
+        """The per-thread parts of every layer's matrices ([parts, num_layers, layer_units]), if any were placed."""
+        return None if self._regions is None else self.arena.alias(self._regions)

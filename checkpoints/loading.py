@@ -49,8 +49,13 @@ def resolve_model_path(model: str) -> Path:
 
 
 def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend: str = "reference",
-               mesh: Mesh | None = None) -> LoadedModel:
+               mesh: Mesh | None = None, weight_parts: int | None = None) -> LoadedModel:
     """attention_backend: a concrete backend (pallas_kernels.resolve_backend), baked into the graphdef.
+
+    weight_parts: where the cpu backend packs the layers' matrices, they are laid out in this many per-thread parts
+    (cpu_kernels.PartLayout; None: one per CPU the kernels run on, cpu_kernels.kernel_threads(); 0: as [num_layers,
+    ...] stacks whose slices are the layers' own parameters). In parts, only the layer kernel reads them (through
+    LoadedModel.layer_stack): each layer's own matrix parameters are empty placeholders.
 
     With a mesh, the model is reshaped for its `model` axis (sharding.shard_model_config) and every parameter is
     built shard by shard in the layout the rules table gives its logical axes: no device, and no host buffer,
@@ -70,7 +75,14 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
 
     arena = HugePageArena() if attention_backend == "cpu" and mesh is None else None
     stack_paths = getattr(model_class(config), "kernel_weight_paths", None)
-    stacks = LayerStacks(arena, config.num_layers) if arena is not None and stack_paths is not None else None
+    stacks = None
+    if arena is not None and stack_paths is not None:
+        matrices = (stack_paths.qkv, stack_paths.o, stack_paths.gate_up, stack_paths.down)
+        in_parts = weight_parts != 0 and all(("layers", 0, *path) in packed for path in matrices)
+        parts = weight_parts if weight_parts is not None else cpu_kernels.kernel_threads()
+        layout = cpu_kernels.part_layout(_matrix_shapes(config), param_dtype, parts) if in_parts else None
+        stacks = LayerStacks(arena, config.num_layers,
+                             (layout, {path: i for i, path in enumerate(matrices)}) if in_parts else None)
 
     def place(path: tuple, source: ParamSource) -> jax.Array:
         if mesh is None:
@@ -85,20 +97,30 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
     for path, array in placed.items():
         _assign(pure, path, array)
     nnx.replace_by_pure_dict(state, pure)
-    layer_stack = _layer_stack(stacks.stacked(), stack_paths) if stacks is not None else None
+    layer_stack = _layer_stack(stacks, stack_paths) if stacks is not None else None
     return LoadedModel(config=config, graphdef=graphdef, state=state, attention_backend=attention_backend,
                        layer_stack=layer_stack)
 
 
-def _layer_stack(stacks: dict[tuple, jax.Array] | None,
-                 paths: cpu_kernels.LayerWeights) -> cpu_kernels.LayerWeights | None:
-    """The kernel's weights from the stacks by kind; None if a stack is missing or the layers hold a weight the
-    kernel does not take."""
-    if stacks is None or not set(stacks) <= set(paths):
+def _matrix_shapes(config: ModelConfig) -> list[tuple[int, int]]:
+    """[N, K] of a layer's qkv, o, gate_up and down weights."""
+    e, q, kv, i = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    return [(q + 2 * kv, e), (e, q), (2 * i, e), (e, i)]
+
+
+def _layer_stack(stacks: LayerStacks, paths: cpu_kernels.LayerWeights) -> cpu_kernels.LayerWeights | None:
+    """The kernel's weights from the stacks by kind (and the matrices' parts); None if a stack is missing or the
+    layers hold a weight the kernel does not take."""
+    by_kind, matrix_parts = stacks.stacked(), stacks.matrix_parts()
+    if by_kind is None or not set(by_kind) <= set(paths):
+        if matrix_parts is not None:
+            raise ModelLoadError("the layer kernel's weights could not all be stacked (a layer holds a weight it "
+                                 "does not take), but its matrices are already laid out only for it")
         return None
-    weights = cpu_kernels.LayerWeights(*(stacks.get(path) for path in paths))
-    required = (weights.input_norm, weights.qkv, weights.o, weights.post_norm, weights.gate_up, weights.down)
-    return None if any(w is None for w in required) else weights
+    weights = cpu_kernels.LayerWeights(*(by_kind.get(path) for path in paths[:-1]), matrix_parts=matrix_parts)
+    matrices = (weights.qkv, weights.o, weights.gate_up, weights.down)
+    whole = matrix_parts is not None or all(w is not None for w in matrices)
+    return weights if whole and weights.input_norm is not None and weights.post_norm is not None else None
 
 
 def _packs_weights(attention_backend: str, dtype: jnp.dtype, mesh: Mesh | None) -> bool:

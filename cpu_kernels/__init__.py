@@ -157,6 +157,14 @@ def max_kernel_rows() -> int:
     return AMX_KERNEL_ROWS if "amx_bf16" in _cpu_flags() else 1 << 62
 
 
+def kernel_threads() -> int:
+    """The threads the kernels run on: XLA's CPU thread pool has one per CPU this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def available() -> bool:
     """Whether the kernels are built and registered (builds them on the first call: a few seconds)."""
     return not isinstance(_load(), Exception)
@@ -223,28 +231,77 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         soft_cap=np.float32(soft_cap or 0.0))
 
 
+class PartLayout(NamedTuple):
+    """Where every layer's four packed matrices (qkv, o, gate_up, down) lie in per-thread parts: one
+    [parts, num_layers, layer_units] array, part p of layer l holding blocks [n p // parts, n (p + 1) // parts) of
+    each matrix (n blocks of 32 rows), one matrix after another from its start. The layer kernel reads a few rows'
+    matmuls as one part a thread, so each thread's share of a step is one forward stream through its own region
+    (where the memory reads ~60 GB/s with both cores streaming, shared [layers, ...] stacks stream at 0.6-0.75 of it:
+    docs/benchmarks.md). kernels.cc's MatrixParts reads the same layout."""
+
+    parts: int
+    begins: tuple[tuple[int, ...], ...]  # per matrix: the block each part starts at, [parts + 1]
+    offsets: tuple[tuple[int, ...], ...]  # per part, per matrix: its first 4-byte unit in the part's layer region
+    block_units: tuple[int, ...]  # per matrix: 4-byte units a packed block
+    layer_units: int  # the largest part's units a layer (the others are padded to it)
+    dtype: np.dtype  # uint32 (bfloat16 pairs) or float32, as pack_weight packs
+
+
+def part_layout(shapes: Sequence[tuple[int, int]], dtype: str | jnp.dtype, parts: int) -> PartLayout:
+    """The PartLayout of matrices of these [N, K] shapes (qkv, o, gate_up, down) in `dtype`, in `parts` parts."""
+    bf16 = jnp.dtype(dtype) == jnp.bfloat16
+    if parts < 1 or len(shapes) != 4 or (bf16 and any(k % 2 for _, k in shapes)):
+        raise ValueError(f"part_layout: 4 matrix shapes (K even in bfloat16) and parts >= 1, got {shapes}, {parts}")
+    blocks = [-(-n // PACKED_ROWS) for n, _ in shapes]
+    block_units = tuple(PACKED_ROWS * (k // 2 if bf16 else k) for _, k in shapes)
+    begins = tuple(tuple(b * p // parts for p in range(parts + 1)) for b in blocks)
+    offsets = []
+    for p in range(parts):
+        sizes = [(begin[p + 1] - begin[p]) * units for begin, units in zip(begins, block_units, strict=True)]
+        offsets.append(tuple(int(o) for o in np.cumsum([0, *sizes])))
+    layer_units = max(o[-1] for o in offsets)
+    return PartLayout(parts, begins, tuple(o[:-1] for o in offsets), block_units, layer_units,
+                      np.dtype(np.uint32 if bf16 else np.float32))
+
+
+def place_in_parts(regions: np.ndarray, layout: PartLayout, layer: int, matrix: int, packed: np.ndarray) -> None:
+    """Writes layer `layer`'s packed matrix number `matrix` (0 qkv, 1 o, 2 gate_up, 3 down) into its parts."""
+    begins, units = layout.begins[matrix], layout.block_units[matrix]
+    if packed.dtype != layout.dtype or packed.shape[0] != begins[-1] or packed[0].size != units:
+        raise ValueError(f"place_in_parts: matrix {matrix} should be {begins[-1]} packed blocks of {units} "
+                         f"{layout.dtype}, got {packed.shape} {packed.dtype}")
+    for p in range(layout.parts):
+        start = layout.offsets[p][matrix]
+        part = packed[begins[p]: begins[p + 1]].reshape(-1)
+        regions[p, layer, start: start + part.size] = part
+
+
 class LayerWeights(NamedTuple):
-    """One decoder layer's parameters as `decoder_layers` takes them; biases and q/k norms may be None."""
+    """One decoder layer's parameters as `decoder_layers` takes them; biases and q/k norms may be None. Stacked, the
+    four matrices may instead lie in per-thread parts (`matrix_parts`, see PartLayout; qkv, o, gate_up and down are
+    then None)."""
 
     input_norm: jax.Array  # f32[E]
-    qkv: jax.Array  # [Q + 2 KV, E] float32 or bfloat16 (or all four packed by pack_weight): q, then k, then v rows
-    o: jax.Array  # [E, Q]
+    qkv: jax.Array | None  # [Q + 2 KV, E] float32 or bfloat16 (or all four packed by pack_weight): q, k, v rows
+    o: jax.Array | None  # [E, Q]
     post_norm: jax.Array  # f32[E]
-    gate_up: jax.Array  # [2 I, E]: gate rows, then up rows
-    down: jax.Array  # [E, I]
+    gate_up: jax.Array | None  # [2 I, E]: gate rows, then up rows
+    down: jax.Array | None  # [E, I]
     qkv_bias: jax.Array | None = None  # f32[Q + 2 KV]
     o_bias: jax.Array | None = None  # f32[E]
     gate_up_bias: jax.Array | None = None  # f32[2 I]
     down_bias: jax.Array | None = None  # f32[E]
     q_norm: jax.Array | None = None  # f32[D] (Qwen3: RMSNorm of each head before rotary)
     k_norm: jax.Array | None = None  # f32[D]
+    matrix_parts: jax.Array | None = None  # [parts, L, layer_units] uint32 or float32 (PartLayout): stacked only
 
 
 def decoder_layers(x: jax.Array, layers: Sequence[LayerWeights] | LayerWeights,
                    k_pages: Sequence[jax.Array] | jax.Array, v_pages: Sequence[jax.Array] | jax.Array, *,
                    positions: jax.Array, slot_mapping: jax.Array, page_table: jax.Array, query_start: jax.Array,
                    seq_lens: jax.Array, inv_freq: np.ndarray, num_heads: int, eps: float, scale: float,
-                   sliding_window: int | None = None, soft_cap: float | None = None
+                   sliding_window: int | None = None, soft_cap: float | None = None,
+                   intermediate_size: int | None = None
                    ) -> tuple[jax.Array, list[jax.Array] | jax.Array, list[jax.Array] | jax.Array]:
     """Llama-family decoder layers, one after another, over a ragged batch in one kernel call
     -> (x_out, k_pages, v_pages), the pages in the form given: a list per layer, or stacked, one
@@ -256,9 +313,17 @@ def decoder_layers(x: jax.Array, layers: Sequence[LayerWeights] | LayerWeights,
     x f32[T, E] is the residual stream; each layer's new K/V are written to their slots (out of range: dropped) and
     the pages come back updated in place (aliased: inside a jitted step with a donated cache nothing is copied).
     The batch arrays follow pallas_kernels.interface; every layer's matmul weights are all float32, all bfloat16, or
-    all packed by pack_weight, with the same shapes in every layer."""
+    all packed by pack_weight, with the same shapes in every layer; stacked, they may lie in per-thread parts
+    (LayerWeights.matrix_parts), which need `intermediate_size`."""
     _require()
     stacked_weights = isinstance(layers, LayerWeights)
+    in_parts = stacked_weights and layers.matrix_parts is not None
+    if in_parts and (intermediate_size is None or any(w is not None for w in layers[1:3] + layers[4:6])):
+        raise ValueError("decoder_layers: weights in per-thread parts need intermediate_size, and no other matrices")
+    if in_parts:
+        parts = layers.matrix_parts
+        none = jnp.zeros((0,), parts.dtype)
+        layers = layers._replace(qkv=parts, o=none, gate_up=none, down=none, matrix_parts=None)
     num_layers = layers.input_norm.shape[0] if stacked_weights else len(layers)
     stacked = isinstance(k_pages, jax.Array | np.ndarray)
     kv_arrays = [k_pages, v_pages] if stacked else [*k_pages, *v_pages]
@@ -269,7 +334,8 @@ def decoder_layers(x: jax.Array, layers: Sequence[LayerWeights] | LayerWeights,
         raise ValueError(f"decoder_layers: {num_layers} layers need as many k_pages and v_pages (a list each, or one "
                          f"[{num_layers}, N, B, Hkv, D] array each), got {shape(k_pages)} and {shape(v_pages)}")
     if stacked_weights:
-        present = [w for w in layers if w is not None]
+        matrix_fields = (1, 2, 4, 5)  # in parts: the parts, then three empty arrays
+        present = [w for i, w in enumerate(layers) if w is not None and not (in_parts and i in matrix_fields)]
         if layers.input_norm.ndim != 2 or any(w.shape[0] != num_layers for w in present):
             raise ValueError(f"decoder_layers: stacked weights must all be [{num_layers}, ...], got "
                              f"{[w.shape for w in present]}")
@@ -297,7 +363,9 @@ def decoder_layers(x: jax.Array, layers: Sequence[LayerWeights] | LayerWeights,
     aliases = {kv_in + i: 1 + i for i in range(len(kv_arrays))}
     x_out, *pages = jax.ffi.ffi_call("jserve_decoder_layers", out, input_output_aliases=aliases)(
         *args, num_heads=np.int64(num_heads), eps=np.float32(eps), scale=np.float32(scale),
-        sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0))
+        sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0),
+        weight_parts=np.int64(layers.qkv.shape[0] if in_parts else 0),
+        intermediate_size=np.int64(intermediate_size if in_parts else 0))
     if stacked:
         return x_out, pages[0], pages[1]
     return x_out, pages[:num_layers], pages[num_layers:]

@@ -57,11 +57,15 @@ namespace {
 struct Phase {
   int64_t count;
   std::function<void(int64_t)> body;
+  // Item i is worker i's own (count <= 64): each worker runs its own first, then any another has not started (the
+  // caller takes what a helper never gets to). For per-thread weight parts, each read by the thread it was laid
+  // out for (see BlockParts).
+  bool owned = false;
 };
 
 struct PhaseState {
   std::vector<Phase> phases;
-  std::unique_ptr<std::atomic<int64_t>[]> next, done;
+  std::unique_ptr<std::atomic<int64_t>[]> next, done;  // owned phases: `next` is a mask of the items started
 
   explicit PhaseState(std::vector<Phase> p)
       : phases(std::move(p)),
@@ -74,14 +78,23 @@ struct PhaseState {
     while (done[p].load(std::memory_order_acquire) < phases[p].count) _mm_pause();
   }
 
-  void Work() {
+  void Run(size_t p, int64_t i) {
+    phases[p].body(i);
+    done[p].fetch_add(1, std::memory_order_release);
+  }
+
+  void Work(int64_t worker) {
     for (size_t p = 0; p < phases.size(); ++p) {
       if (p > 0) WaitFor(p - 1);
       const int64_t count = phases[p].count;
-      for (int64_t i = next[p].fetch_add(1); i < count; i = next[p].fetch_add(1)) {
-        phases[p].body(i);
-        done[p].fetch_add(1, std::memory_order_release);
+      if (phases[p].owned) {
+        for (int64_t k = 0; k < count; ++k) {
+          const int64_t i = (worker + k) % count;
+          if ((next[p].fetch_or(int64_t{1} << i) >> i & 1) == 0) Run(p, i);
+        }
+        continue;
       }
+      for (int64_t i = next[p].fetch_add(1); i < count; i = next[p].fetch_add(1)) Run(p, i);
     }
   }
 };
@@ -96,8 +109,8 @@ void RunPhases(ffi::ThreadPool& pool, std::vector<Phase> phases) {
     return;
   }
   auto state = std::make_shared<PhaseState>(std::move(phases));
-  for (int64_t t = 1; t < threads; ++t) pool.Schedule([state] { state->Work(); });
-  state->Work();
+  for (int64_t t = 1; t < threads; ++t) pool.Schedule([state, t] { state->Work(t); });
+  state->Work(0);
   state->WaitFor(state->phases.size() - 1);
 }
 
@@ -195,14 +208,24 @@ using Bf16Input = float;
 // Matmul y[M, N] (op)= x[M, K] . w[N, K]^T (+ bias[N]). X and W are float (float32 weights) or uint16_t (bfloat16
 // weights, with x already rounded to bfloat16). `accumulate` adds the result to y (a residual connection).
 
+// A packed weight whose blocks lie in parts at separate addresses (cpu_kernels.thread_part_layout): part p holds
+// blocks [begin[p], begin[p + 1]) from base[p]. Each kernel thread's parts of every layer lie one after another, so
+// the thread's share of a step is one forward stream: where the memory reads ~60 GB/s with both cores streaming, the
+// matmuls read at only 0.6-0.75 of it from shared [layers, ...] stacks, and ~0.94 from such streams (stream_sim.cc).
+struct BlockParts {
+  std::vector<int64_t> begin;  // [parts + 1]
+  std::vector<const void*> base;  // [parts]
+};
+
 template <typename X, typename W>
 struct MatmulJob {
   const X* x;
-  const W* w;
+  const W* w;  // packed weights with `parts`: unused
   float* y;
   const float* bias;  // nullptr: none
   bool accumulate;
   int64_t m_size, n_size, k_size;
+  const BlockParts* parts = nullptr;  // packed weights only: where the blocks lie, if not one after another at w
 };
 
 template <typename X, typename W>
@@ -910,12 +933,22 @@ constexpr int64_t PanelLength(int64_t k_size) {
   return std::is_same_v<W, uint32_t> ? k_size / 2 * kPanel : k_size * kPanel;
 }
 
+// Where block `pair` (`length` 4-byte units) of a packed weight lies.
+template <typename X, typename W>
+inline const float* BlockAt(const MatmulJob<X, W>& job, int64_t pair, int64_t length) {
+  if (job.parts == nullptr) return reinterpret_cast<const float*>(job.w) + pair * length;
+  const BlockParts& parts = *job.parts;
+  size_t p = 0;
+  while (pair >= parts.begin[p + 1]) ++p;  // a few parts
+  return static_cast<const float*>(parts.base[p]) + (pair - parts.begin[p]) * length;
+}
+
 // Block `pair` of the packed weight; with `prefetch_next`, requesting block pair + 1 while at it (see LinePrefetch).
 template <typename X, typename W>
 void MatmulPacked(const MatmulJob<X, W>& job, int64_t pair, bool prefetch_next) {
   const int64_t length = 2 * PanelLength<W>(job.k_size);  // 4-byte units a block
-  const float* block = reinterpret_cast<const float*>(job.w) + pair * length;
-  const char* next = reinterpret_cast<const char*>(block + length);
+  const float* block = BlockAt(job, pair, length);
+  const char* next = reinterpret_cast<const char*>(prefetch_next ? BlockAt(job, pair + 1, length) : block + length);
   BlockTiles(job, pair * 2 * kPanel, block, block + kPanel, 2 * kPanel,  // 32 columns a k, interleaved
              next, prefetch_next ? next + length * 4 : next);
 }
@@ -932,6 +965,14 @@ constexpr int64_t kStreamRows = kWideRows;
 template <typename X, typename W>
 Phase PackedPhase(const MatmulJob<X, W>& job, int64_t threads) {
   const bool streamed = job.m_size <= kStreamRows;
+  const BlockParts* parts = job.parts;
+  if (streamed && parts != nullptr && static_cast<int64_t>(parts->base.size()) == threads && threads <= 64) {
+    Phase phase{threads, [job, parts](int64_t p) {  // each thread its own part: the next stretch of its stream
+                  for (int64_t b = parts->begin[p]; b < parts->begin[p + 1]; ++b) MatmulPacked(job, b, false);
+                }};
+    phase.owned = true;
+    return phase;
+  }
   const ItemStarts starts = RunsOf(Blocks(job.n_size, 2 * kPanel), threads, streamed);
   return {static_cast<int64_t>(starts->size()) - 1, [job, starts, streamed](int64_t item) {
             const int64_t end = (*starts)[item + 1];
@@ -1860,6 +1901,8 @@ struct LayerWeights {
   const float* gate_up_bias;                     // [2 I] or nullptr
   const W* down;                                 // [E, I]
   const float* down_bias;                        // [E] or nullptr
+  // Where the matrices lie in per-thread parts (qkv, o, gate_up, down), or nullptr: one after another at qkv ...
+  const BlockParts* parts = nullptr;
 };
 
 struct LayerShape {
@@ -1944,6 +1987,12 @@ struct LayerRun {
   void *k_pages, *v_pages;
 };
 
+// The parts of matrix `kind` (0 qkv, 1 o, 2 gate_up, 3 down), nullptr where the matrices are whole.
+template <typename W>
+const BlockParts* PartsOf(const LayerWeights<W>& w, int kind) {
+  return w.parts == nullptr ? nullptr : w.parts + kind;
+}
+
 // Scratch rows shared by every layer of a call (its phases run one after another).
 template <typename X>
 struct LayerScratch {
@@ -1983,7 +2032,7 @@ void AppendLayerPhases(std::vector<Phase>& phases, LayerRun<W>& r, const Attenti
     if (s.x != s.x_out) std::memcpy(s.x_out + t * e, s.x + t * e, static_cast<size_t>(e) * 4);
     RmsNormRow(s.x_out + t * e, run->w.input_norm, e, s.eps, in + t * e, round);
   }); }});
-  phases.push_back(MatmulPhase(MatmulJob<X, W>{in, w.qkv, qkv_rows, w.qkv_bias, false, t_size, qkv_size, e}, threads));
+  phases.push_back(MatmulPhase(MatmulJob<X, W>{in, w.qkv, qkv_rows, w.qkv_bias, false, t_size, qkv_size, e, PartsOf(w, 0)}, threads));
   phases.push_back({row_items, [run, qkv_rows, rows](int64_t item) { rows(item, [&](int64_t t) {
     const LayerShape& s = run->s;
     const AttentionArgs& a = run->a;
@@ -2011,13 +2060,13 @@ void AppendLayerPhases(std::vector<Phase>& phases, LayerRun<W>& r, const Attenti
     }
   }); }});
   for (Phase& phase : AttentionPhases(a, plan)) phases.push_back(std::move(phase));
-  phases.push_back(MatmulPhase(MatmulJob<X, W>{in, w.o, s.x_out, w.o_bias, true, t_size, e, q_size}, threads));
+  phases.push_back(MatmulPhase(MatmulJob<X, W>{in, w.o, s.x_out, w.o_bias, true, t_size, e, q_size, PartsOf(w, 1)}, threads));
   phases.push_back({row_items, [run, in, rows](int64_t item) { rows(item, [&](int64_t t) {
     const LayerShape& s = run->s;
     RmsNormRow(s.x_out + t * s.hidden, run->w.post_norm, s.hidden, s.eps, in + t * s.hidden, round);
   }); }});
   phases.push_back(MatmulPhase(
-      MatmulJob<X, W>{in, w.gate_up, gate_up_rows, w.gate_up_bias, false, t_size, 2 * i_size, e}, threads));
+      MatmulJob<X, W>{in, w.gate_up, gate_up_rows, w.gate_up_bias, false, t_size, 2 * i_size, e, PartsOf(w, 2)}, threads));
   phases.push_back({row_items, [in, gate_up_rows, i_size, rows](int64_t item) { rows(item, [&](int64_t t) {
     const float* gate = gate_up_rows + t * 2 * i_size;
     thread_local std::vector<float> act;
@@ -2025,7 +2074,7 @@ void AppendLayerPhases(std::vector<Phase>& phases, LayerRun<W>& r, const Attenti
     SiluMul(gate, gate + i_size, act.data(), i_size);
     StoreInput(in + t * i_size, act.data(), i_size, round);
   }); }});
-  phases.push_back(MatmulPhase(MatmulJob<X, W>{in, w.down, s.x_out, w.down_bias, true, t_size, e, i_size}, threads));
+  phases.push_back(MatmulPhase(MatmulJob<X, W>{in, w.down, s.x_out, w.down_bias, true, t_size, e, i_size, PartsOf(w, 3)}, threads));
 }
 
 // Every layer in one pass over the pool: a layer's phases follow the one before's with no return to XLA between
@@ -2097,18 +2146,33 @@ ffi::Error LayerBuffersAt(const ffi::RemainingArgs& args, size_t layer, std::vec
 // Stacked weights: each of the 12 operands holds every layer, layer first ([L, ...]; an empty one stands for every
 // layer's missing bias or norm). Layer l's buffers are views of the l-th slices, described in `views` (12 a layer),
 // which must outlive `out`.
-ffi::Error StackedLayerBuffers(const ffi::RemainingArgs& args, size_t num_layers, std::vector<XLA_FFI_Buffer>& views,
-                               std::vector<LayerBuffers>& out) {
+// With `in_parts`, the matrices' operands are the per-thread parts and three empty arrays (see MatrixParts): their
+// per-layer views are left empty.
+ffi::Error StackedLayerBuffers(const ffi::RemainingArgs& args, size_t num_layers, bool in_parts,
+                               std::vector<XLA_FFI_Buffer>& views, std::vector<LayerBuffers>& out) {
+  static const int64_t kNoElements[1] = {0};
   views.resize(num_layers * kLayerWeightArgs);
   for (size_t i = 0; i < kLayerWeightArgs; ++i) {
     ffi::ErrorOr<ffi::AnyBuffer> stack = args.get<ffi::AnyBuffer>(i);
     if (stack.has_error()) return stack.error();
+    const bool matmul = i == 1 || i == 5 || i == 8 || i == 10;  // the rest are norms and biases, float32
+    if (matmul && in_parts) {
+      for (size_t l = 0; l < num_layers; ++l) {
+        XLA_FFI_Buffer& view = views[l * kLayerWeightArgs + i];
+        view.struct_size = XLA_FFI_Buffer_STRUCT_SIZE;
+        view.extension_start = nullptr;
+        view.dtype = static_cast<XLA_FFI_DataType>(stack->element_type());
+        view.data = stack->untyped_data();
+        view.rank = 1;
+        view.dims = const_cast<int64_t*>(kNoElements);
+      }
+      continue;
+    }
     const auto dims = stack->dimensions();
     const bool empty = stack->element_count() == 0;
     if (!empty && (dims.size() < 2 || dims[0] != static_cast<int64_t>(num_layers))) {
       return ffi::Error::InvalidArgument("jserve_decoder_layers: stacked weights must all be [num_layers, ...]");
     }
-    const bool matmul = i == 1 || i == 5 || i == 8 || i == 10;  // the rest are norms and biases, float32
     if (!matmul && stack->element_type() != ffi::DataType::F32) {
       return ffi::Error::InvalidArgument("jserve_decoder_layers: stacked norms and biases must be float32");
     }
@@ -2142,24 +2206,29 @@ LayerWeights<W> Weights(LayerBuffers& b) {
 
 // Checks one layer's weights against the model's shapes and fills in what the caller compares across layers: the
 // intermediate size, the weights' dtype and whether they are packed.
-ffi::Error CheckLayerWeights(LayerBuffers& b, int64_t q_size, int64_t kv_size, int64_t e, int64_t d,
+// With `in_parts` the matrices are checked by MatrixParts, and i_size, w_type and packed are given.
+ffi::Error CheckLayerWeights(LayerBuffers& b, int64_t q_size, int64_t kv_size, int64_t e, int64_t d, bool in_parts,
                              int64_t& i_size, ffi::DataType& w_type, bool& packed) {
-  const WeightShape qkv_shape = ShapeOf(b.qkv), o_shape = ShapeOf(b.o), gate_up_shape = ShapeOf(b.gate_up),
-                    down_shape = ShapeOf(b.down);
-  i_size = down_shape.cols;
-  w_type = b.qkv.element_type();
-  packed = qkv_shape.packed;
-  const bool same_type = b.o.element_type() == w_type && b.gate_up.element_type() == w_type &&
-                         b.down.element_type() == w_type;
-  const bool all_packed = qkv_shape.packed && o_shape.packed && gate_up_shape.packed && down_shape.packed;
   const auto norm_ok = [e](ffi::Buffer<ffi::F32>& n) { return static_cast<int64_t>(n.element_count()) == e; };
   const auto bias_ok = [](ffi::Buffer<ffi::F32>& bias, int64_t n) {
     return bias.element_count() == 0 || static_cast<int64_t>(bias.element_count()) == n;
   };
-  if (!same_type || qkv_shape.packed != all_packed || !(IsBf16Bits(w_type) || w_type == ffi::DataType::F32 ||
-                                                       all_packed) ||
-      !Holds(qkv_shape, q_size + 2 * kv_size, e) || !Holds(o_shape, e, q_size) ||
-      !Holds(gate_up_shape, 2 * i_size, e) || !Holds(down_shape, e, i_size) || !norm_ok(b.input_norm) ||
+  bool matrices_ok = true;
+  if (!in_parts) {
+    const WeightShape qkv_shape = ShapeOf(b.qkv), o_shape = ShapeOf(b.o), gate_up_shape = ShapeOf(b.gate_up),
+                      down_shape = ShapeOf(b.down);
+    i_size = down_shape.cols;
+    w_type = b.qkv.element_type();
+    packed = qkv_shape.packed;
+    const bool same_type = b.o.element_type() == w_type && b.gate_up.element_type() == w_type &&
+                           b.down.element_type() == w_type;
+    const bool all_packed = qkv_shape.packed && o_shape.packed && gate_up_shape.packed && down_shape.packed;
+    matrices_ok = same_type && qkv_shape.packed == all_packed &&
+                  (IsBf16Bits(w_type) || w_type == ffi::DataType::F32 || all_packed) &&
+                  Holds(qkv_shape, q_size + 2 * kv_size, e) && Holds(o_shape, e, q_size) &&
+                  Holds(gate_up_shape, 2 * i_size, e) && Holds(down_shape, e, i_size);
+  }
+  if (!matrices_ok || !norm_ok(b.input_norm) ||
       !norm_ok(b.post_norm) || !bias_ok(b.qkv_bias, q_size + 2 * kv_size) || !bias_ok(b.o_bias, e) ||
       !bias_ok(b.gate_up_bias, 2 * i_size) || !bias_ok(b.down_bias, e) ||
       (b.q_norm.element_count() != 0 && (static_cast<int64_t>(b.q_norm.element_count()) != d ||
@@ -2169,10 +2238,63 @@ ffi::Error CheckLayerWeights(LayerBuffers& b, int64_t q_size, int64_t kv_size, i
   return ffi::Error::Success();
 }
 
+// Every layer's matrices in per-thread parts (cpu_kernels.thread_part_layout): one [P, L, U] array of packed
+// weights (bfloat16 pairs as uint32, or float32) where part p of layer l holds, one after another from its start,
+// blocks [n P_p, n P_(p+1)) with P_p = p / P of qkv, o, gate_up and down (n blocks each), U the largest part. The
+// other three matrix operands must be empty. -> each layer's parts of its four matrices.
+ffi::Error MatrixParts(const ffi::AnyBuffer& regions, const ffi::RemainingArgs& args, int64_t parts,
+                       int64_t num_layers, int64_t q_size, int64_t kv_size, int64_t e, int64_t i_size,
+                       std::vector<std::array<BlockParts, 4>>& out) {
+  const auto dims = regions.dimensions();
+  const bool pairs = regions.element_type() == ffi::DataType::U32;
+  const std::array<int64_t, 4> n_sizes{q_size + 2 * kv_size, e, 2 * i_size, e}, k_sizes{e, q_size, e, i_size};
+  bool ok = dims.size() == 3 && dims[0] == parts && dims[1] == num_layers && i_size > 0 &&
+            (pairs || regions.element_type() == ffi::DataType::F32);
+  for (size_t i : {5, 8, 10}) {
+    ffi::ErrorOr<ffi::AnyBuffer> empty = args.get<ffi::AnyBuffer>(i);
+    ok = ok && !empty.has_error() && empty->element_count() == 0;
+  }
+  std::array<int64_t, 4> blocks{}, block_units{};
+  for (size_t k = 0; k < 4; ++k) {
+    ok = ok && !(pairs && k_sizes[k] % 2 != 0);
+    blocks[k] = Blocks(n_sizes[k], 2 * kPanel);
+    block_units[k] = 2 * kPanel * (pairs ? k_sizes[k] / 2 : k_sizes[k]);
+  }
+  int64_t layer_units = 0;
+  for (int64_t p = 0; p < parts; ++p) {
+    int64_t units = 0;
+    for (size_t k = 0; k < 4; ++k) units += (blocks[k] * (p + 1) / parts - blocks[k] * p / parts) * block_units[k];
+    layer_units = std::max(layer_units, units);
+  }
+  if (!ok || dims[2] != layer_units) {
+    return ffi::Error::InvalidArgument(
+        "jserve_decoder_layers: the matrices' per-thread parts disagree with the layer's shapes");
+  }
+  const float* base = static_cast<const float*>(regions.untyped_data());
+  out.resize(static_cast<size_t>(num_layers));
+  for (int64_t l = 0; l < num_layers; ++l) {
+    for (size_t k = 0; k < 4; ++k) {
+      out[l][k].begin.resize(static_cast<size_t>(parts + 1));
+      out[l][k].base.resize(static_cast<size_t>(parts));
+    }
+    for (int64_t p = 0; p < parts; ++p) {
+      const float* at = base + (p * num_layers + l) * layer_units;
+      for (size_t k = 0; k < 4; ++k) {
+        const int64_t begin = blocks[k] * p / parts, end = blocks[k] * (p + 1) / parts;
+        out[l][k].begin[p] = begin;
+        out[l][k].begin[p + 1] = end;
+        out[l][k].base[p] = at;
+        at += (end - begin) * block_units[k];
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
 template <typename W>
 void RunLayers(ffi::ThreadPool& pool, std::vector<LayerBuffers>& buffers, const LayerShape& first,
                const AttentionArgs& shape_args, ffi::RemainingRets& rets, const AttentionPlan& plan,
-               int64_t stacked_layer_bytes) {
+               int64_t stacked_layer_bytes, const std::vector<std::array<BlockParts, 4>>& parts) {
   const size_t num_layers = buffers.size();
   std::vector<LayerRun<W>> layers;
   layers.reserve(num_layers);  // the phases point into it: it never reallocates
@@ -2192,6 +2314,7 @@ void RunLayers(ffi::ThreadPool& pool, std::vector<LayerBuffers>& buffers, const 
     a.k_pages = k_pages;
     a.v_pages = v_pages;
     layers.push_back({s, Weights<W>(buffers[l]), a, k_pages, v_pages});
+    if (!parts.empty()) layers.back().w.parts = parts[l].data();
   }
   RunDecoderLayers(pool, layers, plan);
 }
@@ -2201,7 +2324,8 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
                              ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> seq_lens,
                              ffi::Buffer<ffi::F32> inv_freq, ffi::RemainingArgs args,
                              ffi::ResultBuffer<ffi::F32> x_out, ffi::RemainingRets rets, int64_t num_heads,
-                             float eps, float scale, int64_t sliding_window, float soft_cap) {
+                             float eps, float scale, int64_t sliding_window, float soft_cap, int64_t weight_parts,
+                             int64_t intermediate_size) {
   const auto x_dims = x.dimensions();
   if (x_dims.size() != 2 || num_heads <= 0) {
     return ffi::Error::InvalidArgument("jserve_decoder_layers: expected x[T, E]");
@@ -2222,9 +2346,14 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   }
   std::vector<LayerBuffers> buffers;
   buffers.reserve(num_layers);
+  // weight_parts > 0: the stacked matrices are in that many per-thread parts (MatrixParts).
+  const bool in_parts = weight_parts > 0;
+  if (in_parts && !stacked_weights) {
+    return ffi::Error::InvalidArgument("jserve_decoder_layers: per-thread weight parts need stacked weights");
+  }
   std::vector<XLA_FFI_Buffer> views;  // the stacked weights' per-layer slices, which `buffers` point into
   if (stacked_weights) {
-    ffi::Error got = StackedLayerBuffers(args, num_layers, views, buffers);
+    ffi::Error got = StackedLayerBuffers(args, num_layers, in_parts, views, buffers);
     if (got.failure()) return got;
   } else {
     for (size_t l = 0; l < num_layers; ++l) {
@@ -2252,11 +2381,21 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   int64_t i_size = 0;
   ffi::DataType w_type = ffi::DataType::F32;
   bool packed = false;
+  std::vector<std::array<BlockParts, 4>> parts;  // in_parts: each layer's matrices' parts
+  if (in_parts) {
+    ffi::ErrorOr<ffi::AnyBuffer> regions = args.get<ffi::AnyBuffer>(1);
+    if (regions.has_error()) return regions.error();
+    ffi::Error got = MatrixParts(*regions, args, weight_parts, static_cast<int64_t>(num_layers), q_size, kv_size, e,
+                                 intermediate_size, parts);
+    if (got.failure()) return got;
+    i_size = intermediate_size, w_type = regions->element_type(), packed = true;
+  }
   for (size_t l = 0; l < num_layers; ++l) {
-    int64_t layer_i = 0;
-    ffi::DataType layer_type = ffi::DataType::F32;
-    bool layer_packed = false;
-    ffi::Error ok = CheckLayerWeights(buffers[l], q_size, kv_size, e, d, layer_i, layer_type, layer_packed);
+    int64_t layer_i = i_size;
+    ffi::DataType layer_type = w_type;
+    bool layer_packed = packed;
+    ffi::Error ok = CheckLayerWeights(buffers[l], q_size, kv_size, e, d, in_parts, layer_i, layer_type,
+                                      layer_packed);
     if (ok.failure()) return ok;
     if (l == 0) i_size = layer_i, w_type = layer_type, packed = layer_packed;
     if (layer_i != i_size || layer_type != w_type || layer_packed != packed) {
@@ -2294,13 +2433,13 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   const int64_t stacked_layer_bytes =
       stacked ? a.num_pages * a.page_size * kv_size * (a.kv_bf16 ? 2 : 4) : 0;
   if (packed && w_type == ffi::DataType::U32) {
-    RunLayers<uint32_t>(pool, buffers, first, a, rets, plan, stacked_layer_bytes);
+    RunLayers<uint32_t>(pool, buffers, first, a, rets, plan, stacked_layer_bytes, parts);
   } else if (packed) {
-    RunLayers<F32Panels>(pool, buffers, first, a, rets, plan, stacked_layer_bytes);
+    RunLayers<F32Panels>(pool, buffers, first, a, rets, plan, stacked_layer_bytes, parts);
   } else if (IsBf16Bits(w_type)) {
-    RunLayers<uint16_t>(pool, buffers, first, a, rets, plan, stacked_layer_bytes);
+    RunLayers<uint16_t>(pool, buffers, first, a, rets, plan, stacked_layer_bytes, parts);
   } else {
-    RunLayers<float>(pool, buffers, first, a, rets, plan, stacked_layer_bytes);
+    RunLayers<float>(pool, buffers, first, a, rets, plan, stacked_layer_bytes, parts);
   }
   return ffi::Error::Success();
 }
@@ -2391,4 +2530,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveDecoderLayers, DecoderLayersImpl,
                                   .Attr<float>("eps")
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("sliding_window")
-                                  .Attr<float>("soft_cap"));
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("weight_parts")
+                                  .Attr<int64_t>("intermediate_size"));

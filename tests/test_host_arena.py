@@ -10,6 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import cpu_kernels
 from checkpoints.host_arena import HugePageArena, LayerStacks
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
@@ -67,13 +68,47 @@ def test_cpu_models_load_into_the_arena(hf_model_dir):
         assert any(leaf.dtype == jnp.dtype(dtype) for leaf in large)
         # The layer kernel's stacks are the layers' own memory: layer i's array is slice i of its kind's stack.
         stack, layers = model.layer_stack, model.state["layers"]
-        assert stack is not None and stack.qkv.shape[0] == len(layers)
+        assert stack is not None and stack.input_norm.shape[0] == len(layers)
         for i, layer in layers.items():
-            qkv = layer["self_attn"]["qkv_proj"]["weight"][...]
             norm = layer["input_layernorm"]["weight"][...]
-            assert qkv.unsafe_buffer_pointer() == stack.qkv.unsafe_buffer_pointer() + i * qkv.nbytes
             assert norm.unsafe_buffer_pointer() == stack.input_norm.unsafe_buffer_pointer() + i * norm.nbytes
-            np.testing.assert_array_equal(np.asarray(stack.qkv[i]), np.asarray(qkv))
+        # The matrices are held once, in per-thread parts: the layers' own are empty placeholders.
+        if stack.matrix_parts is not None:
+            assert "hg" in _vm_flags(stack.matrix_parts.unsafe_buffer_pointer())
+            assert stack.matrix_parts.shape[:2] == (cpu_kernels.kernel_threads(), len(layers))
+            assert all(layer["mlp"]["down_proj"]["weight"][...].size == 0 for layer in layers.values())
+        # Without parts, the matrices are stacked like the rest, each layer's a view of its slice.
+        flat = load_model(hf_model_dir("llama"), dtype, "cpu", weight_parts=0)
+        for i, layer in flat.state["layers"].items():
+            qkv = layer["self_attn"]["qkv_proj"]["weight"][...]
+            assert qkv.unsafe_buffer_pointer() == flat.layer_stack.qkv.unsafe_buffer_pointer() + i * qkv.nbytes
+            np.testing.assert_array_equal(np.asarray(flat.layer_stack.qkv[i]), np.asarray(qkv))
+
+
+def test_layer_stacks_lay_matrices_out_in_per_thread_parts():
+    """Each part of a layer holds its share of the four matrices one after another; the parts of a matrix, joined,
+    are the matrix."""
+    shapes = [(96, 64), (64, 32), (160, 64), (64, 80)]  # 3, 2, 5, 2 blocks of 32 rows
+    layout = cpu_kernels.part_layout(shapes, jnp.float32, parts=2)
+    kinds = {("m", i): i for i in range(4)}
+    stacks = LayerStacks(HugePageArena(chunk_bytes=4 << 20), num_layers=2, parts=(layout, kinds))
+    rng = np.random.default_rng(1)
+    packed = {(layer, i): cpu_kernels.pack_weight(rng.standard_normal(shape).astype(np.float32))
+              for layer in range(2) for i, shape in enumerate(shapes)}
+    for (layer, i), matrix in packed.items():
+        assert stacks.place(("m", i), layer, matrix).size == 0  # the layer's own is a placeholder
+    regions = np.asarray(stacks.matrix_parts())
+    assert regions.shape == (2, 2, layout.layer_units)
+    for (layer, i), matrix in packed.items():
+        units = matrix[0].size
+        pieces, sizes = [], []
+        for p in range(2):
+            start = sum((layout.begins[j][p + 1] - layout.begins[j][p]) * layout.block_units[j] for j in range(i))
+            blocks = layout.begins[i][p + 1] - layout.begins[i][p]
+            sizes.append(blocks)
+            pieces.append(regions[p, layer, start: start + blocks * units].reshape(blocks, *matrix.shape[1:]))
+        np.testing.assert_array_equal(np.concatenate(pieces), matrix)
+        assert abs(sizes[0] - sizes[1]) <= 1
 
 
 def test_layer_stacks_hold_every_layer_once():

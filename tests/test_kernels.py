@@ -266,7 +266,8 @@ def test_stacked_cache_and_weights_give_the_per_layer_results(hf_model_dir, back
     """The CPU runner keeps K and V as one [L, ...] array each and takes the loader's stacked layer weights (~14
     arrays to dispatch, not ~14 a layer). A prefill and then a decode give the logits and cache contents of per-layer
     weights and caches: through the layer kernel (either form of each), and through the per-op layers (which split a
-    stacked cache and stack it again)."""
+    stacked cache and stack it again). So do the matrices laid out in per-thread parts (the loader's default on the
+    cpu backend): one part a kernel thread (each thread reads its own) and three (shared out block by block)."""
     import dataclasses
 
     from checkpoints.loading import load_model
@@ -275,10 +276,10 @@ def test_stacked_cache_and_weights_give_the_per_layer_results(hf_model_dir, back
     from jserve.models.batch import KVCache
     from jserve.sampling_params import SamplingParams
 
-    model = load_model(hf_model_dir("llama"), "float32", backend)
+    model = load_model(hf_model_dir("llama"), "float32", backend, weight_parts=0)
     assert (model.layer_stack is not None) == (backend == "cpu")
 
-    def prefill_and_decode(stacked_cache: bool, stacked_weights: bool) -> tuple[np.ndarray, ...]:
+    def prefill_and_decode(stacked_cache: bool, stacked_weights: bool, model=model) -> tuple[np.ndarray, ...]:
         loaded = model if stacked_weights else dataclasses.replace(model, layer_stack=None)
         runner = ModelRunner(loaded, dtype="float32", num_blocks=12, block_size=16, max_num_batched_tokens=64,
                              max_num_seqs=2, max_model_len=128)
@@ -305,6 +306,16 @@ def test_stacked_cache_and_weights_give_the_per_layer_results(hf_model_dir, back
     for stacked_cache, stacked_weights in variants:
         for got, want in zip(prefill_and_decode(stacked_cache, stacked_weights), per_layer, strict=True):
             np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    if backend != "cpu" or not cpu_kernels.packs_weights("float32"):
+        return
+    for parts in (None, 3):
+        in_parts = load_model(hf_model_dir("llama"), "float32", backend, weight_parts=parts)
+        assert in_parts.layer_stack.qkv is None
+        assert in_parts.layer_stack.matrix_parts.shape[0] == (parts or cpu_kernels.kernel_threads())
+        for got, want in zip(prefill_and_decode(True, True, in_parts), per_layer, strict=True):
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="per-thread parts"):  # its layers' own matrices are placeholders
+        prefill_and_decode(True, False, in_parts)
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])

@@ -118,7 +118,8 @@ class DecoderLayer(nnx.Module):
                     return None
             return node[...]
 
-        return cpu_kernels.LayerWeights(*(value(path) for path in KERNEL_WEIGHT_PATHS))
+        paths = KERNEL_WEIGHT_PATHS._replace(matrix_parts=())  # a layer never holds matrix parts
+        return cpu_kernels.LayerWeights(*(value(path) if path else None for path in paths))
 
 
 def _kernel_layers(config: ModelConfig, weights: list[cpu_kernels.LayerWeights] | cpu_kernels.LayerWeights, x,
@@ -128,7 +129,7 @@ def _kernel_layers(config: ModelConfig, weights: list[cpu_kernels.LayerWeights] 
         x, weights, k_cache, v_cache, positions=batch.positions, slot_mapping=batch.slot_mapping,
         page_table=batch.page_table, query_start=batch.query_start, seq_lens=batch.seq_lens, inv_freq=inv_freq,
         num_heads=config.num_heads, eps=config.rms_norm_eps, scale=config.head_dim**-0.5,
-        sliding_window=config.sliding_window)
+        sliding_window=config.sliding_window, intermediate_size=config.intermediate_size)
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -158,6 +159,9 @@ class LlamaForCausalLM(nnx.Module):
                 raise ValueError(f"stacked layer weights need the layer kernel, which does not take this batch "
                                  f"({x.shape[0]} tokens, {self.layers[0].cpu_kernel=})")
             x, k_cache, v_cache = _kernel_layers(self.config, layer_stack, x, kv_cache.k, kv_cache.v, batch, inv_freq)
+        elif self.layers and self.layers[0].self_attn.qkv_proj.weight[...].size == 0:
+            raise ValueError("this model's layer matrices were loaded in per-thread parts for the CPU layer kernel "
+                             "(checkpoints.loading.load_model's weight_parts): pass its LoadedModel.layer_stack")
         elif fused:  # the kernel takes the cache in either form
             weights = [layer.kernel_weights() for layer in self.layers]
             x, k_cache, v_cache = _kernel_layers(self.config, weights, x, kv_cache.k, kv_cache.v, batch, inv_freq)
