@@ -318,6 +318,36 @@ def test_stacked_cache_and_weights_give_the_per_layer_results(hf_model_dir, back
         prefill_and_decode(True, False, in_parts)
 
 
+def test_layer_kernel_rejects_weight_parts_that_disagree_with_the_layer(hf_model_dir):
+    """Per-thread parts of the wrong size, or without the intermediate size they are laid out by, are refused with a
+    clear error (not read out of bounds)."""
+    from checkpoints.loading import load_model
+    from jserve.models.layers import rope_inv_freq
+
+    if not cpu_kernels.packs_weights("float32"):
+        pytest.skip("the CPU kernels do not pack weights here")
+    model = load_model(hf_model_dir("llama"), "float32", "cpu", weight_parts=2)
+    cfg, stack = model.config, model.layer_stack
+
+    def call(weights, **kwargs):
+        pages = (cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim)
+        x, _, _ = cpu_kernels.decoder_layers(
+            jnp.ones((1, cfg.hidden_size)), weights, jnp.zeros(pages), jnp.zeros(pages), positions=jnp.array([0]),
+            slot_mapping=jnp.array([0]), page_table=jnp.array([[0, 1]]), query_start=jnp.array([0, 1]),
+            seq_lens=jnp.array([1]), inv_freq=rope_inv_freq(cfg), num_heads=cfg.num_heads, eps=cfg.rms_norm_eps,
+            scale=cfg.head_dim**-0.5, **kwargs)
+        return np.asarray(x)
+
+    assert np.isfinite(call(stack, intermediate_size=cfg.intermediate_size)).all()
+    short = stack._replace(matrix_parts=stack.matrix_parts[:, :, :-32])
+    with pytest.raises(Exception, match="per-thread parts disagree"):
+        call(short, intermediate_size=cfg.intermediate_size)
+    with pytest.raises(Exception, match="per-thread parts disagree"):
+        call(stack, intermediate_size=cfg.intermediate_size + 32)
+    with pytest.raises(ValueError, match="intermediate_size"):
+        call(stack)
+
+
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_check_lowering_passes(platform):
     """The CI gate itself: every kernel exports for its platform at the 8B and benchmark shapes (~3 s each)."""
