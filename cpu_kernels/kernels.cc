@@ -57,7 +57,7 @@ namespace {
 struct Phase {
   int64_t count;
   std::function<void(int64_t)> body;
-  // Item i is worker i's own (count <= 64): each worker runs its own first, then any another has not started (the
+  // Item i is worker i's own (count <= 64): each worker runs its own first, then any other not yet started (the
   // caller takes what a helper never gets to). For per-thread weight parts, each read by the thread it was laid
   // out for (see BlockParts).
   bool owned = false;
@@ -208,7 +208,7 @@ using Bf16Input = float;
 // Matmul y[M, N] (op)= x[M, K] . w[N, K]^T (+ bias[N]). X and W are float (float32 weights) or uint16_t (bfloat16
 // weights, with x already rounded to bfloat16). `accumulate` adds the result to y (a residual connection).
 
-// A packed weight whose blocks lie in parts at separate addresses (cpu_kernels.thread_part_layout): part p holds
+// A packed weight whose blocks lie in parts at separate addresses (cpu_kernels.PartLayout): part p holds
 // blocks [begin[p], begin[p + 1]) from base[p]. Each kernel thread's parts of every layer lie one after another, so
 // the thread's share of a step is one forward stream: where the memory reads ~60 GB/s with both cores streaming, the
 // matmuls read at only 0.6-0.75 of it from shared [layers, ...] stacks, and ~0.94 from such streams (stream_sim.cc).
@@ -1901,7 +1901,7 @@ struct LayerWeights {
   const float* gate_up_bias;                     // [2 I] or nullptr
   const W* down;                                 // [E, I]
   const float* down_bias;                        // [E] or nullptr
-  // Where the matrices lie in per-thread parts (qkv, o, gate_up, down), or nullptr: one after another at qkv ...
+  // Where the matrices lie in per-thread parts ([4]: qkv, o, gate_up, down), or nullptr: each whole at its pointer
   const BlockParts* parts = nullptr;
 };
 
@@ -2238,7 +2238,7 @@ ffi::Error CheckLayerWeights(LayerBuffers& b, int64_t q_size, int64_t kv_size, i
   return ffi::Error::Success();
 }
 
-// Every layer's matrices in per-thread parts (cpu_kernels.thread_part_layout): one [P, L, U] array of packed
+// Every layer's matrices in per-thread parts (cpu_kernels.PartLayout): one [P, L, U] array of packed
 // weights (bfloat16 pairs as uint32, or float32) where part p of layer l holds, one after another from its start,
 // blocks [n P_p, n P_(p+1)) with P_p = p / P of qkv, o, gate_up and down (n blocks each), U the largest part. The
 // other three matrix operands must be empty. -> each layer's parts of its four matrices.
