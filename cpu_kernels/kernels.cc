@@ -209,12 +209,15 @@ using Bf16Input = float;
 // weights, with x already rounded to bfloat16). `accumulate` adds the result to y (a residual connection).
 
 // A packed weight whose blocks lie in parts at separate addresses (cpu_kernels.PartLayout): part p holds
-// blocks [begin[p], begin[p + 1]) from base[p]. Each kernel thread's parts of every layer lie one after another, so
-// the thread's share of a step is one forward stream: where the memory reads ~60 GB/s with both cores streaming, the
-// matmuls read at only 0.6-0.75 of it from shared [layers, ...] stacks, and ~0.94 from such streams (stream_sim.cc).
+// blocks [begin[p], begin[p + 1]) from base[p] + offset. Each kernel thread's parts of every layer lie one after
+// another, so the thread's share of a step is one forward stream: where the memory reads ~60 GB/s with both cores
+// streaming, the matmuls read at only 0.6-0.75 of it from shared [layers, ...] stacks, and ~0.94 from such streams
+// (stream_sim.cc). Every layer's parts of a matrix share `begin` and `base` (layer 0's); `offset` moves to its own.
 struct BlockParts {
-  std::vector<int64_t> begin;  // [parts + 1]
-  std::vector<const void*> base;  // [parts]
+  int64_t parts;
+  const int64_t* begin;      // [parts + 1]
+  const float* const* base;  // [parts]
+  int64_t offset;            // 4-byte units from layer 0's parts to this layer's
 };
 
 template <typename X, typename W>
@@ -940,7 +943,7 @@ inline const float* BlockAt(const MatmulJob<X, W>& job, int64_t pair, int64_t le
   const BlockParts& parts = *job.parts;
   size_t p = 0;
   while (pair >= parts.begin[p + 1]) ++p;  // a few parts
-  return static_cast<const float*>(parts.base[p]) + (pair - parts.begin[p]) * length;
+  return parts.base[p] + parts.offset + (pair - parts.begin[p]) * length;
 }
 
 // Block `pair` of the packed weight; with `prefetch_next`, requesting block pair + 1 while at it (see LinePrefetch).
@@ -966,7 +969,7 @@ template <typename X, typename W>
 Phase PackedPhase(const MatmulJob<X, W>& job, int64_t threads) {
   const bool streamed = job.m_size <= kStreamRows;
   const BlockParts* parts = job.parts;
-  if (streamed && parts != nullptr && static_cast<int64_t>(parts->base.size()) == threads && threads <= 64) {
+  if (streamed && parts != nullptr && parts->parts == threads && threads <= 64) {
     Phase phase{threads, [job, parts](int64_t p) {  // each thread its own part: the next stretch of its stream
                   for (int64_t b = parts->begin[p]; b < parts->begin[p + 1]; ++b) MatmulPacked(job, b, false);
                 }};
@@ -2032,7 +2035,8 @@ void AppendLayerPhases(std::vector<Phase>& phases, LayerRun<W>& r, const Attenti
     if (s.x != s.x_out) std::memcpy(s.x_out + t * e, s.x + t * e, static_cast<size_t>(e) * 4);
     RmsNormRow(s.x_out + t * e, run->w.input_norm, e, s.eps, in + t * e, round);
   }); }});
-  phases.push_back(MatmulPhase(MatmulJob<X, W>{in, w.qkv, qkv_rows, w.qkv_bias, false, t_size, qkv_size, e, PartsOf(w, 0)}, threads));
+  phases.push_back(MatmulPhase(
+      MatmulJob<X, W>{in, w.qkv, qkv_rows, w.qkv_bias, false, t_size, qkv_size, e, PartsOf(w, 0)}, threads));
   phases.push_back({row_items, [run, qkv_rows, rows](int64_t item) { rows(item, [&](int64_t t) {
     const LayerShape& s = run->s;
     const AttentionArgs& a = run->a;
@@ -2060,13 +2064,15 @@ void AppendLayerPhases(std::vector<Phase>& phases, LayerRun<W>& r, const Attenti
     }
   }); }});
   for (Phase& phase : AttentionPhases(a, plan)) phases.push_back(std::move(phase));
-  phases.push_back(MatmulPhase(MatmulJob<X, W>{in, w.o, s.x_out, w.o_bias, true, t_size, e, q_size, PartsOf(w, 1)}, threads));
+  phases.push_back(
+      MatmulPhase(MatmulJob<X, W>{in, w.o, s.x_out, w.o_bias, true, t_size, e, q_size, PartsOf(w, 1)}, threads));
   phases.push_back({row_items, [run, in, rows](int64_t item) { rows(item, [&](int64_t t) {
     const LayerShape& s = run->s;
     RmsNormRow(s.x_out + t * s.hidden, run->w.post_norm, s.hidden, s.eps, in + t * s.hidden, round);
   }); }});
   phases.push_back(MatmulPhase(
-      MatmulJob<X, W>{in, w.gate_up, gate_up_rows, w.gate_up_bias, false, t_size, 2 * i_size, e, PartsOf(w, 2)}, threads));
+      MatmulJob<X, W>{in, w.gate_up, gate_up_rows, w.gate_up_bias, false, t_size, 2 * i_size, e, PartsOf(w, 2)},
+      threads));
   phases.push_back({row_items, [in, gate_up_rows, i_size, rows](int64_t item) { rows(item, [&](int64_t t) {
     const float* gate = gate_up_rows + t * 2 * i_size;
     thread_local std::vector<float> act;
@@ -2074,7 +2080,8 @@ void AppendLayerPhases(std::vector<Phase>& phases, LayerRun<W>& r, const Attenti
     SiluMul(gate, gate + i_size, act.data(), i_size);
     StoreInput(in + t * i_size, act.data(), i_size, round);
   }); }});
-  phases.push_back(MatmulPhase(MatmulJob<X, W>{in, w.down, s.x_out, w.down_bias, true, t_size, e, i_size, PartsOf(w, 3)}, threads));
+  phases.push_back(MatmulPhase(
+      MatmulJob<X, W>{in, w.down, s.x_out, w.down_bias, true, t_size, e, i_size, PartsOf(w, 3)}, threads));
 }
 
 // Every layer in one pass over the pool: a layer's phases follow the one before's with no return to XLA between
@@ -2242,9 +2249,15 @@ ffi::Error CheckLayerWeights(LayerBuffers& b, int64_t q_size, int64_t kv_size, i
 // weights (bfloat16 pairs as uint32, or float32) where part p of layer l holds, one after another from its start,
 // blocks [n P_p, n P_(p+1)) with P_p = p / P of qkv, o, gate_up and down (n blocks each), U the largest part. The
 // other three matrix operands must be empty. -> each layer's parts of its four matrices.
+struct MatrixPartsOf {
+  std::array<std::vector<int64_t>, 4> begin;     // per matrix: [parts + 1]
+  std::array<std::vector<const float*>, 4> base;  // per matrix: layer 0's parts
+  std::vector<std::array<BlockParts, 4>> layers;  // pointing into the above
+};
+
 ffi::Error MatrixParts(const ffi::AnyBuffer& regions, const ffi::RemainingArgs& args, int64_t parts,
                        int64_t num_layers, int64_t q_size, int64_t kv_size, int64_t e, int64_t i_size,
-                       std::vector<std::array<BlockParts, 4>>& out) {
+                       MatrixPartsOf& out) {
   const auto dims = regions.dimensions();
   const bool pairs = regions.element_type() == ffi::DataType::U32;
   const std::array<int64_t, 4> n_sizes{q_size + 2 * kv_size, e, 2 * i_size, e}, k_sizes{e, q_size, e, i_size};
@@ -2271,22 +2284,22 @@ ffi::Error MatrixParts(const ffi::AnyBuffer& regions, const ffi::RemainingArgs& 
         "jserve_decoder_layers: the matrices' per-thread parts disagree with the layer's shapes");
   }
   const float* base = static_cast<const float*>(regions.untyped_data());
-  out.resize(static_cast<size_t>(num_layers));
-  for (int64_t l = 0; l < num_layers; ++l) {
+  for (size_t k = 0; k < 4; ++k) {
+    out.begin[k].resize(static_cast<size_t>(parts + 1));
+    out.base[k].resize(static_cast<size_t>(parts));
+  }
+  for (int64_t p = 0; p < parts; ++p) {
+    const float* at = base + p * num_layers * layer_units;  // part p of layer 0
     for (size_t k = 0; k < 4; ++k) {
-      out[l][k].begin.resize(static_cast<size_t>(parts + 1));
-      out[l][k].base.resize(static_cast<size_t>(parts));
+      out.begin[k][p] = blocks[k] * p / parts;
+      out.begin[k][p + 1] = blocks[k] * (p + 1) / parts;
+      out.base[k][p] = at;
+      at += (out.begin[k][p + 1] - out.begin[k][p]) * block_units[k];
     }
-    for (int64_t p = 0; p < parts; ++p) {
-      const float* at = base + (p * num_layers + l) * layer_units;
-      for (size_t k = 0; k < 4; ++k) {
-        const int64_t begin = blocks[k] * p / parts, end = blocks[k] * (p + 1) / parts;
-        out[l][k].begin[p] = begin;
-        out[l][k].begin[p + 1] = end;
-        out[l][k].base[p] = at;
-        at += (end - begin) * block_units[k];
-      }
-    }
+  }
+  out.layers.resize(static_cast<size_t>(num_layers));
+  for (int64_t l = 0; l < num_layers; ++l) {
+    for (size_t k = 0; k < 4; ++k) out.layers[l][k] = {parts, out.begin[k].data(), out.base[k].data(), l * layer_units};
   }
   return ffi::Error::Success();
 }
@@ -2381,7 +2394,7 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   int64_t i_size = 0;
   ffi::DataType w_type = ffi::DataType::F32;
   bool packed = false;
-  std::vector<std::array<BlockParts, 4>> parts;  // in_parts: each layer's matrices' parts
+  MatrixPartsOf parts;  // in_parts: each layer's matrices' parts
   if (in_parts) {
     ffi::ErrorOr<ffi::AnyBuffer> regions = args.get<ffi::AnyBuffer>(1);
     if (regions.has_error()) return regions.error();
@@ -2433,13 +2446,13 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   const int64_t stacked_layer_bytes =
       stacked ? a.num_pages * a.page_size * kv_size * (a.kv_bf16 ? 2 : 4) : 0;
   if (packed && w_type == ffi::DataType::U32) {
-    RunLayers<uint32_t>(pool, buffers, first, a, rets, plan, stacked_layer_bytes, parts);
+    RunLayers<uint32_t>(pool, buffers, first, a, rets, plan, stacked_layer_bytes, parts.layers);
   } else if (packed) {
-    RunLayers<F32Panels>(pool, buffers, first, a, rets, plan, stacked_layer_bytes, parts);
+    RunLayers<F32Panels>(pool, buffers, first, a, rets, plan, stacked_layer_bytes, parts.layers);
   } else if (IsBf16Bits(w_type)) {
-    RunLayers<uint16_t>(pool, buffers, first, a, rets, plan, stacked_layer_bytes, parts);
+    RunLayers<uint16_t>(pool, buffers, first, a, rets, plan, stacked_layer_bytes, parts.layers);
   } else {
-    RunLayers<float>(pool, buffers, first, a, rets, plan, stacked_layer_bytes, parts);
+    RunLayers<float>(pool, buffers, first, a, rets, plan, stacked_layer_bytes, parts.layers);
   }
   return ffi::Error::Success();
 }

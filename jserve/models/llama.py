@@ -118,8 +118,8 @@ class DecoderLayer(nnx.Module):
                     return None
             return node[...]
 
-        paths = KERNEL_WEIGHT_PATHS._replace(matrix_parts=())  # a layer never holds matrix parts
-        return cpu_kernels.LayerWeights(*(value(path) if path else None for path in paths))
+        # Every path but matrix_parts, the last field: a layer's own weights are never in parts.
+        return cpu_kernels.LayerWeights(*(value(path) for path in KERNEL_WEIGHT_PATHS[:-1]))
 
 
 def _kernel_layers(config: ModelConfig, weights: list[cpu_kernels.LayerWeights] | cpu_kernels.LayerWeights, x,
