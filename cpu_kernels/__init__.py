@@ -152,6 +152,16 @@ def read_bandwidth(nbytes: int = 256 << 20, threads: int | None = None, repeats:
     return lib.JserveReadBandwidth(nbytes, threads or len(os.sched_getaffinity(0)), repeats)
 
 
+def handed_calls() -> int:
+    """How many kernel calls in this process handed their work to a helper thread still lingering from the call
+    before, instead of waking one from the pool (kernels.cc's Lingerers)."""
+    _require()
+    lib = _load()
+    lib.JserveHandedCalls.restype = ctypes.c_int64
+    lib.JserveHandedCalls.argtypes = []
+    return lib.JserveHandedCalls()
+
+
 def max_kernel_rows() -> int:
     """The most rows of x a matmul sends to the kernel; larger batches use XLA's dot (docs/benchmarks.md)."""
     return AMX_KERNEL_ROWS if "amx_bf16" in _cpu_flags() else 1 << 62

@@ -15,6 +15,7 @@
 //                           ragged batch: norm, qkv, q/k norm, rotary, the K/V write, attention, o, norm, gate/up,
 //                           SiLU, down and both residuals; the K/V pages are updated in place (aliased to outputs).
 //   JserveReadBandwidth:    (plain C, through ctypes) the memory's all-core read bandwidth, for the roofline
+//   JserveHandedCalls:      (plain C) how many calls found a helper still lingering from the last (Lingerers)
 //
 // bfloat16 weights meet bfloat16 activations: with AVX512-BF16 (vdpbf16ps) the pairs multiply in hardware with
 // float32 accumulation; elsewhere both are widened to float32 in registers (the same products, exactly).
@@ -52,7 +53,8 @@ namespace {
 // independent items claimed from a shared counter by the caller and by helper tasks on the pool, and a phase starts
 // once every item of the one before is done. The caller works too and then waits only for items another thread
 // has already claimed, so a helper that never gets a thread (or starts after the call returned) cannot block or
-// touch freed memory: it finds no item left and returns. One helper wake-up serves every phase of a call.
+// touch freed memory: it finds no item left and returns. One helper wake-up serves every phase of a call, and a
+// helper then lingers (Lingerers) so that the next call, a millisecond later in a decode step, needs none.
 
 struct Phase {
   int64_t count;
@@ -99,6 +101,66 @@ struct PhaseState {
   }
 };
 
+// Helpers that stay a while after a call, each as one worker index: the next call hands its work to one directly.
+// Waking a pool thread that has gone to sleep cost the caller ~90 us in this VM (docs/benchmarks.md), once for every
+// layer call of a decode step. The spin is bounded (kLinger), so an idle process goes back to sleeping threads.
+class Lingerers {
+ public:
+  // True if a lingering helper took the work as worker t (else the caller schedules it on the pool).
+  bool Hand(int64_t t, const std::shared_ptr<PhaseState>& state) {
+    if (t >= kMaxWorkers) return false;
+    Slot& slot = slots_[t];
+    int waiting = kWaiting;
+    if (!slot.status.compare_exchange_strong(waiting, kClaimed, std::memory_order_acq_rel)) return false;
+    slot.work.store(new std::shared_ptr<PhaseState>(state), std::memory_order_release);
+    handed_.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+
+  // Run by a pool task after its work as worker t: takes any work handed to worker t until kLinger passes without
+  // one. At most one helper lingers as each worker index; any other returns at once.
+  void Linger(int64_t t) {
+    if (t >= kMaxWorkers) return;
+    Slot& slot = slots_[t];
+    int away = kAway;
+    if (!slot.status.compare_exchange_strong(away, kWaiting, std::memory_order_acq_rel)) return;
+    auto deadline = std::chrono::steady_clock::now() + kLinger;
+    for (int64_t spins = 1;; ++spins) {
+      if (std::shared_ptr<PhaseState>* work = slot.work.exchange(nullptr, std::memory_order_acquire)) {
+        (*work)->Work(t);
+        delete work;
+        slot.status.store(kWaiting, std::memory_order_release);
+        deadline = std::chrono::steady_clock::now() + kLinger;
+        continue;
+      }
+      if (spins % 64 == 0 && std::chrono::steady_clock::now() >= deadline) {
+        int waiting = kWaiting;
+        if (slot.status.compare_exchange_strong(waiting, kAway, std::memory_order_acq_rel)) return;
+        // Claimed meanwhile: its work is on the way.
+      }
+      _mm_pause();
+    }
+  }
+
+  int64_t handed() const { return handed_.load(std::memory_order_relaxed); }
+
+ private:
+  static constexpr int64_t kMaxWorkers = 64;
+  static constexpr std::chrono::microseconds kLinger{1000};
+  enum : int { kAway, kWaiting, kClaimed };
+  struct alignas(64) Slot {
+    std::atomic<int> status{kAway};
+    std::atomic<std::shared_ptr<PhaseState>*> work{nullptr};
+  };
+  Slot slots_[kMaxWorkers];
+  std::atomic<int64_t> handed_{0};
+};
+
+Lingerers& TheLingerers() {
+  static Lingerers* lingerers = new Lingerers;  // never destroyed: a pool thread may still linger at exit
+  return *lingerers;
+}
+
 void RunPhases(ffi::ThreadPool& pool, std::vector<Phase> phases) {
   int64_t widest = 0;
   for (const Phase& p : phases) widest = std::max(widest, p.count);
@@ -109,7 +171,13 @@ void RunPhases(ffi::ThreadPool& pool, std::vector<Phase> phases) {
     return;
   }
   auto state = std::make_shared<PhaseState>(std::move(phases));
-  for (int64_t t = 1; t < threads; ++t) pool.Schedule([state, t] { state->Work(t); });
+  for (int64_t t = 1; t < threads; ++t) {
+    if (TheLingerers().Hand(t, state)) continue;
+    pool.Schedule([state, t] {
+      state->Work(t);
+      TheLingerers().Linger(t);
+    });
+  }
   state->Work(0);
   state->WaitFor(state->phases.size() - 1);
 }
@@ -965,13 +1033,32 @@ constexpr int64_t kStreamRows = 4;  // at most this many rows of x take guided i
 constexpr int64_t kStreamRows = kWideRows;
 #endif
 
+// Whether the job runs one owned item a thread, each over its thread's weight part (a few rows of x, with parts).
 template <typename X, typename W>
-Phase PackedPhase(const MatmulJob<X, W>& job, int64_t threads) {
+bool OwnedBlocks(const MatmulJob<X, W>& job, int64_t threads) {
+  return job.m_size <= kStreamRows && job.parts != nullptr && job.parts->parts == threads && threads <= 64;
+}
+
+// Writes a matmul's x [m, k] into the buffer it is given. Where each owned item makes its own x (a norm, the SiLU:
+// a few microseconds of work), the step before the matmul needs no phase, so no wait, of its own.
+template <typename X>
+using MatmulInput = std::function<void(X*)>;
+
+// `input` (owned items only: OwnedBlocks) makes x for each item in a buffer of that thread's; job.x is then unused.
+template <typename X, typename W>
+Phase PackedPhase(const MatmulJob<X, W>& job, int64_t threads, MatmulInput<X> input = {}) {
   const bool streamed = job.m_size <= kStreamRows;
   const BlockParts* parts = job.parts;
-  if (streamed && parts != nullptr && parts->parts == threads && threads <= 64) {
-    Phase phase{threads, [job, parts](int64_t p) {  // each thread its own part: the next stretch of its stream
-                  for (int64_t b = parts->begin[p]; b < parts->begin[p + 1]; ++b) MatmulPacked(job, b, false);
+  if (OwnedBlocks(job, threads)) {
+    Phase phase{threads, [job, parts, input](int64_t p) {  // each thread its own part: the next stretch of its stream
+                  MatmulJob<X, W> own = job;
+                  thread_local std::vector<X> x;
+                  if (input) {
+                    x.resize(static_cast<size_t>(job.m_size * job.k_size));
+                    input(x.data());
+                    own.x = x.data();
+                  }
+                  for (int64_t b = parts->begin[p]; b < parts->begin[p + 1]; ++b) MatmulPacked(own, b, false);
                 }};
     phase.owned = true;
     return phase;
@@ -1888,7 +1975,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
 
 // ---------------------------------------------------------------------------------------------------------------
 // One decoder layer in one call: nine phases (norm, qkv, rotary + K/V write, attention, o + residual, norm,
-// gate/up, SiLU, down + residual) over the real tokens only (bucket padding costs nothing). The matmul inputs are
+// gate/up, SiLU, down + residual; six where each thread streams its own weight part and makes each norm's and the
+// SiLU's output itself) over the real tokens only (bucket padding costs nothing). The matmul inputs are
 // float32 for float32 weights and bfloat16 bits for bfloat16 ones, rounded once where they are produced.
 
 template <typename W>
@@ -2004,7 +2092,8 @@ struct LayerScratch {
   float* gate_up;       // [T, 2 I]
 };
 
-// Appends one layer's ten phases (attention is two: its items, then the merges of split decodes). Matmul inputs:
+// Appends one layer's ten phases, or seven with owned items (attention is two: its items, then the merges of
+// split decodes). Matmul inputs:
 // float32, or for bfloat16 weights (plain or packed) Bf16Input: bfloat16 bits for vdpbf16ps, else float32 rounded
 // to bfloat16 values.
 template <typename X, typename W>
@@ -2029,14 +2118,34 @@ void AppendLayerPhases(std::vector<Phase>& phases, LayerRun<W>& r, const Attenti
     for (int64_t t = item * kRowsPerItem; t < std::min(t_size, (item + 1) * kRowsPerItem); ++t) body(t);
   };
   const LayerRun<W>* run = &r;
-  phases.push_back({row_items, [run, in, rows](int64_t item) { rows(item, [&](int64_t t) {
-    const LayerShape& s = run->s;
-    const int64_t e = s.hidden;
-    if (s.x != s.x_out) std::memcpy(s.x_out + t * e, s.x + t * e, static_cast<size_t>(e) * 4);
-    RmsNormRow(s.x_out + t * e, run->w.input_norm, e, s.eps, in + t * e, round);
-  }); }});
-  phases.push_back(MatmulPhase(
-      MatmulJob<X, W>{in, w.qkv, qkv_rows, w.qkv_bias, false, t_size, qkv_size, e, PartsOf(w, 0)}, threads));
+  // A matmul and the step that makes its x (`make_x` writes rows [t0, t1) of it into `x`): one phase where each
+  // thread makes x for itself (OwnedBlocks), else the step's phase into `in`, then the matmul's.
+  auto append_matmul = [&](const MatmulJob<X, W>& job, auto make_x) {
+    if constexpr (std::is_same_v<W, F32Panels> || std::is_same_v<W, uint32_t>) {
+      if (OwnedBlocks(job, threads)) {
+        MatmulInput<X> input = [make_x, t_size](X* x) { make_x(0, t_size, x); };
+        phases.push_back(PackedPhase(job, threads, std::move(input)));
+        return;
+      }
+    }
+    phases.push_back({row_items, [make_x, t_size, in](int64_t item) {
+                        make_x(item * kRowsPerItem, std::min(t_size, (item + 1) * kRowsPerItem), in);
+                      }});
+    phases.push_back(MatmulPhase(job, threads));
+  };
+  append_matmul(MatmulJob<X, W>{in, w.qkv, qkv_rows, w.qkv_bias, false, t_size, qkv_size, e, PartsOf(w, 0)},
+                [run](int64_t t0, int64_t t1, X* x) {
+                  const LayerShape& s = run->s;
+                  for (int64_t t = t0; t < t1; ++t)
+                    RmsNormRow(s.x + t * s.hidden, run->w.input_norm, s.hidden, s.eps, x + t * s.hidden, round);
+                });
+  if (s.x != s.x_out) {  // the first layer: the residual stream moves to x_out (read from the o projection on)
+    phases.back().body = [to = s.x_out, from = s.x, bytes = static_cast<size_t>(t_size * e) * 4,
+                          body = std::move(phases.back().body)](int64_t item) {
+      if (item == 0) std::memcpy(to, from, bytes);
+      body(item);
+    };
+  }
   phases.push_back({row_items, [run, qkv_rows, rows](int64_t item) { rows(item, [&](int64_t t) {
     const LayerShape& s = run->s;
     const AttentionArgs& a = run->a;
@@ -2066,22 +2175,23 @@ void AppendLayerPhases(std::vector<Phase>& phases, LayerRun<W>& r, const Attenti
   for (Phase& phase : AttentionPhases(a, plan)) phases.push_back(std::move(phase));
   phases.push_back(
       MatmulPhase(MatmulJob<X, W>{in, w.o, s.x_out, w.o_bias, true, t_size, e, q_size, PartsOf(w, 1)}, threads));
-  phases.push_back({row_items, [run, in, rows](int64_t item) { rows(item, [&](int64_t t) {
-    const LayerShape& s = run->s;
-    RmsNormRow(s.x_out + t * s.hidden, run->w.post_norm, s.hidden, s.eps, in + t * s.hidden, round);
-  }); }});
-  phases.push_back(MatmulPhase(
+  append_matmul(
       MatmulJob<X, W>{in, w.gate_up, gate_up_rows, w.gate_up_bias, false, t_size, 2 * i_size, e, PartsOf(w, 2)},
-      threads));
-  phases.push_back({row_items, [in, gate_up_rows, i_size, rows](int64_t item) { rows(item, [&](int64_t t) {
-    const float* gate = gate_up_rows + t * 2 * i_size;
-    thread_local std::vector<float> act;
-    act.resize(static_cast<size_t>(i_size));
-    SiluMul(gate, gate + i_size, act.data(), i_size);
-    StoreInput(in + t * i_size, act.data(), i_size, round);
-  }); }});
-  phases.push_back(MatmulPhase(
-      MatmulJob<X, W>{in, w.down, s.x_out, w.down_bias, true, t_size, e, i_size, PartsOf(w, 3)}, threads));
+      [run](int64_t t0, int64_t t1, X* x) {
+        const LayerShape& s = run->s;
+        for (int64_t t = t0; t < t1; ++t)
+          RmsNormRow(s.x_out + t * s.hidden, run->w.post_norm, s.hidden, s.eps, x + t * s.hidden, round);
+      });
+  append_matmul(MatmulJob<X, W>{in, w.down, s.x_out, w.down_bias, true, t_size, e, i_size, PartsOf(w, 3)},
+                [gate_up_rows, i_size](int64_t t0, int64_t t1, X* x) {
+                  thread_local std::vector<float> act;
+                  act.resize(static_cast<size_t>(i_size));
+                  for (int64_t t = t0; t < t1; ++t) {
+                    const float* gate = gate_up_rows + t * 2 * i_size;
+                    SiluMul(gate, gate + i_size, act.data(), i_size);
+                    StoreInput(x + t * i_size, act.data(), i_size, round);
+                  }
+                });
 }
 
 // Every layer in one pass over the pool: a layer's phases follow the one before's with no return to XLA between
@@ -2458,6 +2568,9 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
 }
 
 }  // namespace
+
+// How many calls have handed their work to a lingering helper (Lingerers) in this process: its tests read it.
+extern "C" int64_t JserveHandedCalls() { return TheLingerers().handed(); }
 
 // The memory's read bandwidth, the bound of a decode step that reads every weight once (jserve bench latency's
 // roofline): `threads` threads each sum their share of a `bytes` buffer on 2 MiB pages where the kernel gives

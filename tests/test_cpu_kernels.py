@@ -4,7 +4,9 @@ fallback when the kernels cannot be built."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -112,6 +114,31 @@ def test_matmul_keeps_leading_axes_and_rejects_bad_shapes():
         cpu_kernels.matmul(x, jnp.ones((5, 7), jnp.float32))
     with pytest.raises(ValueError, match="matmul"):
         cpu_kernels.matmul(x, jnp.ones((5, 8), jnp.int8))
+
+
+def test_back_to_back_calls_hand_their_work_to_a_lingering_helper():
+    """Calls a moment apart (a decode step's) hand their work to the helper thread the call before left lingering;
+    after a pause a call wakes a pool thread again; calls from two threads at once each get their own answer."""
+    if cpu_kernels.kernel_threads() < 2:
+        pytest.skip("one CPU: the kernels run on the calling thread alone")
+    rng = np.random.default_rng(7)
+    w = jnp.asarray(rng.standard_normal((2048, 256)), jnp.float32)
+    xs = [jnp.asarray(rng.standard_normal((1, 256)), jnp.float32) for _ in range(8)]
+    expected = [np.asarray(x, np.float64) @ np.asarray(w, np.float64).T for x in xs]
+    matmul = jax.jit(cpu_kernels.matmul)
+
+    def check(i: int) -> None:
+        np.testing.assert_allclose(np.asarray(matmul(xs[i], w)), expected[i], rtol=1e-5, atol=1e-4)
+
+    check(0)
+    handed = cpu_kernels.handed_calls()
+    for i in range(40):
+        check(i % 8)
+    assert cpu_kernels.handed_calls() > handed
+    time.sleep(0.05)  # past the linger: the helper has gone back to the pool
+    check(1)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        list(pool.map(check, [i % 8 for i in range(64)]))
 
 
 @pytest.mark.parametrize("case", CASES + [("mixed", 9, 3, 64, 16, jnp.float32, {}),
