@@ -2118,34 +2118,41 @@ void AppendLayerPhases(std::vector<Phase>& phases, LayerRun<W>& r, const Attenti
     for (int64_t t = item * kRowsPerItem; t < std::min(t_size, (item + 1) * kRowsPerItem); ++t) body(t);
   };
   const LayerRun<W>* run = &r;
-  // A matmul and the step that makes its x (`make_x` writes rows [t0, t1) of it into `x`): one phase where each
-  // thread makes x for itself (OwnedBlocks), else the step's phase into `in`, then the matmul's.
-  auto append_matmul = [&](const MatmulJob<X, W>& job, auto make_x) {
+  // A matmul and the step that makes its x (`make_x` writes rows [t0, t1) of it into `x`; `once` does rows
+  // [t0, t1) of what only one thread may do): one phase where each thread makes x for itself (OwnedBlocks) and item
+  // 0 does `once`, else the step's phase into `in`, then the matmul's.
+  auto append_matmul = [&](const MatmulJob<X, W>& job, auto make_x, auto once) {
     if constexpr (std::is_same_v<W, F32Panels> || std::is_same_v<W, uint32_t>) {
       if (OwnedBlocks(job, threads)) {
         MatmulInput<X> input = [make_x, t_size](X* x) { make_x(0, t_size, x); };
         phases.push_back(PackedPhase(job, threads, std::move(input)));
+        phases.back().body = [once, t_size, body = std::move(phases.back().body)](int64_t item) {
+          if (item == 0) once(0, t_size);
+          body(item);
+        };
         return;
       }
     }
-    phases.push_back({row_items, [make_x, t_size, in](int64_t item) {
-                        make_x(item * kRowsPerItem, std::min(t_size, (item + 1) * kRowsPerItem), in);
+    phases.push_back({row_items, [make_x, once, t_size, in](int64_t item) {
+                        const int64_t t0 = item * kRowsPerItem, t1 = std::min(t_size, t0 + kRowsPerItem);
+                        once(t0, t1);
+                        make_x(t0, t1, in);
                       }});
     phases.push_back(MatmulPhase(job, threads));
   };
+  auto nothing = [](int64_t, int64_t) {};
   append_matmul(MatmulJob<X, W>{in, w.qkv, qkv_rows, w.qkv_bias, false, t_size, qkv_size, e, PartsOf(w, 0)},
                 [run](int64_t t0, int64_t t1, X* x) {
                   const LayerShape& s = run->s;
                   for (int64_t t = t0; t < t1; ++t)
                     RmsNormRow(s.x + t * s.hidden, run->w.input_norm, s.hidden, s.eps, x + t * s.hidden, round);
+                },
+                [run](int64_t t0, int64_t t1) {  // the first layer moves the residual stream to x_out
+                  const LayerShape& s = run->s;
+                  const int64_t e = s.hidden;
+                  const size_t bytes = static_cast<size_t>((t1 - t0) * e) * 4;
+                  if (s.x != s.x_out) std::memcpy(s.x_out + t0 * e, s.x + t0 * e, bytes);
                 });
-  if (s.x != s.x_out) {  // the first layer: the residual stream moves to x_out (read from the o projection on)
-    phases.back().body = [to = s.x_out, from = s.x, bytes = static_cast<size_t>(t_size * e) * 4,
-                          body = std::move(phases.back().body)](int64_t item) {
-      if (item == 0) std::memcpy(to, from, bytes);
-      body(item);
-    };
-  }
   phases.push_back({row_items, [run, qkv_rows, rows](int64_t item) { rows(item, [&](int64_t t) {
     const LayerShape& s = run->s;
     const AttentionArgs& a = run->a;
@@ -2181,7 +2188,8 @@ void AppendLayerPhases(std::vector<Phase>& phases, LayerRun<W>& r, const Attenti
         const LayerShape& s = run->s;
         for (int64_t t = t0; t < t1; ++t)
           RmsNormRow(s.x_out + t * s.hidden, run->w.post_norm, s.hidden, s.eps, x + t * s.hidden, round);
-      });
+      },
+      nothing);
   append_matmul(MatmulJob<X, W>{in, w.down, s.x_out, w.down_bias, true, t_size, e, i_size, PartsOf(w, 3)},
                 [gate_up_rows, i_size](int64_t t0, int64_t t1, X* x) {
                   thread_local std::vector<float> act;
@@ -2191,7 +2199,8 @@ void AppendLayerPhases(std::vector<Phase>& phases, LayerRun<W>& r, const Attenti
                     SiluMul(gate, gate + i_size, act.data(), i_size);
                     StoreInput(x + t * i_size, act.data(), i_size, round);
                   }
-                });
+                },
+                nothing);
 }
 
 // Every layer in one pass over the pool: a layer's phases follow the one before's with no return to XLA between
