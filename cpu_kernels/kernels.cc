@@ -126,7 +126,9 @@ class Lingerers {
     if (!slot.status.compare_exchange_strong(away, kWaiting, std::memory_order_acq_rel)) return;
     auto deadline = std::chrono::steady_clock::now() + kLinger;
     for (int64_t spins = 1;; ++spins) {
-      if (std::shared_ptr<PhaseState>* work = slot.work.exchange(nullptr, std::memory_order_acquire)) {
+      // Read before exchanging: the spin only reads the line the caller writes to.
+      std::shared_ptr<PhaseState>* work = slot.work.load(std::memory_order_relaxed);
+      if (work != nullptr && (work = slot.work.exchange(nullptr, std::memory_order_acquire)) != nullptr) {
         (*work)->Work(t);
         delete work;
         slot.status.store(kWaiting, std::memory_order_release);
