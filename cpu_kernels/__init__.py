@@ -162,6 +162,58 @@ def handed_calls() -> int:
     return lib.JserveHandedCalls()
 
 
+# The kinds of phase the profile tells apart (kernels.cc's PhaseKind): the layer kernel's steps ("inputs": a norm or
+# the SiLU run as a phase of its own), and "other" for the other kernels' phases.
+PHASE_KINDS = ("other", "qkv", "rotary", "attention", "merge", "o", "gate_up", "down", "inputs")
+PROFILED_KERNELS = ("decoder_layers", "matmul", "argmax", "paged_attention")  # kernels.cc's KernelKind
+
+
+class KernelCalls(NamedTuple):
+    """One kernel's calls while profiled, on the calling thread's clock."""
+
+    count: int
+    seconds: float  # in the calls, all told
+    before_phases_s: float  # of which before their phases began (checking arguments, planning the phases)
+    after_phases_s: float  # and after their phases ended
+
+
+class PhaseProfile(NamedTuple):
+    """Time in the kernels since profiling was switched on. Worker 0 is the thread that called the kernel, the rest
+    its helpers (kernels.cc's RunPhases); a worker's time between phases goes to the phase it just left."""
+
+    busy_s: np.ndarray  # f64[workers, len(PHASE_KINDS)]: running items of each kind of phase
+    wait_s: np.ndarray  # f64[workers, len(PHASE_KINDS)]: done with a phase, waiting for other threads' items of it
+    calls: dict[str, KernelCalls]  # by kernel, for PROFILED_KERNELS
+
+
+def profile_phases(enabled: bool) -> None:
+    """Switch the kernels' phase profile on or off; either way its counts start again from zero. Off (the default),
+    a call pays one load a phase for it."""
+    _require()
+    lib = _load()
+    lib.JserveProfileEnable.argtypes = [ctypes.c_int]
+    lib.JserveProfileEnable(int(enabled))
+
+
+def phase_profile() -> PhaseProfile:
+    """What the profile has counted since profile_phases(True)."""
+    _require()
+    lib = _load()
+    workers, kinds, kernels = ctypes.c_int64(), ctypes.c_int64(), ctypes.c_int64()
+    lib.JserveProfileShape.restype = ctypes.c_int64
+    size = lib.JserveProfileShape(ctypes.byref(workers), ctypes.byref(kinds), ctypes.byref(kernels))
+    assert (kinds.value, kernels.value) == (len(PHASE_KINDS), len(PROFILED_KERNELS)), "kernels.cc and this disagree"
+    out = np.zeros(size, np.int64)
+    lib.JserveProfileRead(out.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)))
+    phases = workers.value * kinds.value
+    busy, wait = (out[i * phases: (i + 1) * phases].reshape(workers.value, kinds.value) / 1e9 for i in range(2))
+    counts, nanos, before, after = out[2 * phases:].reshape(4, kernels.value)
+    used = max(1, int(np.flatnonzero((busy + wait).sum(axis=1)).max(initial=0)) + 1)  # workers that ever ran
+    return PhaseProfile(busy[:used], wait[:used], {
+        name: KernelCalls(int(counts[k]), float(nanos[k]) / 1e9, float(before[k]) / 1e9, float(after[k]) / 1e9)
+        for k, name in enumerate(PROFILED_KERNELS)})
+
+
 def max_kernel_rows() -> int:
     """The most rows of x a matmul sends to the kernel; larger batches use XLA's dot (docs/benchmarks.md)."""
     return AMX_KERNEL_ROWS if "amx_bf16" in _cpu_flags() else 1 << 62

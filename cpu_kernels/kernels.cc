@@ -16,6 +16,7 @@
 //                           SiLU, down and both residuals; the K/V pages are updated in place (aliased to outputs).
 //   JserveReadBandwidth:    (plain C, through ctypes) the memory's all-core read bandwidth, for the roofline
 //   JserveHandedCalls:      (plain C) how many calls found a helper still lingering from the last (Lingerers)
+//   JserveProfile*:         (plain C) the phase profile: each kind of phase's time running and waiting, per worker
 //
 // bfloat16 weights meet bfloat16 activations: with AVX512-BF16 (vdpbf16ps) the pairs multiply in hardware with
 // float32 accumulation; elsewhere both are widened to float32 in registers (the same products, exactly).
@@ -56,6 +57,96 @@ namespace {
 // touch freed memory: it finds no item left and returns. One helper wake-up serves every phase of a call, and a
 // helper then lingers (Lingerers) so that the next call, a millisecond later in a decode step, needs none.
 
+// What a phase does, for the profile (cpu_kernels.phase_profile): each step of the layer kernel, and "other" for
+// the other kernels' phases. The order is cpu_kernels.PHASE_KINDS'.
+enum PhaseKind : int {
+  kOtherPhase, kQkvPhase, kRotaryPhase, kAttentionPhase, kMergePhase, kOPhase, kGateUpPhase, kDownPhase,
+  kInputPhase,  // a norm or the SiLU as a phase of its own (not made by each owned matmul item)
+  kNumPhaseKinds
+};
+
+// The kernels' kinds of call, for the profile (cpu_kernels.PROFILED_KERNELS' order).
+enum KernelKind : int { kLayersCall, kMatmulCall, kArgmaxCall, kAttentionCall, kNumKernelKinds };
+
+// Nanoseconds each worker index spent running each kind of phase's items and waiting for other threads' items of
+// it, and each kind of call's count and nanoseconds: off unless cpu_kernels.profile_phases(True), so a call pays
+// one relaxed load a phase. Workers past kProfiledWorkers are not counted.
+class PhaseProfile {
+ public:
+  static constexpr int64_t kProfiledWorkers = 64;
+  struct alignas(64) Worker {
+    std::atomic<int64_t> busy[kNumPhaseKinds];
+    std::atomic<int64_t> wait[kNumPhaseKinds];
+  };
+  std::atomic<bool> enabled{false};
+  Worker workers[kProfiledWorkers] = {};
+  std::atomic<int64_t> calls[kNumKernelKinds] = {}, call_ns[kNumKernelKinds] = {};
+  // Of call_ns: before the call's phases began (its setup) and after they ended (its return), on the calling thread
+  std::atomic<int64_t> before_ns[kNumKernelKinds] = {}, after_ns[kNumKernelKinds] = {};
+
+  Worker* Of(int64_t worker) {
+    return enabled.load(std::memory_order_relaxed) && worker < kProfiledWorkers ? &workers[worker] : nullptr;
+  }
+  void Reset() {
+    for (Worker& w : workers)
+      for (int k = 0; k < kNumPhaseKinds; ++k) w.busy[k] = 0, w.wait[k] = 0;
+    for (int k = 0; k < kNumKernelKinds; ++k) calls[k] = 0, call_ns[k] = 0, before_ns[k] = 0, after_ns[k] = 0;
+  }
+};
+
+PhaseProfile& TheProfile() {
+  static PhaseProfile* profile = new PhaseProfile;  // never destroyed: a lingering helper may still count at exit
+  return *profile;
+}
+
+inline int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// A worker's clock for the profile: each Ran / Waited adds the time since the last to a phase kind's running or
+// waiting time. Nothing while the profile is off.
+class PhaseClock {
+ public:
+  explicit PhaseClock(int64_t worker) : counts_(TheProfile().Of(worker)), last_(counts_ ? NowNs() : 0) {}
+  void Ran(int kind) { if (counts_) Add(counts_->busy[kind]); }
+  void Waited(int kind) { if (counts_) Add(counts_->wait[kind]); }
+
+ private:
+  void Add(std::atomic<int64_t>& to) {
+    const int64_t now = NowNs();
+    to.fetch_add(now - last_, std::memory_order_relaxed);
+    last_ = now;
+  }
+  PhaseProfile::Worker* counts_;
+  int64_t last_;
+};
+
+// When the calling thread's last RunPhases began and ended (for CallClock; 0: not profiled).
+thread_local int64_t phases_began = 0, phases_ended = 0;
+
+// Counts a kernel call and its time in the profile, from construction to destruction.
+class CallClock {
+ public:
+  explicit CallClock(KernelKind kind)
+      : kind_(kind), start_(TheProfile().enabled.load(std::memory_order_relaxed) ? NowNs() : 0) {}
+  ~CallClock() {
+    if (start_ == 0) return;
+    const int64_t end = NowNs();
+    PhaseProfile& profile = TheProfile();
+    profile.calls[kind_].fetch_add(1, std::memory_order_relaxed);
+    profile.call_ns[kind_].fetch_add(end - start_, std::memory_order_relaxed);
+    if (phases_began >= start_ && phases_ended >= phases_began) {  // its phases ran (not an invalid argument)
+      profile.before_ns[kind_].fetch_add(phases_began - start_, std::memory_order_relaxed);
+      profile.after_ns[kind_].fetch_add(end - phases_ended, std::memory_order_relaxed);
+    }
+  }
+
+ private:
+  KernelKind kind_;
+  int64_t start_;
+};
+
 struct Phase {
   int64_t count;
   std::function<void(int64_t)> body;
@@ -63,6 +154,7 @@ struct Phase {
   // caller takes what a helper never gets to). For per-thread weight parts, each read by the thread it was laid
   // out for (see BlockParts).
   bool owned = false;
+  int kind = kOtherPhase;  // PhaseKind
 };
 
 struct PhaseState {
@@ -86,8 +178,13 @@ struct PhaseState {
   }
 
   void Work(int64_t worker) {
+    PhaseClock clock(worker);
     for (size_t p = 0; p < phases.size(); ++p) {
-      if (p > 0) WaitFor(p - 1);
+      if (p > 0) {
+        clock.Ran(phases[p - 1].kind);
+        WaitFor(p - 1);
+        clock.Waited(phases[p - 1].kind);
+      }
       const int64_t count = phases[p].count;
       if (phases[p].owned) {
         for (int64_t k = 0; k < count; ++k) {
@@ -98,6 +195,7 @@ struct PhaseState {
       }
       for (int64_t i = next[p].fetch_add(1); i < count; i = next[p].fetch_add(1)) Run(p, i);
     }
+    if (!phases.empty()) clock.Ran(phases.back().kind);
   }
 };
 
@@ -167,9 +265,15 @@ void RunPhases(ffi::ThreadPool& pool, std::vector<Phase> phases) {
   int64_t widest = 0;
   for (const Phase& p : phases) widest = std::max(widest, p.count);
   const int64_t threads = std::min<int64_t>(pool.num_threads(), widest);
+  const bool profiled = TheProfile().enabled.load(std::memory_order_relaxed);
   if (threads <= 1) {
-    for (const Phase& p : phases)
+    if (profiled) phases_began = NowNs();
+    PhaseClock clock(0);
+    for (const Phase& p : phases) {
       for (int64_t i = 0; i < p.count; ++i) p.body(i);
+      clock.Ran(p.kind);
+    }
+    if (profiled) phases_ended = NowNs();
     return;
   }
   auto state = std::make_shared<PhaseState>(std::move(phases));
@@ -180,8 +284,12 @@ void RunPhases(ffi::ThreadPool& pool, std::vector<Phase> phases) {
       TheLingerers().Linger(t);
     });
   }
+  if (profiled) phases_began = NowNs();
   state->Work(0);
+  PhaseClock clock(0);
   state->WaitFor(state->phases.size() - 1);
+  clock.Waited(state->phases.back().kind);
+  if (profiled) phases_ended = NowNs();
 }
 
 // Items of `block` consecutive rows out of `rows`.
@@ -1157,6 +1265,7 @@ bool Holds(const WeightShape& w, int64_t n, int64_t k) {
 
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                       ffi::ResultBuffer<ffi::F32> y) {
+  CallClock call_clock(kMatmulCall);
   const auto x_dims = x.dimensions();
   const WeightShape shape = ShapeOf(w);
   if (x_dims.size() != 2 || y->dimensions().size() != 2 || !Holds(shape, y->dimensions()[1], x_dims[1])) {
@@ -1247,6 +1356,7 @@ int32_t ArgmaxRow(const float* x, int64_t n) {
 }
 
 ffi::Error ArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> out) {
+  CallClock call_clock(kArgmaxCall);
   const auto dims = x.dimensions();
   if (dims.size() != 2 || dims[1] == 0) return ffi::Error::InvalidArgument("jserve_argmax: expected x[S, V > 0]");
   const float* rows = x.typed_data();
@@ -1932,17 +2042,19 @@ void MergeParts(const AttentionArgs& a, const AttentionItem* parts, int64_t coun
 
 // Attention as two phases: the items, then the merges of split decodes (none: an empty phase).
 std::array<Phase, 2> AttentionPhases(const AttentionArgs& a, const AttentionPlan& plan) {
-  return {Phase{static_cast<int64_t>(plan.items.size()), [&a, &plan](int64_t i) { AttendItem(a, plan.items[i]); }},
+  return {Phase{static_cast<int64_t>(plan.items.size()), [&a, &plan](int64_t i) { AttendItem(a, plan.items[i]); },
+                false, kAttentionPhase},
           Phase{static_cast<int64_t>(plan.merges.size()), [&a, &plan](int64_t i) {
                   const MergeItem& m = plan.merges[i];
                   MergeParts(a, plan.items.data() + m.first, m.count);
-                }}};
+                }, false, kMergePhase}};
 }
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
                               ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> page_table,
                               ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> seq_lens,
                               ffi::ResultBuffer<ffi::F32> out, float scale, int64_t sliding_window, float soft_cap) {
+  CallClock call_clock(kAttentionCall);
   const auto q_dims = q.dimensions();
   if (q_dims.size() != 3) return ffi::Error::InvalidArgument("jserve_paged_attention: expected q[T, H, D]");
   AttentionArgs a;
@@ -2123,7 +2235,7 @@ void AppendLayerPhases(std::vector<Phase>& phases, LayerRun<W>& r, const Attenti
   // A matmul and the step that makes its x (`make_x` writes rows [t0, t1) of it into `x`; `once` does rows
   // [t0, t1) of what only one thread may do): one phase where each thread makes x for itself (OwnedBlocks) and item
   // 0 does `once`, else the step's phase into `in`, then the matmul's.
-  auto append_matmul = [&](const MatmulJob<X, W>& job, auto make_x, auto once) {
+  auto append_matmul = [&](const MatmulJob<X, W>& job, int kind, auto make_x, auto once) {
     if constexpr (std::is_same_v<W, F32Panels> || std::is_same_v<W, uint32_t>) {
       if (OwnedBlocks(job, threads)) {
         MatmulInput<X> input = [make_x, t_size](X* x) { make_x(0, t_size, x); };
@@ -2132,6 +2244,7 @@ void AppendLayerPhases(std::vector<Phase>& phases, LayerRun<W>& r, const Attenti
           if (item == 0) once(0, t_size);
           body(item);
         };
+        phases.back().kind = kind;
         return;
       }
     }
@@ -2139,11 +2252,12 @@ void AppendLayerPhases(std::vector<Phase>& phases, LayerRun<W>& r, const Attenti
                         const int64_t t0 = item * kRowsPerItem, t1 = std::min(t_size, t0 + kRowsPerItem);
                         once(t0, t1);
                         make_x(t0, t1, in);
-                      }});
+                      }, false, kInputPhase});
     phases.push_back(MatmulPhase(job, threads));
+    phases.back().kind = kind;
   };
   auto nothing = [](int64_t, int64_t) {};
-  append_matmul(MatmulJob<X, W>{in, w.qkv, qkv_rows, w.qkv_bias, false, t_size, qkv_size, e, PartsOf(w, 0)},
+  append_matmul(MatmulJob<X, W>{in, w.qkv, qkv_rows, w.qkv_bias, false, t_size, qkv_size, e, PartsOf(w, 0)}, kQkvPhase,
                 [run](int64_t t0, int64_t t1, X* x) {
                   const LayerShape& s = run->s;
                   for (int64_t t = t0; t < t1; ++t)
@@ -2180,19 +2294,21 @@ void AppendLayerPhases(std::vector<Phase>& phases, LayerRun<W>& r, const Attenti
       StoreKv(run->k_pages, a.kv_bf16, slot, k, kv_size);
       StoreKv(run->v_pages, a.kv_bf16, slot, v, kv_size);
     }
-  }); }});
+  }); }, false, kRotaryPhase});
   for (Phase& phase : AttentionPhases(a, plan)) phases.push_back(std::move(phase));
   phases.push_back(
       MatmulPhase(MatmulJob<X, W>{in, w.o, s.x_out, w.o_bias, true, t_size, e, q_size, PartsOf(w, 1)}, threads));
+  phases.back().kind = kOPhase;
   append_matmul(
       MatmulJob<X, W>{in, w.gate_up, gate_up_rows, w.gate_up_bias, false, t_size, 2 * i_size, e, PartsOf(w, 2)},
+      kGateUpPhase,
       [run](int64_t t0, int64_t t1, X* x) {
         const LayerShape& s = run->s;
         for (int64_t t = t0; t < t1; ++t)
           RmsNormRow(s.x_out + t * s.hidden, run->w.post_norm, s.hidden, s.eps, x + t * s.hidden, round);
       },
       nothing);
-  append_matmul(MatmulJob<X, W>{in, w.down, s.x_out, w.down_bias, true, t_size, e, i_size, PartsOf(w, 3)},
+  append_matmul(MatmulJob<X, W>{in, w.down, s.x_out, w.down_bias, true, t_size, e, i_size, PartsOf(w, 3)}, kDownPhase,
                 [gate_up_rows, i_size](int64_t t0, int64_t t1, X* x) {
                   thread_local std::vector<float> act;
                   act.resize(static_cast<size_t>(i_size));
@@ -2460,6 +2576,7 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
                              ffi::ResultBuffer<ffi::F32> x_out, ffi::RemainingRets rets, int64_t num_heads,
                              float eps, float scale, int64_t sliding_window, float soft_cap, int64_t weight_parts,
                              int64_t intermediate_size) {
+  CallClock call_clock(kLayersCall);
   const auto x_dims = x.dimensions();
   if (x_dims.size() != 2 || num_heads <= 0) {
     return ffi::Error::InvalidArgument("jserve_decoder_layers: expected x[T, E]");
@@ -2582,6 +2699,29 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
 
 // How many calls have handed their work to a lingering helper (Lingerers) in this process: its tests read it.
 extern "C" int64_t JserveHandedCalls() { return TheLingerers().handed(); }
+
+// The phase profile (PhaseProfile): switched on or off (either way zeroed), and read as nanoseconds into `out`:
+// busy [workers][kinds], then wait [workers][kinds], then each kernel kind's call count, nanoseconds, and of those
+// the nanoseconds before its phases began and after they ended.
+extern "C" void JserveProfileEnable(int enable) {
+  TheProfile().Reset();
+  TheProfile().enabled.store(enable != 0);
+}
+extern "C" int64_t JserveProfileShape(int64_t* workers, int64_t* phase_kinds, int64_t* kernel_kinds) {
+  *workers = PhaseProfile::kProfiledWorkers, *phase_kinds = kNumPhaseKinds, *kernel_kinds = kNumKernelKinds;
+  return 2 * PhaseProfile::kProfiledWorkers * kNumPhaseKinds + 4 * kNumKernelKinds;
+}
+extern "C" void JserveProfileRead(int64_t* out) {
+  PhaseProfile& profile = TheProfile();
+  for (const auto& w : profile.workers)
+    for (const auto& v : w.busy) *out++ = v.load(std::memory_order_relaxed);
+  for (const auto& w : profile.workers)
+    for (const auto& v : w.wait) *out++ = v.load(std::memory_order_relaxed);
+  for (int k = 0; k < kNumKernelKinds; ++k) *out++ = profile.calls[k].load(std::memory_order_relaxed);
+  for (int k = 0; k < kNumKernelKinds; ++k) *out++ = profile.call_ns[k].load(std::memory_order_relaxed);
+  for (int k = 0; k < kNumKernelKinds; ++k) *out++ = profile.before_ns[k].load(std::memory_order_relaxed);
+  for (int k = 0; k < kNumKernelKinds; ++k) *out++ = profile.after_ns[k].load(std::memory_order_relaxed);
+}
 
 // The memory's read bandwidth, the bound of a decode step that reads every weight once (jserve bench latency's
 // roofline): `threads` threads each sum their share of a `bytes` buffer on 2 MiB pages where the kernel gives

@@ -9,6 +9,7 @@ lengths ending mid-page and on page boundaries, padding tokens and padding seque
 from __future__ import annotations
 
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -346,6 +347,47 @@ def test_layer_kernel_rejects_weight_parts_that_disagree_with_the_layer(hf_model
         call(stack, intermediate_size=cfg.intermediate_size + 32)
     with pytest.raises(ValueError, match="intermediate_size"):
         call(stack)
+
+
+def test_the_phase_profile_times_each_step_of_a_layer_kernel_call(hf_model_dir):
+    """With the profile on, one batch-1 decode call of the layer kernel is counted once, within the time the caller
+    saw it take, with time running each step of a layer; with it off, nothing is counted."""
+    from checkpoints.loading import load_model
+    from jserve.models.layers import rope_inv_freq
+
+    model = load_model(hf_model_dir("llama"), "float32", "cpu")
+    cfg = model.config
+    pages = (cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim)
+
+    def decode() -> float:
+        start = time.perf_counter()
+        x, _, _ = cpu_kernels.decoder_layers(
+            jnp.ones((1, cfg.hidden_size)), model.layer_stack, jnp.zeros(pages), jnp.zeros(pages),
+            positions=jnp.array([3]), slot_mapping=jnp.array([3]), page_table=jnp.array([[0, 1]]),
+            query_start=jnp.array([0, 1]), seq_lens=jnp.array([4]), inv_freq=rope_inv_freq(cfg),
+            num_heads=cfg.num_heads, eps=cfg.rms_norm_eps, scale=cfg.head_dim**-0.5,
+            intermediate_size=cfg.intermediate_size)
+        assert np.isfinite(np.asarray(x)).all()
+        return time.perf_counter() - start
+
+    decode()
+    cpu_kernels.profile_phases(True)
+    try:
+        wall = decode()
+        profile = cpu_kernels.phase_profile()
+    finally:
+        cpu_kernels.profile_phases(False)
+    layers = profile.calls["decoder_layers"]
+    assert layers.count == 1 and 0 < layers.seconds <= wall
+    assert 0 < layers.before_phases_s and 0 < layers.after_phases_s
+    assert layers.before_phases_s + layers.after_phases_s < layers.seconds
+    assert profile.calls["matmul"].count == 0
+    running = dict(zip(cpu_kernels.PHASE_KINDS, profile.busy_s.sum(axis=0), strict=True))
+    assert all(running[kind] > 0 for kind in ("qkv", "rotary", "attention", "o", "gate_up", "down")), running
+    in_phases = profile.busy_s[0].sum() + profile.wait_s[0].sum()  # the caller's, inside its call
+    assert 0 < in_phases <= layers.seconds - layers.before_phases_s - layers.after_phases_s + 1e-6
+    decode()
+    assert cpu_kernels.phase_profile().calls["decoder_layers"].count == 0
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
