@@ -1134,6 +1134,84 @@ void MatmulPacked(const MatmulJob<X, W>& job, int64_t pair, bool prefetch_next) 
              next, prefetch_next ? next + length * 4 : next);
 }
 
+// One row of x (a batch-1 decode) against packed blocks [b0, b1), each block's 32 sums stored straight into y; false
+// where this CPU and weight type have no such loop (the tiles run instead). The same products in the same order as
+// the one-row tile, so the same bits, but a block's setup and its tile's store and emit are gone, and so are a
+// fifth of the loop's uops (both halves of a pair of k loaded from one pointer): with fewer uops per cache line the
+// out-of-order window holds more lines in flight, which is what bounds one core's stream. Batch-1 bfloat16 decode
+// ran 1.10x as fast where the memory reads ~65 GB/s (docs/benchmarks.md, fifteenth session).
+template <typename X, typename W>
+bool OneRowBlocks(const MatmulJob<X, W>&, int64_t, int64_t) {
+  return false;
+}
+
+// A block's two 16-column sums (columns n .. n + 31 of row 0) into y, as EmitRow would store them.
+template <typename X, typename W>
+inline void EmitBlock(const MatmulJob<X, W>& job, int64_t n, __m512 low, __m512 high) {
+  if (n + 2 * kPanel > job.n_size) {  // the last block's padding columns are dropped
+    float tile[2 * kPanel];
+    _mm512_storeu_ps(tile, low);
+    _mm512_storeu_ps(tile + kPanel, high);
+    EmitRow(job, 0, n, tile, job.n_size - n);
+    return;
+  }
+  float* out = job.y + n;
+  if (job.bias != nullptr) {
+    low = _mm512_add_ps(low, _mm512_loadu_ps(job.bias + n));
+    high = _mm512_add_ps(high, _mm512_loadu_ps(job.bias + n + kPanel));
+  }
+  if (job.accumulate) {
+    low = _mm512_add_ps(_mm512_loadu_ps(out), low);
+    high = _mm512_add_ps(_mm512_loadu_ps(out + kPanel), high);
+  }
+  _mm512_storeu_ps(out, low);
+  _mm512_storeu_ps(out + kPanel, high);
+}
+
+#ifdef JSERVE_AVX512_BF16
+template <>
+bool OneRowBlocks(const MatmulJob<uint16_t, uint32_t>& job, int64_t b0, int64_t b1) {
+  if (job.m_size != 1) return false;
+  const int64_t length = 2 * PanelLength<uint32_t>(job.k_size), pairs = job.k_size / 2;
+  for (int64_t b = b0; b < b1; ++b) {
+    const float* block = BlockAt(job, b, length);
+    __m512 low = _mm512_setzero_ps(), high = low;
+    for (int64_t kp = 0; kp < pairs; ++kp) {
+      const float* w = block + kp * 2 * kPanel;
+      PrefetchAhead(w);
+      int32_t pair;
+      std::memcpy(&pair, job.x + 2 * kp, sizeof(pair));
+      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+      low = _mm512_dpbf16_ps(low, xv, reinterpret_cast<__m512bh>(_mm512_loadu_ps(w)));
+      high = _mm512_dpbf16_ps(high, xv, reinterpret_cast<__m512bh>(_mm512_loadu_ps(w + kPanel)));
+    }
+    EmitBlock(job, b * 2 * kPanel, low, high);
+  }
+  return true;
+}
+#endif
+
+#ifdef __AVX512F__
+template <>
+bool OneRowBlocks(const MatmulJob<float, F32Panels>& job, int64_t b0, int64_t b1) {
+  if (job.m_size != 1) return false;
+  const int64_t length = 2 * PanelLength<F32Panels>(job.k_size);
+  for (int64_t b = b0; b < b1; ++b) {
+    const float* block = BlockAt(job, b, length);
+    __m512 low = _mm512_setzero_ps(), high = low;
+    for (int64_t k = 0; k < job.k_size; ++k) {
+      const float* w = block + k * 2 * kPanel;
+      PrefetchAhead(w);
+      const __m512 xv = _mm512_set1_ps(job.x[k]);
+      low = _mm512_fmadd_ps(xv, _mm512_loadu_ps(w), low);
+      high = _mm512_fmadd_ps(xv, _mm512_loadu_ps(w + kPanel), high);
+    }
+    EmitBlock(job, b * 2 * kPanel, low, high);
+  }
+  return true;
+}
+#endif
+
 // Packed blocks lie one after another, so an item of consecutive blocks is one forward stream. For a few rows of x
 // (bandwidth-bound) the items are guided (RunsOf): with one 36 KiB block an item, the 576-wide projections streamed
 // at 35 GB/s; at 96 KiB, 50. Many rows are compute-bound: equal runs, each block requesting the next one early.
@@ -1168,15 +1246,18 @@ Phase PackedPhase(const MatmulJob<X, W>& job, int64_t threads, MatmulInput<X> in
                     input(x.data());
                     own.x = x.data();
                   }
-                  for (int64_t b = parts->begin[p]; b < parts->begin[p + 1]; ++b) MatmulPacked(own, b, false);
+                  const int64_t begin = parts->begin[p], end = parts->begin[p + 1];
+                  if (OneRowBlocks(own, begin, end)) return;
+                  for (int64_t b = begin; b < end; ++b) MatmulPacked(own, b, false);
                 }};
     phase.owned = true;
     return phase;
   }
   const ItemStarts starts = RunsOf(Blocks(job.n_size, 2 * kPanel), threads, streamed);
   return {static_cast<int64_t>(starts->size()) - 1, [job, starts, streamed](int64_t item) {
-            const int64_t end = (*starts)[item + 1];
-            for (int64_t b = (*starts)[item]; b < end; ++b) MatmulPacked(job, b, !streamed && b + 1 < end);
+            const int64_t begin = (*starts)[item], end = (*starts)[item + 1];
+            if (OneRowBlocks(job, begin, end)) return;
+            for (int64_t b = begin; b < end; ++b) MatmulPacked(job, b, !streamed && b + 1 < end);
           }};
 }
 

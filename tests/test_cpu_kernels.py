@@ -46,8 +46,8 @@ def _skip_unless_packed(dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize(("rows", "in_features", "out_features"),
-                         [(1, 576, 960), (2, 64, 4), (3, 34, 7), (5, 576, 33), (9, 1536, 576), (12, 100, 64),
-                          (13, 576, 3072), (32, 576, 100), (300, 200, 129),
+                         [(1, 576, 960), (1, 130, 70), (2, 64, 4), (3, 34, 7), (5, 576, 33), (9, 1536, 576),
+                          (12, 100, 64), (13, 576, 3072), (32, 576, 100), (300, 200, 129),
                           (2, 64, 1181), (4, 576, 4000), (7, 130, 70), (8, 576, 96)])
 def test_packed_matmul_matches_numpy(rows, in_features, out_features, dtype):
     """Weights packed at load time: every tile height (AVX-512: 1, 2, 4, 8, 12 rows; AVX2: wide tiles of 1-2 rows,
@@ -67,6 +67,20 @@ def test_packed_matmul_matches_numpy(rows, in_features, out_features, dtype):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.sqrt(in_features))
     with pytest.raises(ValueError, match="out_features"):
         cpu_kernels.matmul(jnp.asarray(x), jnp.asarray(packed), out_features + 32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_lone_row_gets_the_bits_it_gets_among_others(dtype):
+    """Batch-1 decode's one-row loop (kernels.cc's OneRowBlocks) adds the same products in the same order as the
+    tiles that take the row among others, so a sequence's logits do not depend on what it is batched with."""
+    _skip_unless_packed(dtype)
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((3, 576)), jnp.float32)
+    packed = jnp.asarray(cpu_kernels.pack_weight(np.asarray(jnp.asarray(rng.standard_normal((200, 576)), dtype))))
+    matmul = jax.jit(cpu_kernels.matmul, static_argnums=2)
+    batched = np.asarray(matmul(x, packed, 200))
+    for row in range(3):
+        np.testing.assert_array_equal(np.asarray(matmul(x[row:row + 1], packed, 200))[0], batched[row])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
