@@ -41,8 +41,8 @@ def one_generation(llm: LLM, params: SamplingParams, num_layers: int) -> dict:
     return {"bandwidth": bandwidth, "tok_s": params.max_tokens / seconds,
             "busy_us": profile.busy_s * 1e6 / per_layer, "wait_us": profile.wait_s * 1e6 / per_layer,
             "call_us": {name: c.seconds * 1e6 / max(1, layer_calls) for name, c in profile.calls.items()},
-            "setup_us": {name: (c.before_phases_s + c.after_phases_s) * 1e6 / max(1, layer_calls)
-                         for name, c in profile.calls.items()},
+            "before_us": {name: c.before_phases_s * 1e6 / max(1, layer_calls) for name, c in profile.calls.items()},
+            "after_us": {name: c.after_phases_s * 1e6 / max(1, layer_calls) for name, c in profile.calls.items()},
             "token_us": seconds * 1e6 / max(1, layer_calls)}
 
 
@@ -71,8 +71,9 @@ def report(name: str, rows: list[dict], cfg, dtype: str) -> None:
         print(f"  {kind:17s}" + "".join(f"  {b:6.2f}  {w:7.2f}" for b, w in zip(busy, wait, strict=True)) + share)
     calls = {k: med(r["call_us"][k] for r in rows) for k in rows[0]["call_us"]}
     token = med(r["token_us"] for r in rows)
-    setup = {k: med(r["setup_us"][k] for r in rows) for k in rows[0]["setup_us"]}
-    print("us per token: " + ", ".join(f"{k} {v:.0f} ({setup[k]:.0f} before and after its phases)"
+    before = {k: med(r["before_us"][k] for r in rows) for k in rows[0]["before_us"]}
+    after = {k: med(r["after_us"][k] for r in rows) for k in rows[0]["after_us"]}
+    print("us per token: " + ", ".join(f"{k} {v:.0f} ({before[k]:.0f} before its phases, {after[k]:.0f} after)"
                                        for k, v in calls.items() if v > 0)
           + f"; outside the kernels {token - sum(calls.values()):.0f}; the token {token:.0f}")
 

@@ -1136,10 +1136,10 @@ void MatmulPacked(const MatmulJob<X, W>& job, int64_t pair, bool prefetch_next) 
 
 // One row of x (a batch-1 decode) against packed blocks [b0, b1), each block's 32 sums stored straight into y; false
 // where this CPU and weight type have no such loop (the tiles run instead). The same products in the same order as
-// the one-row tile, so the same bits, but a block's setup and its tile's store and emit are gone, and so are a
-// fifth of the loop's uops (both halves of a pair of k loaded from one pointer): with fewer uops per cache line the
-// out-of-order window holds more lines in flight, which is what bounds one core's stream. Batch-1 bfloat16 decode
-// ran 1.10x as fast where the memory reads ~65 GB/s (docs/benchmarks.md, fifteenth session).
+// the one-row tile, so the same bits, without a block's tile setup, store and emit, and with both halves of a k
+// loaded from one pointer (10 uops a pair of k in the loop, not 12). Batch-1 decode ran 1.06x as fast in bfloat16
+// (1.08x where the memory reads ~65 GB/s) and 1.03x in float32; unrolled by two it was level, and without its
+// prefetches 11% slower at ~65 GB/s (docs/benchmarks.md, fifteenth session).
 template <typename X, typename W>
 bool OneRowBlocks(const MatmulJob<X, W>&, int64_t, int64_t) {
   return false;
