@@ -1134,81 +1134,110 @@ void MatmulPacked(const MatmulJob<X, W>& job, int64_t pair, bool prefetch_next) 
              next, prefetch_next ? next + length * 4 : next);
 }
 
-// One row of x (a batch-1 decode) against packed blocks [b0, b1), each block's 32 sums stored straight into y; false
-// where this CPU and weight type have no such loop (the tiles run instead). The same products in the same order as
-// the one-row tile, so the same bits, without a block's tile setup, store and emit, and with both halves of a k
-// loaded from one pointer (10 uops a pair of k in the loop, not 12). Batch-1 decode ran 1.06x as fast in bfloat16
-// (1.08x where the memory reads ~65 GB/s) and 1.03x in float32; unrolled by two it was level, and without its
-// prefetches 11% slower at ~65 GB/s (docs/benchmarks.md, fifteenth session).
+// A few rows of x (decode batches of 1-4) against packed blocks [b0, b1), each block's 32 sums a row kept in
+// registers and stored straight into y; false where this CPU and weight type have no such loop, or for more rows
+// (the tiles run instead). The same products in the same order as the tiles, so the same bits, without a block's
+// tile setup, store and emit, and with both halves of a k loaded from one pointer (10 uops a pair of k in the
+// one-row loop, not 12). Batch-1 decode ran 1.06x as fast in bfloat16 (1.08x where the memory reads ~65 GB/s) and
+// 1.03x in float32; unrolled by two it was level, and without its prefetches 11% slower at ~65 GB/s
+// (docs/benchmarks.md, fifteenth session).
 template <typename X, typename W>
-bool OneRowBlocks(const MatmulJob<X, W>&, int64_t, int64_t) {
+bool RowBlocks(const MatmulJob<X, W>&, int64_t, int64_t) {
   return false;
 }
 
-// A block's two 16-column sums (columns n .. n + 31 of row 0) into y, as EmitRow would store them.
-template <typename X, typename W>
-inline void EmitBlock(const MatmulJob<X, W>& job, int64_t n, __m512 low, __m512 high) {
-  if (n + 2 * kPanel > job.n_size) {  // the last block's padding columns are dropped
-    float tile[2 * kPanel];
-    _mm512_storeu_ps(tile, low);
-    _mm512_storeu_ps(tile + kPanel, high);
-    EmitRow(job, 0, n, tile, job.n_size - n);
-    return;
+#ifdef __AVX512F__
+// R rows' sums of a block (columns n .. n + 31) into y, as EmitRow would store them.
+template <int64_t R, typename X, typename W>
+inline void EmitBlock(const MatmulJob<X, W>& job, int64_t n, __m512 (&low)[R], __m512 (&high)[R]) {
+  for (int64_t r = 0; r < R; ++r) {
+    if (n + 2 * kPanel > job.n_size) {  // the last block's padding columns are dropped
+      float tile[2 * kPanel];
+      _mm512_storeu_ps(tile, low[r]);
+      _mm512_storeu_ps(tile + kPanel, high[r]);
+      EmitRow(job, r, n, tile, job.n_size - n);
+      continue;
+    }
+    float* out = job.y + r * job.n_size + n;
+    if (job.bias != nullptr) {
+      low[r] = _mm512_add_ps(low[r], _mm512_loadu_ps(job.bias + n));
+      high[r] = _mm512_add_ps(high[r], _mm512_loadu_ps(job.bias + n + kPanel));
+    }
+    if (job.accumulate) {
+      low[r] = _mm512_add_ps(_mm512_loadu_ps(out), low[r]);
+      high[r] = _mm512_add_ps(_mm512_loadu_ps(out + kPanel), high[r]);
+    }
+    _mm512_storeu_ps(out, low[r]);
+    _mm512_storeu_ps(out + kPanel, high[r]);
   }
-  float* out = job.y + n;
-  if (job.bias != nullptr) {
-    low = _mm512_add_ps(low, _mm512_loadu_ps(job.bias + n));
-    high = _mm512_add_ps(high, _mm512_loadu_ps(job.bias + n + kPanel));
-  }
-  if (job.accumulate) {
-    low = _mm512_add_ps(_mm512_loadu_ps(out), low);
-    high = _mm512_add_ps(_mm512_loadu_ps(out + kPanel), high);
-  }
-  _mm512_storeu_ps(out, low);
-  _mm512_storeu_ps(out + kPanel, high);
 }
 
-#ifdef JSERVE_AVX512_BF16
-template <>
-bool OneRowBlocks(const MatmulJob<uint16_t, uint32_t>& job, int64_t b0, int64_t b1) {
-  if (job.m_size != 1) return false;
-  const int64_t length = 2 * PanelLength<uint32_t>(job.k_size), pairs = job.k_size / 2;
+// RowBlocks for R rows: `step(w, k, low, high)` adds k's (or pair k's) products, its weights at w.
+template <int64_t R, typename X, typename W, typename Step>
+void RowBlocksOf(const MatmulJob<X, W>& job, int64_t b0, int64_t b1, int64_t steps, Step step) {
+  const int64_t length = 2 * PanelLength<W>(job.k_size);
   for (int64_t b = b0; b < b1; ++b) {
     const float* block = BlockAt(job, b, length);
-    __m512 low = _mm512_setzero_ps(), high = low;
-    for (int64_t kp = 0; kp < pairs; ++kp) {
-      const float* w = block + kp * 2 * kPanel;
+    __m512 low[R], high[R];
+#pragma GCC unroll 4
+    for (int64_t r = 0; r < R; ++r) low[r] = high[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < steps; ++k) {
+      const float* w = block + k * 2 * kPanel;
       PrefetchAhead(w);
-      int32_t pair;
-      std::memcpy(&pair, job.x + 2 * kp, sizeof(pair));
-      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-      low = _mm512_dpbf16_ps(low, xv, reinterpret_cast<__m512bh>(_mm512_loadu_ps(w)));
-      high = _mm512_dpbf16_ps(high, xv, reinterpret_cast<__m512bh>(_mm512_loadu_ps(w + kPanel)));
+      step(w, k, low, high);
     }
-    EmitBlock(job, b * 2 * kPanel, low, high);
+    EmitBlock<R>(job, b * 2 * kPanel, low, high);
   }
-  return true;
+}
+
+// Calls body(std::integral_constant<int64_t, R>) for R = m_size; false past 4 rows (8 accumulators).
+template <typename Body>
+bool WithRowCount(int64_t m_size, Body body) {
+  switch (m_size) {
+    case 1: body(std::integral_constant<int64_t, 1>{}); return true;
+    case 2: body(std::integral_constant<int64_t, 2>{}); return true;
+    case 3: body(std::integral_constant<int64_t, 3>{}); return true;
+    case 4: body(std::integral_constant<int64_t, 4>{}); return true;
+    default: return false;
+  }
+}
+
+template <>
+bool RowBlocks(const MatmulJob<float, F32Panels>& job, int64_t b0, int64_t b1) {
+  return WithRowCount(job.m_size, [&](auto rows) {
+    constexpr int64_t R = decltype(rows)::value;
+    RowBlocksOf<R>(job, b0, b1, job.k_size, [&](const float* w, int64_t k, __m512 (&low)[R], __m512 (&high)[R]) {
+      const __m512 wa = _mm512_loadu_ps(w), wb = _mm512_loadu_ps(w + kPanel);
+#pragma GCC unroll 4
+      for (int64_t r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_set1_ps(job.x[r * job.k_size + k]);
+        low[r] = _mm512_fmadd_ps(xv, wa, low[r]);
+        high[r] = _mm512_fmadd_ps(xv, wb, high[r]);
+      }
+    });
+  });
 }
 #endif
 
-#ifdef __AVX512F__
+#ifdef JSERVE_AVX512_BF16
 template <>
-bool OneRowBlocks(const MatmulJob<float, F32Panels>& job, int64_t b0, int64_t b1) {
-  if (job.m_size != 1) return false;
-  const int64_t length = 2 * PanelLength<F32Panels>(job.k_size);
-  for (int64_t b = b0; b < b1; ++b) {
-    const float* block = BlockAt(job, b, length);
-    __m512 low = _mm512_setzero_ps(), high = low;
-    for (int64_t k = 0; k < job.k_size; ++k) {
-      const float* w = block + k * 2 * kPanel;
-      PrefetchAhead(w);
-      const __m512 xv = _mm512_set1_ps(job.x[k]);
-      low = _mm512_fmadd_ps(xv, _mm512_loadu_ps(w), low);
-      high = _mm512_fmadd_ps(xv, _mm512_loadu_ps(w + kPanel), high);
-    }
-    EmitBlock(job, b * 2 * kPanel, low, high);
-  }
-  return true;
+bool RowBlocks(const MatmulJob<uint16_t, uint32_t>& job, int64_t b0, int64_t b1) {
+  return WithRowCount(job.m_size, [&](auto rows) {
+    constexpr int64_t R = decltype(rows)::value;
+    RowBlocksOf<R>(job, b0, b1, job.k_size / 2, [&](const float* w, int64_t kp, __m512 (&low)[R],
+                                                    __m512 (&high)[R]) {
+      const __m512bh wa = reinterpret_cast<__m512bh>(_mm512_loadu_ps(w));
+      const __m512bh wb = reinterpret_cast<__m512bh>(_mm512_loadu_ps(w + kPanel));
+#pragma GCC unroll 4
+      for (int64_t r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, job.x + r * job.k_size + 2 * kp, sizeof(pair));
+        const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+        low[r] = _mm512_dpbf16_ps(low[r], xv, wa);
+        high[r] = _mm512_dpbf16_ps(high[r], xv, wb);
+      }
+    });
+  });
 }
 #endif
 
@@ -1247,7 +1276,7 @@ Phase PackedPhase(const MatmulJob<X, W>& job, int64_t threads, MatmulInput<X> in
                     own.x = x.data();
                   }
                   const int64_t begin = parts->begin[p], end = parts->begin[p + 1];
-                  if (OneRowBlocks(own, begin, end)) return;
+                  if (RowBlocks(own, begin, end)) return;
                   for (int64_t b = begin; b < end; ++b) MatmulPacked(own, b, false);
                 }};
     phase.owned = true;
@@ -1256,7 +1285,7 @@ Phase PackedPhase(const MatmulJob<X, W>& job, int64_t threads, MatmulInput<X> in
   const ItemStarts starts = RunsOf(Blocks(job.n_size, 2 * kPanel), threads, streamed);
   return {static_cast<int64_t>(starts->size()) - 1, [job, starts, streamed](int64_t item) {
             const int64_t begin = (*starts)[item], end = (*starts)[item + 1];
-            if (OneRowBlocks(job, begin, end)) return;
+            if (RowBlocks(job, begin, end)) return;
             for (int64_t b = begin; b < end; ++b) MatmulPacked(job, b, !streamed && b + 1 < end);
           }};
 }

@@ -70,17 +70,17 @@ def test_packed_matmul_matches_numpy(rows, in_features, out_features, dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_a_lone_row_gets_the_bits_it_gets_among_others(dtype):
-    """Batch-1 decode's one-row loop (kernels.cc's OneRowBlocks) adds the same products in the same order as the
-    tiles that take the row among others, so a sequence's logits do not depend on what it is batched with."""
+def test_a_row_gets_the_same_bits_in_any_batch(dtype):
+    """Decode batches of 1-4 rows (kernels.cc's RowBlocks) add the same products in the same order as the tiles that
+    take larger batches, so a sequence's logits do not depend on what it is batched with."""
     _skip_unless_packed(dtype)
     rng = np.random.default_rng(11)
-    x = jnp.asarray(rng.standard_normal((3, 576)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((9, 576)), jnp.float32)
     packed = jnp.asarray(cpu_kernels.pack_weight(np.asarray(jnp.asarray(rng.standard_normal((200, 576)), dtype))))
     matmul = jax.jit(cpu_kernels.matmul, static_argnums=2)
-    batched = np.asarray(matmul(x, packed, 200))
-    for row in range(3):
-        np.testing.assert_array_equal(np.asarray(matmul(x[row:row + 1], packed, 200))[0], batched[row])
+    batched = np.asarray(matmul(x, packed, 200))  # 9 rows: the tiles
+    for rows in (1, 2, 3, 4):
+        np.testing.assert_array_equal(np.asarray(matmul(x[9 - rows:], packed, 200)), batched[9 - rows:])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
