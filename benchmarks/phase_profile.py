@@ -36,14 +36,16 @@ def one_generation(llm: LLM, params: SamplingParams, num_layers: int) -> dict:
     seconds = time.perf_counter() - start
     profile = cpu_kernels.phase_profile()
     cpu_kernels.profile_phases(False)
-    layer_calls = profile.calls["decoder_layers"].count
-    per_layer = max(1, layer_calls * num_layers)
+    tokens = max(1, profile.calls["decoder_layers"].count)  # one layer call a model step
+    per_layer = tokens * num_layers
+
+    def per_token(field: str) -> dict[str, float]:
+        return {name: getattr(c, field) * 1e6 / tokens for name, c in profile.calls.items()}
+
     return {"bandwidth": bandwidth, "tok_s": params.max_tokens / seconds,
             "busy_us": profile.busy_s * 1e6 / per_layer, "wait_us": profile.wait_s * 1e6 / per_layer,
-            "call_us": {name: c.seconds * 1e6 / max(1, layer_calls) for name, c in profile.calls.items()},
-            "before_us": {name: c.before_phases_s * 1e6 / max(1, layer_calls) for name, c in profile.calls.items()},
-            "after_us": {name: c.after_phases_s * 1e6 / max(1, layer_calls) for name, c in profile.calls.items()},
-            "token_us": seconds * 1e6 / max(1, layer_calls)}
+            "call_us": per_token("seconds"), "before_us": per_token("before_phases_s"),
+            "after_us": per_token("after_phases_s"), "token_us": seconds * 1e6 / tokens}
 
 
 def report(name: str, rows: list[dict], cfg, dtype: str) -> None:

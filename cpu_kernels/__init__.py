@@ -188,7 +188,7 @@ class PhaseProfile(NamedTuple):
 
 def profile_phases(enabled: bool) -> None:
     """Switch the kernels' phase profile on or off; either way its counts start again from zero. Off (the default),
-    a call pays one load a phase for it."""
+    a call pays a load per thread that runs it and a null test a phase."""
     _require()
     lib = _load()
     lib.JserveProfileEnable.argtypes = [ctypes.c_int]

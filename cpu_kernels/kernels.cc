@@ -69,8 +69,8 @@ enum PhaseKind : int {
 enum KernelKind : int { kLayersCall, kMatmulCall, kArgmaxCall, kAttentionCall, kNumKernelKinds };
 
 // Nanoseconds each worker index spent running each kind of phase's items and waiting for other threads' items of
-// it, and each kind of call's count and nanoseconds: off unless cpu_kernels.profile_phases(True), so a call pays
-// one relaxed load a phase. Workers past kProfiledWorkers are not counted.
+// it, and each kind of call's count and nanoseconds: off unless cpu_kernels.profile_phases(True), and then a call
+// pays a relaxed load per thread that runs it and a null test a phase. Workers past kProfiledWorkers are not counted.
 class PhaseProfile {
  public:
   static constexpr int64_t kProfiledWorkers = 64;
