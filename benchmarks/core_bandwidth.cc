@@ -10,6 +10,10 @@
 // cpu_kernels.read_bandwidth does), then with one thread plainly and with prefetches 2 KiB ahead of its loads
 // (hints T0, T1, T2, NTA). Rounds are bucketed by the two threads' bandwidth (above 50 GB/s: the fast state), and each
 // bucket prints the medians.
+//
+// Then it asks whether a core can fetch a stretch ahead of its use (while it would otherwise wait): one thread reads
+// a 324 KiB stretch (a thread's part of the benchmark model's o matrix) cold, or 30 us after a loop of prefetches
+// (T0) or of loads (one word a line) over it, and prints the median read times.
 #include <immintrin.h>
 #include <sys/mman.h>
 
@@ -58,6 +62,25 @@ double Read(const char* buffer, size_t bytes, int threads) {
   return static_cast<double>(share) * threads / seconds / 1e9;
 }
 
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Microseconds to read `bytes` from p after asking for them beforehand as `how` says (0: not at all; 1: a loop of
+// T0 prefetches, a line each; 2: a loop of loads, a word a line), then spinning 30 us.
+double ReadAfter(const char* p, size_t bytes, int how) {
+  unsigned touched = 0;
+  for (size_t i = 0; how != 0 && i < bytes; i += 64) {
+    if (how == 1) _mm_prefetch(p + i, _MM_HINT_T0);
+    if (how == 2) touched += *reinterpret_cast<const volatile unsigned*>(p + i);
+  }
+  for (const double until = Now() + 30e-6; Now() < until;) _mm_pause();
+  const double start = Now();
+  ReadShare<kPlain>(p, bytes, sink);
+  sink[8] = static_cast<float>(touched);
+  return (Now() - start) * 1e6;
+}
+
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0.0 : v[v.size() / 2];
@@ -94,6 +117,17 @@ int main(int argc, char** argv) {
     for (int c = 0; c < kColumns; ++c) std::printf("  %s %.1f", names[c], Median(columns[c]));
     std::printf("\n");
   }
+  constexpr size_t kStretch = 324 << 10;
+  std::vector<double> after[3];
+  size_t offset = 0;
+  for (int r = 0; r < 200; ++r) {
+    for (int how = 0; how < 3; ++how) {
+      offset = (offset + (7 << 20) + 4096) % (kBytes - kStretch) / 4096 * 4096;  // far from the last, cold
+      after[how].push_back(ReadAfter(buffer + offset, kStretch, how));
+    }
+  }
+  std::printf("324 KiB read in (median us): cold %.2f, after a prefetch loop %.2f, after a load loop %.2f\n",
+              Median(after[0]), Median(after[1]), Median(after[2]));
   std::free(buffer);
   return 0;
 }
