@@ -48,22 +48,22 @@ void ReadShare(const char* p, size_t bytes, float* out) {
   _mm256_storeu_ps(out, _mm256_add_ps(_mm256_add_ps(a, b), _mm256_add_ps(c, d)));
 }
 
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
 // GB/s of `threads` threads each reading its contiguous share of the buffer.
 template <int kHint>
 double Read(const char* buffer, size_t bytes, int threads) {
   const size_t share = bytes / threads / 4096 * 4096;
-  const auto start = std::chrono::steady_clock::now();
+  const double start = Now();
   std::vector<std::thread> workers;
   for (int t = 0; t < threads; ++t) {
     workers.emplace_back([=] { ReadShare<kHint>(buffer + t * share, share, sink + 16 * t); });
   }
   for (std::thread& worker : workers) worker.join();
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds = Now() - start;
   return static_cast<double>(share) * threads / seconds / 1e9;
-}
-
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 // Microseconds to read `bytes` from p after asking for them beforehand as `how` says (0: not at all; 1: a loop of
