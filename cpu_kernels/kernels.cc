@@ -30,9 +30,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <limits>
 #include <memory>
+#include <new>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -147,9 +147,66 @@ class CallClock {
   int64_t start_;
 };
 
+// A callable with its captures stored in place, never on the heap: a layer call builds ~200 phases, and freeing
+// std::function's allocations (three an owned matmul phase) cost the caller ~23 us a call where the memory reads
+// ~65 GB/s (~2 us in place: docs/benchmarks.md, seventeenth session). A capture too large for `Bytes` fails to
+// compile.
+template <typename Signature, size_t Bytes>
+class InlineFunction;
+
+template <typename R, typename... Args, size_t Bytes>
+class InlineFunction<R(Args...), Bytes> {
+ public:
+  InlineFunction() = default;
+  template <typename F, typename = std::enable_if_t<!std::is_same_v<std::decay_t<F>, InlineFunction>>>
+  InlineFunction(F f) {  // NOLINT: implicit, as std::function's
+    static_assert(sizeof(F) <= Bytes && alignof(F) <= alignof(std::max_align_t), "captures too large");
+    new (storage_) F(std::move(f));
+    call_ = [](const void* at, Args... args) -> R { return (*static_cast<const F*>(at))(args...); };
+    if constexpr (!std::is_trivially_copyable_v<F> || !std::is_trivially_destructible_v<F>) {
+      manage_ = [](void* to, const void* from) {  // copies `from` into `to`; with no `from`, destroys `to`
+        if (from != nullptr) {
+          new (to) F(*static_cast<const F*>(from));
+        } else {
+          static_cast<F*>(to)->~F();
+        }
+      };
+    }
+  }
+  InlineFunction(const InlineFunction& other) { CopyFrom(other); }
+  InlineFunction& operator=(const InlineFunction& other) {
+    if (this != &other) {
+      Reset();
+      CopyFrom(other);
+    }
+    return *this;
+  }
+  ~InlineFunction() { Reset(); }
+
+  R operator()(Args... args) const { return call_(storage_, args...); }
+  explicit operator bool() const { return call_ != nullptr; }
+
+ private:
+  void CopyFrom(const InlineFunction& other) {
+    call_ = other.call_, manage_ = other.manage_;
+    if (manage_ != nullptr) {
+      manage_(storage_, other.storage_);
+    } else {
+      std::memcpy(storage_, other.storage_, Bytes);
+    }
+  }
+  void Reset() {
+    if (manage_ != nullptr) manage_(storage_, nullptr);
+    call_ = nullptr, manage_ = nullptr;
+  }
+  alignas(std::max_align_t) unsigned char storage_[Bytes];
+  R (*call_)(const void*, Args...) = nullptr;
+  void (*manage_)(void*, const void*) = nullptr;  // nullptr: the captures are copied and dropped as bytes
+};
+
 struct Phase {
   int64_t count;
-  std::function<void(int64_t)> body;
+  InlineFunction<void(int64_t), 160> body;
   // Item i is worker i's own (count <= 64): each worker runs its own first, then any other not yet started (the
   // caller takes what a helper never gets to). For per-thread weight parts, each read by the thread it was laid
   // out for (see BlockParts).
@@ -1258,8 +1315,9 @@ bool OwnedBlocks(const MatmulJob<X, W>& job, int64_t threads) {
 
 // Writes a matmul's x [m, k] into the buffer it is given. Where each owned item makes its own x (a norm, the SiLU:
 // a few microseconds of work), the step before the matmul needs no phase, so no wait, of its own.
+// (x, item): item is the owned item's index, so that item 0 can also do what one thread alone must.
 template <typename X>
-using MatmulInput = std::function<void(X*)>;
+using MatmulInput = InlineFunction<void(X*, int64_t), 48>;
 
 // `input` (owned items only: OwnedBlocks) makes x for each item in a buffer of that thread's; job.x is then unused.
 template <typename X, typename W>
@@ -1272,7 +1330,7 @@ Phase PackedPhase(const MatmulJob<X, W>& job, int64_t threads, MatmulInput<X> in
                   thread_local std::vector<X> x;
                   if (input) {
                     x.resize(static_cast<size_t>(job.m_size * job.k_size));
-                    input(x.data());
+                    input(x.data(), p);
                     own.x = x.data();
                   }
                   const int64_t begin = parts->begin[p], end = parts->begin[p + 1];
@@ -2348,12 +2406,11 @@ void AppendLayerPhases(std::vector<Phase>& phases, LayerRun<W>& r, const Attenti
   auto append_matmul = [&](const MatmulJob<X, W>& job, int kind, auto make_x, auto once) {
     if constexpr (std::is_same_v<W, F32Panels> || std::is_same_v<W, uint32_t>) {
       if (OwnedBlocks(job, threads)) {
-        MatmulInput<X> input = [make_x, t_size](X* x) { make_x(0, t_size, x); };
-        phases.push_back(PackedPhase(job, threads, std::move(input)));
-        phases.back().body = [once, t_size, body = std::move(phases.back().body)](int64_t item) {
+        MatmulInput<X> input = [make_x, once, t_size](X* x, int64_t item) {
           if (item == 0) once(0, t_size);
-          body(item);
+          make_x(0, t_size, x);
         };
+        phases.push_back(PackedPhase(job, threads, input));
         phases.back().kind = kind;
         return;
       }
