@@ -152,6 +152,17 @@ def read_bandwidth(nbytes: int = 256 << 20, threads: int | None = None, repeats:
     return lib.JserveReadBandwidth(nbytes, threads or len(os.sched_getaffinity(0)), repeats)
 
 
+def cached_layer_calls() -> int:
+    """How many decoder_layers calls in this process ran the phases their thread kept from its call before (the
+    same buffers, shapes and attention items: a decode's step after step) instead of building them anew (kernels.cc's
+    LayerCallCache)."""
+    _require()
+    lib = _load()
+    lib.JserveCachedLayerCalls.restype = ctypes.c_int64
+    lib.JserveCachedLayerCalls.argtypes = []
+    return lib.JserveCachedLayerCalls()
+
+
 def handed_calls() -> int:
     """How many kernel calls in this process handed their work to a helper thread still lingering from the call
     before, instead of waking one from the pool (kernels.cc's Lingerers)."""

@@ -214,12 +214,17 @@ struct Phase {
   int kind = kOtherPhase;  // PhaseKind
 };
 
+// A list of phases, shared: a layer call's may be the one the thread's call before built (LayerCallCache).
+using SharedPhases = std::shared_ptr<const std::vector<Phase>>;
+
 struct PhaseState {
-  std::vector<Phase> phases;
+  SharedPhases shared;
+  const std::vector<Phase>& phases;
   std::unique_ptr<std::atomic<int64_t>[]> next, done;  // owned phases: `next` is a mask of the items started
 
-  explicit PhaseState(std::vector<Phase> p)
-      : phases(std::move(p)),
+  explicit PhaseState(SharedPhases p)
+      : shared(std::move(p)),
+        phases(*shared),
         next(new std::atomic<int64_t>[phases.size()]),
         done(new std::atomic<int64_t>[phases.size()]) {
     for (size_t i = 0; i < phases.size(); ++i) next[i] = 0, done[i] = 0;
@@ -318,7 +323,8 @@ Lingerers& TheLingerers() {
   return *lingerers;
 }
 
-void RunPhases(ffi::ThreadPool& pool, std::vector<Phase> phases) {
+void RunPhases(ffi::ThreadPool& pool, SharedPhases shared) {
+  const std::vector<Phase>& phases = *shared;
   int64_t widest = 0;
   for (const Phase& p : phases) widest = std::max(widest, p.count);
   const int64_t threads = std::min<int64_t>(pool.num_threads(), widest);
@@ -333,7 +339,7 @@ void RunPhases(ffi::ThreadPool& pool, std::vector<Phase> phases) {
     if (profiled) phases_ended = NowNs();
     return;
   }
-  auto state = std::make_shared<PhaseState>(std::move(phases));
+  auto state = std::make_shared<PhaseState>(std::move(shared));
   for (int64_t t = 1; t < threads; ++t) {
     if (TheLingerers().Hand(t, state)) continue;
     pool.Schedule([state, t] {
@@ -347,6 +353,10 @@ void RunPhases(ffi::ThreadPool& pool, std::vector<Phase> phases) {
   state->WaitFor(state->phases.size() - 1);
   clock.Waited(state->phases.back().kind);
   if (profiled) phases_ended = NowNs();
+}
+
+void RunPhases(ffi::ThreadPool& pool, std::vector<Phase> phases) {
+  RunPhases(pool, std::make_shared<const std::vector<Phase>>(std::move(phases)));
 }
 
 // Items of `block` consecutive rows out of `rows`.
@@ -2490,9 +2500,9 @@ void AppendLayerPhases(std::vector<Phase>& phases, LayerRun<W>& r, const Attenti
 
 // Every layer in one pass over the pool: a layer's phases follow the one before's with no return to XLA between
 // them (a call's setup and XLA's step to the next call cost 10-17 us a layer on caches the weights just flushed).
+// The phases point into `layers` and `plan`, which must outlive them.
 template <typename W>
-void RunDecoderLayers(ffi::ThreadPool& pool, std::vector<LayerRun<W>>& layers,
-                      const AttentionPlan& plan) {
+SharedPhases DecoderLayerPhases(std::vector<LayerRun<W>>& layers, const AttentionPlan& plan, int64_t threads) {
   constexpr bool f32_weights = std::is_same_v<W, float> || std::is_same_v<W, F32Panels>;
   using X = std::conditional_t<f32_weights, float, Bf16Input>;
   const LayerShape& s = layers[0].s;
@@ -2506,15 +2516,15 @@ void RunDecoderLayers(ffi::ThreadPool& pool, std::vector<LayerRun<W>>& layers,
   gate_up.resize(static_cast<size_t>(t_size * 2 * s.intermediate));
   // The phases run on other threads too: they get these pointers, never the thread_local names.
   const LayerScratch<X> scratch{inputs.data(), qkv.data(), gate_up.data()};
-  std::vector<Phase> phases;
-  phases.reserve(10 * layers.size());
+  auto phases = std::make_shared<std::vector<Phase>>();
+  phases->reserve(10 * layers.size());
   thread_local std::vector<float> partials;  // split decodes' parts, reused by every layer in turn
   partials.resize(static_cast<size_t>(plan.partial_floats));
   for (LayerRun<W>& layer : layers) {
     layer.a.partials = partials.data();
-    AppendLayerPhases(phases, layer, plan, scratch, pool.num_threads());
+    AppendLayerPhases(*phases, layer, plan, scratch, threads);
   }
-  RunPhases(pool, std::move(phases));
+  return phases;
 }
 
 const float* Optional(ffi::Buffer<ffi::F32>& b) {
@@ -2708,12 +2718,55 @@ ffi::Error MatrixParts(const ffi::AnyBuffer& regions, const ffi::RemainingArgs& 
   return ffi::Error::Success();
 }
 
+// What a layer call's phases point into: the layers' arguments and their matrices' parts.
 template <typename W>
-void RunLayers(ffi::ThreadPool& pool, std::vector<LayerBuffers>& buffers, const LayerShape& first,
-               const AttentionArgs& shape_args, ffi::RemainingRets& rets, const AttentionPlan& plan,
-               int64_t stacked_layer_bytes, const std::vector<std::array<BlockParts, 4>>& parts) {
-  const size_t num_layers = buffers.size();
+struct LayerStorage {
+  MatrixPartsOf parts;
   std::vector<LayerRun<W>> layers;
+};
+
+// A thread's last layer call, kept for its next. A decode's calls, step after step, differ only in what their
+// buffers hold, and building a call's ~200 phases and the 30 layers' arguments they point into took ~45 us where the
+// memory reads ~65 GB/s: each store into a line the weight stream had flushed waited on it (docs/benchmarks.md,
+// seventeenth session). A call whose key and attention items equal the last one's runs the same phases again.
+struct LayerCallCache {
+  // Everything the phases are built from but what the buffers hold: each buffer's address, type and shape, the
+  // attributes, the threads and the real tokens.
+  std::vector<int64_t> key;
+  AttentionArgs args;              // the shapes and metadata pointers the attention items are made from
+  AttentionPlan plan;              // the attention items, which the phases read
+  std::shared_ptr<void> storage;   // LayerStorage<W>
+  SharedPhases phases;             // nullptr: nothing kept
+};
+
+LayerCallCache& TheLayerCallCache() {
+  thread_local LayerCallCache cache;
+  return cache;
+}
+
+std::atomic<int64_t> cached_layer_calls{0};  // calls that ran a kept call's phases (JserveCachedLayerCalls)
+
+bool SamePlan(const AttentionPlan& a, const AttentionPlan& b) {
+  auto same_item = [](const AttentionItem& x, const AttentionItem& y) {
+    return x.seq == y.seq && x.kv_head_begin == y.kv_head_begin && x.kv_head_end == y.kv_head_end &&
+           x.token_begin == y.token_begin && x.token_end == y.token_end && x.page_begin == y.page_begin &&
+           x.page_end == y.page_end && x.partial == y.partial;
+  };
+  auto same_merge = [](const MergeItem& x, const MergeItem& y) { return x.first == y.first && x.count == y.count; };
+  return a.partial_floats == b.partial_floats &&
+         std::equal(a.items.begin(), a.items.end(), b.items.begin(), b.items.end(), same_item) &&
+         std::equal(a.merges.begin(), a.merges.end(), b.merges.begin(), b.merges.end(), same_merge);
+}
+
+// Builds the layers' arguments and phases into `cache` (which then holds the only copy of them).
+template <typename W>
+void KeepLayers(LayerCallCache& cache, std::vector<LayerBuffers>& buffers, const LayerShape& first,
+                ffi::RemainingRets& rets, int64_t stacked_layer_bytes, MatrixPartsOf&& parts, int64_t threads) {
+  const AttentionArgs& shape_args = cache.args;
+  auto storage = std::make_shared<LayerStorage<W>>();
+  storage->parts = std::move(parts);
+  std::vector<LayerRun<W>>& layers = storage->layers;
+  const size_t num_layers = buffers.size();
   layers.reserve(num_layers);  // the phases point into it: it never reallocates
   for (size_t l = 0; l < num_layers; ++l) {
     LayerShape s = first;
@@ -2731,9 +2784,45 @@ void RunLayers(ffi::ThreadPool& pool, std::vector<LayerBuffers>& buffers, const 
     a.k_pages = k_pages;
     a.v_pages = v_pages;
     layers.push_back({s, Weights<W>(buffers[l]), a, k_pages, v_pages});
-    if (!parts.empty()) layers.back().w.parts = parts[l].data();
+    if (!storage->parts.layers.empty()) layers.back().w.parts = storage->parts.layers[l].data();
   }
-  RunDecoderLayers(pool, layers, plan);
+  cache.phases = DecoderLayerPhases(layers, cache.plan, threads);
+  cache.storage = std::move(storage);
+}
+
+// The layer call's key (LayerCallCache) but for its real tokens: every buffer's address, type and shape (`fixed`,
+// then the remaining arguments and results), then the attributes and the threads.
+template <typename... Fixed>
+const std::vector<int64_t>& LayerCallKey(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
+                                         std::initializer_list<int64_t> attributes, const Fixed&... fixed) {
+  thread_local std::vector<int64_t> key;
+  key.clear();
+  auto add = [](const auto& b) {
+    key.push_back(static_cast<int64_t>(reinterpret_cast<intptr_t>(b.untyped_data())));
+    key.push_back(static_cast<int64_t>(b.element_type()));
+    const auto dims = b.dimensions();
+    key.push_back(static_cast<int64_t>(dims.size()));
+    key.insert(key.end(), dims.begin(), dims.end());
+  };
+  (add(fixed), ...);
+  key.push_back(static_cast<int64_t>(args.size()));
+  for (size_t i = 0; i < args.size(); ++i) {
+    ffi::ErrorOr<ffi::AnyBuffer> b = args.get<ffi::AnyBuffer>(i);
+    if (b.has_value()) add(*b);
+  }
+  key.push_back(static_cast<int64_t>(rets.size()));
+  for (size_t i = 0; i < rets.size(); ++i) {
+    ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> b = rets.get<ffi::AnyBuffer>(i);
+    if (b.has_value()) add(**b);
+  }
+  key.insert(key.end(), attributes);
+  return key;
+}
+
+int64_t BitsOf(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  return bits;
 }
 
 ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> positions,
@@ -2748,6 +2837,29 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   if (x_dims.size() != 2 || num_heads <= 0) {
     return ffi::Error::InvalidArgument("jserve_decoder_layers: expected x[T, E]");
   }
+  const int64_t threads = pool.num_threads();
+  const std::vector<int64_t>& key = LayerCallKey(
+      args, rets, {num_heads, BitsOf(eps), BitsOf(scale), sliding_window, BitsOf(soft_cap), weight_parts,
+                   intermediate_size, threads},
+      x, positions, slot_mapping, page_table, query_start, seq_lens, inv_freq, *x_out);
+  LayerCallCache& cache = TheLayerCallCache();
+  if (cache.phases != nullptr && key.size() + 1 == cache.key.size() &&
+      std::equal(key.begin(), key.end(), cache.key.begin())) {  // the buffers of the call before: its phases?
+    const int64_t num_tokens = x_dims[0], e = x_dims[1], num_seqs = page_table.dimensions()[0];
+    const int64_t real_tokens = std::clamp<int64_t>(query_start.typed_data()[num_seqs], 0, num_tokens);
+    thread_local AttentionPlan plan;  // reused: its vectors keep their storage
+    ffi::Error valid = AttentionItems(cache.args, num_seqs, real_tokens, threads, plan);
+    if (valid.failure()) return valid;
+    if (real_tokens == cache.key.back() && SamePlan(plan, cache.plan)) {
+      std::memcpy(x_out->typed_data() + real_tokens * e, x.typed_data() + real_tokens * e,
+                  static_cast<size_t>((num_tokens - real_tokens) * e) * 4);
+      cached_layer_calls.fetch_add(1, std::memory_order_relaxed);
+      RunPhases(pool, cache.phases);
+      return ffi::Error::Success();
+    }
+  }
+  cache.phases.reset();  // built anew below, or nothing kept if the call fails
+  cache.storage.reset();
   // The weights come per layer (12 operands a layer) or stacked (12 operands, each [L, ...]: see StackedLayerBuffers),
   // then the K/V pages, each array aliased to its result: every layer's k_pages, then every layer's v_pages, or
   // stacked, one k[L, N, B, Hkv, D] and one v. Stacked, they are 14 arrays whatever the depth (a jitted step pays
@@ -2843,26 +2955,32 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   // Padding rows carry the residual through untouched (nothing reads them).
   std::memcpy(x_out->typed_data() + real_tokens * e, x.typed_data() + real_tokens * e,
               static_cast<size_t>((num_tokens - real_tokens) * e) * 4);
-  AttentionPlan plan;
-  ffi::Error valid = AttentionItems(a, num_seqs, real_tokens, pool.num_threads(), plan);
+  ffi::Error valid = AttentionItems(a, num_seqs, real_tokens, threads, cache.plan);
   if (valid.failure()) return valid;
   const LayerShape first{real_tokens, e, i_size, eps, x.typed_data(), x_out->typed_data(), positions.typed_data(),
                          slot_mapping.typed_data(), inv_freq.typed_data()};
   const int64_t stacked_layer_bytes =
       stacked ? a.num_pages * a.page_size * kv_size * (a.kv_bf16 ? 2 : 4) : 0;
+  cache.args = a;
   if (packed && w_type == ffi::DataType::U32) {
-    RunLayers<uint32_t>(pool, buffers, first, a, rets, plan, stacked_layer_bytes, parts.layers);
+    KeepLayers<uint32_t>(cache, buffers, first, rets, stacked_layer_bytes, std::move(parts), threads);
   } else if (packed) {
-    RunLayers<F32Panels>(pool, buffers, first, a, rets, plan, stacked_layer_bytes, parts.layers);
+    KeepLayers<F32Panels>(cache, buffers, first, rets, stacked_layer_bytes, std::move(parts), threads);
   } else if (IsBf16Bits(w_type)) {
-    RunLayers<uint16_t>(pool, buffers, first, a, rets, plan, stacked_layer_bytes, parts.layers);
+    KeepLayers<uint16_t>(cache, buffers, first, rets, stacked_layer_bytes, std::move(parts), threads);
   } else {
-    RunLayers<float>(pool, buffers, first, a, rets, plan, stacked_layer_bytes, parts.layers);
+    KeepLayers<float>(cache, buffers, first, rets, stacked_layer_bytes, std::move(parts), threads);
   }
+  cache.key.assign(key.begin(), key.end());
+  cache.key.push_back(real_tokens);
+  RunPhases(pool, cache.phases);
   return ffi::Error::Success();
 }
 
 }  // namespace
+
+// How many layer calls ran the phases their thread kept from the call before (LayerCallCache): its tests read it.
+extern "C" int64_t JserveCachedLayerCalls() { return cached_layer_calls.load(std::memory_order_relaxed); }
 
 // How many calls have handed their work to a lingering helper (Lingerers) in this process: its tests read it.
 extern "C" int64_t JserveHandedCalls() { return TheLingerers().handed(); }

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hf_models import load_hf
 
+import cpu_kernels
 from jserve.config import EngineConfig
 from jserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -160,17 +161,36 @@ def test_decode_bursts_give_the_tokens_and_text_of_single_steps(hf_model_dir, ll
     runner, calls = bursts.engine.runner, []
     run_burst = runner.run_burst
     monkeypatch.setattr(runner, "run_burst", lambda *args: calls.append(args[2]) or run_burst(*args))
+    layer_kernel = runner.layer_stack is not None
+    kept = cpu_kernels.cached_layer_calls() if layer_kernel else 0
     for together in (True, False):  # all at once, and each alone (a batch of one bursts the most)
         got = bursts.generate(prompts, params, use_tqdm=False) if together else \
             [bursts.generate(p, sp, use_tqdm=False)[0] for p, sp in zip(prompts, params, strict=True)]
         for want, have in zip(expected, got, strict=True):
             assert [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in have.outputs] == \
                    [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in want.outputs]
+    if layer_kernel:  # a burst's later steps find the buffers of the step before: its layer call's phases run again
+        assert cpu_kernels.cached_layer_calls() > kept
     # Full bursts, shorter ones that end on a max_tokens limit, and single fused steps.
     assert max(calls) == 8 and 1 < min(c for c in calls if c > 1) < 8 and 1 in calls
     assert expected[3].outputs[0].finish_reason == "stop" and expected[4].outputs[0].finish_reason == "stop"
     assert bursts.engine.block_manager.num_free_blocks == bursts.engine.block_manager.num_blocks
     bursts.engine.block_manager.check_invariants()
+
+
+def test_a_burst_over_a_growing_long_context_gives_the_tokens_of_single_steps(hf_model_dir, llm_factory,
+                                                                              monkeypatch):
+    """A batch-1 burst whose context grows past 16 pages of 16 tokens in mid-burst, where the CPU layer kernel starts
+    splitting the decode into parts, then moves the parts' pages with every new page: the phases a layer call keeps
+    from the step before (cpu_kernels.cached_layer_calls) must follow its attention items. The reference runs every
+    step through the plain forward and then the sampler."""
+    prompt = {"prompt_token_ids": np.random.default_rng(5).integers(3, 500, 250).tolist()}
+    params = greedy(40)
+    single = llm_factory(hf_model_dir("llama"), decode_burst=8, decode_burst_ms=1e-3)
+    monkeypatch.setattr(single.engine, "_bursts_possible", False)
+    expected = single.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    bursts = llm_factory(hf_model_dir("llama"), decode_burst=8, decode_burst_ms=float("inf"))
+    assert bursts.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == expected
 
 
 def test_final_only_requests_report_once_with_what_streaming_requests_end_with(hf_model_dir, llm_factory):
