@@ -190,7 +190,11 @@ def test_a_burst_over_a_growing_long_context_gives_the_tokens_of_single_steps(hf
     monkeypatch.setattr(single.engine, "_bursts_possible", False)
     expected = single.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     bursts = llm_factory(hf_model_dir("llama"), decode_burst=8, decode_burst_ms=float("inf"))
+    layer_kernel = bursts.engine.runner.layer_stack is not None
+    kept = cpu_kernels.cached_layer_calls() if layer_kernel else 0
     assert bursts.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == expected
+    if layer_kernel:
+        assert cpu_kernels.cached_layer_calls() > kept
 
 
 def test_final_only_requests_report_once_with_what_streaming_requests_end_with(hf_model_dir, llm_factory):
