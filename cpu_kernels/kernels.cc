@@ -2731,8 +2731,9 @@ struct LayerStorage {
 // seventeenth session). A call whose key and attention items equal the last one's runs the same phases again.
 struct LayerCallCache {
   // Everything the phases are built from but what the buffers hold: each buffer's address, type and shape, the
-  // attributes, the threads and the real tokens.
+  // attributes and the threads (LayerCallKey); then the real tokens and the attention items.
   std::vector<int64_t> key;
+  int64_t real_tokens = -1;
   AttentionArgs args;              // the shapes and metadata pointers the attention items are made from
   AttentionPlan plan;              // the attention items, which the phases read
   std::shared_ptr<void> storage;   // LayerStorage<W>
@@ -2790,8 +2791,8 @@ void KeepLayers(LayerCallCache& cache, std::vector<LayerBuffers>& buffers, const
   cache.storage = std::move(storage);
 }
 
-// The layer call's key (LayerCallCache) but for its real tokens: every buffer's address, type and shape (`fixed`,
-// then the remaining arguments and results), then the attributes and the threads.
+// The layer call's key (LayerCallCache): every buffer's address, type and shape (`fixed`, then the remaining
+// arguments and results), then the attributes and the threads.
 template <typename... Fixed>
 const std::vector<int64_t>& LayerCallKey(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
                                          std::initializer_list<int64_t> attributes, const Fixed&... fixed) {
@@ -2819,6 +2820,11 @@ const std::vector<int64_t>& LayerCallKey(const ffi::RemainingArgs& args, const f
   return key;
 }
 
+// Padding rows carry the residual stream x[T, E] through untouched (nothing reads them).
+void CarryPadding(const float* x, float* x_out, int64_t real_tokens, int64_t num_tokens, int64_t e) {
+  std::memcpy(x_out + real_tokens * e, x + real_tokens * e, static_cast<size_t>((num_tokens - real_tokens) * e) * 4);
+}
+
 int64_t BitsOf(float value) {
   uint32_t bits;
   std::memcpy(&bits, &value, 4);
@@ -2843,16 +2849,14 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
                    intermediate_size, threads},
       x, positions, slot_mapping, page_table, query_start, seq_lens, inv_freq, *x_out);
   LayerCallCache& cache = TheLayerCallCache();
-  if (cache.phases != nullptr && key.size() + 1 == cache.key.size() &&
-      std::equal(key.begin(), key.end(), cache.key.begin())) {  // the buffers of the call before: its phases?
+  if (cache.phases != nullptr && key == cache.key) {  // the buffers of the call before: its phases?
     const int64_t num_tokens = x_dims[0], e = x_dims[1], num_seqs = page_table.dimensions()[0];
     const int64_t real_tokens = std::clamp<int64_t>(query_start.typed_data()[num_seqs], 0, num_tokens);
     thread_local AttentionPlan plan;  // reused: its vectors keep their storage
     ffi::Error valid = AttentionItems(cache.args, num_seqs, real_tokens, threads, plan);
     if (valid.failure()) return valid;
-    if (real_tokens == cache.key.back() && SamePlan(plan, cache.plan)) {
-      std::memcpy(x_out->typed_data() + real_tokens * e, x.typed_data() + real_tokens * e,
-                  static_cast<size_t>((num_tokens - real_tokens) * e) * 4);
+    if (real_tokens == cache.real_tokens && SamePlan(plan, cache.plan)) {
+      CarryPadding(x.typed_data(), x_out->typed_data(), real_tokens, num_tokens, e);
       cached_layer_calls.fetch_add(1, std::memory_order_relaxed);
       RunPhases(pool, cache.phases);
       return ffi::Error::Success();
@@ -2952,9 +2956,7 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   a.sliding_window = sliding_window;
   const int64_t num_seqs = page_table.dimensions()[0];
   const int64_t real_tokens = std::clamp<int64_t>(a.query_start[num_seqs], 0, num_tokens);
-  // Padding rows carry the residual through untouched (nothing reads them).
-  std::memcpy(x_out->typed_data() + real_tokens * e, x.typed_data() + real_tokens * e,
-              static_cast<size_t>((num_tokens - real_tokens) * e) * 4);
+  CarryPadding(x.typed_data(), x_out->typed_data(), real_tokens, num_tokens, e);
   ffi::Error valid = AttentionItems(a, num_seqs, real_tokens, threads, cache.plan);
   if (valid.failure()) return valid;
   const LayerShape first{real_tokens, e, i_size, eps, x.typed_data(), x_out->typed_data(), positions.typed_data(),
@@ -2971,8 +2973,8 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   } else {
     KeepLayers<float>(cache, buffers, first, rets, stacked_layer_bytes, std::move(parts), threads);
   }
-  cache.key.assign(key.begin(), key.end());
-  cache.key.push_back(real_tokens);
+  cache.key = key;
+  cache.real_tokens = real_tokens;
   RunPhases(pool, cache.phases);
   return ffi::Error::Success();
 }
