@@ -185,7 +185,8 @@ class EngineConfig:
       enable_chunked_prefill: split long prompts across steps so decodes keep flowing.
       decode_burst: the most decode steps run on the device in one call when every scheduled sequence is decoding
         and no request waits (1 = off). Saves the host's per-step work (dispatch, batch building) on all but one
-        step of a burst; streams then receive tokens several at a time. Only a single-device step with one page
+        step of a burst; streams then receive tokens several at a time. A burst ends early once every sequence in
+        it has sampled an EOS id (unless ignore_eos) or a stop_token_id. Only a single-device step with one page
         width (the CPU kernels) takes bursts; requests with penalties, logprobs or a pending min_tokens step singly.
       decode_burst_ms: while any running request streams, a burst holds only the steps that fit this long, by the
         last measured decode step at that batch size, so it holds back a stream's tokens, or a newly arrived request,

@@ -178,6 +178,64 @@ def test_decode_bursts_give_the_tokens_and_text_of_single_steps(hf_model_dir, ll
     bursts.engine.block_manager.check_invariants()
 
 
+def test_a_burst_ends_on_the_device_once_every_sequence_has_stopped(hf_model_dir, llm_factory, monkeypatch):
+    """A burst stops stepping once each of its sequences has sampled an EOS id (unless ignore_eos) or one of its
+    stop_token_ids: a generation that stops inside a burst runs no step past its last token. The tokens are those
+    of single steps (the plain forward, then the sampler)."""
+    prompt = {"prompt_token_ids": np.random.default_rng(3).integers(3, 500, 20).tolist()}
+    single = llm_factory(hf_model_dir("llama"), decode_burst=8, decode_burst_ms=1e-3)
+    monkeypatch.setattr(single.engine, "_bursts_possible", False)
+    free = single.generate(prompt, greedy(24), use_tqdm=False)[0].outputs[0].token_ids
+    # A token first sampled inside the second burst (tokens 10-17: the prompt step gives token 1).
+    end = next(i for i in range(10, 16) if free[i] not in free[:i])
+    llm = llm_factory(hf_model_dir("llama"), decode_burst=8, decode_burst_ms=float("inf"))
+    engine = llm.engine
+
+    def run(params):
+        steps = engine.stats.num_steps
+        outs = llm.generate([prompt] * len(params), params, use_tqdm=False)
+        return [o.outputs[0] for o in outs], engine.stats.num_steps - steps
+
+    (out,), steps = run([greedy(24).clone(stop_token_ids=[free[end]])])
+    assert out.token_ids == free[:end + 1] and out.finish_reason == "stop" and steps == end + 1
+    monkeypatch.setattr(engine, "eos_token_ids", [free[end]])  # requests take the engine's EOS ids
+    (out,), steps = run([SamplingParams(temperature=0.0, max_tokens=24)])
+    assert out.token_ids == free[:end + 1] and out.finish_reason == "stop" and steps == end + 1
+    (out,), steps = run([greedy(24)])  # ignore_eos: the EOS id does not end it, on the device either
+    assert out.token_ids == free and steps == 24
+    (stops, runs_on), steps = run([SamplingParams(temperature=0.0, max_tokens=24), greedy(24)])
+    assert stops.token_ids == free[:end + 1] and runs_on.token_ids == free and steps == 24
+
+
+def test_a_burst_shrinks_until_the_free_blocks_hold_its_slots(hf_model_dir, llm_factory, monkeypatch):
+    """With fewer free KV blocks than a full burst's slots need, the burst is halved until they fit (not cut to a
+    single step); the tokens are those of single steps."""
+    from jserve.engine.sequence import Sequence
+
+    prompt = {"prompt_token_ids": np.random.default_rng(8).integers(3, 500, 14).tolist()}
+    single = llm_factory(hf_model_dir("llama"), decode_burst=8, decode_burst_ms=1e-3)
+    monkeypatch.setattr(single.engine, "_bursts_possible", False)
+    expected = single.generate(prompt, greedy(12), use_tqdm=False)[0].outputs[0].token_ids
+    llm = llm_factory(hf_model_dir("llama"), decode_burst=8, decode_burst_ms=float("inf"))
+    bm, runner, calls = llm.engine.block_manager, llm.engine.runner, []
+    # All free blocks but the prompt's one are held, until the first burst has run: the prompt step fills positions
+    # 0-13, so a first burst of 8 (positions 14-21) would need a second block; 2 steps fit in the first.
+    hog = Sequence("hog", [0], greedy(1))
+    assert bm.allocate_slots(hog, (bm.num_free_blocks - 1) * bm.block_size)
+    run_burst = runner.run_burst
+
+    def burst_then_release(*args):
+        calls.append(args[2])
+        if hog.block_table:
+            bm.free(hog)
+        return run_burst(*args)
+
+    monkeypatch.setattr(runner, "run_burst", burst_then_release)
+    assert llm.generate(prompt, greedy(12), use_tqdm=False)[0].outputs[0].token_ids == expected
+    assert calls == [2, 8, 1]  # then the full burst, and the last token's step
+    assert bm.num_free_blocks == bm.num_blocks
+
+
 def test_a_burst_over_a_growing_long_context_gives_the_tokens_of_single_steps(hf_model_dir, llm_factory,
                                                                               monkeypatch):
     """A batch-1 burst whose context grows past 16 pages of 16 tokens in mid-burst, where the CPU layer kernel starts

@@ -24,7 +24,7 @@ from checkpoints.loading import load_model, resolve_model_path
 from jserve.config import EngineConfig, ModelLoadError
 from jserve.engine.kv_cache import BlockManager
 from jserve.engine.packing import pack
-from jserve.engine.runner import ModelRunner, kv_bytes_per_block, pick_bucket
+from jserve.engine.runner import STOP_IDS_WIDTH, ModelRunner, kv_bytes_per_block, no_stop_ids, pick_bucket
 from jserve.engine.sampler import MetadataCache, has_penalty, sample_packed, token_logprobs, warmup_metadata
 from jserve.engine.scheduler import Scheduler, SchedulerOutput
 from jserve.engine.sequence import Sequence, SequenceStatus
@@ -338,9 +338,9 @@ class LLMEngine:
         forward and sampler (a prompt chunk; logprobs, which are per step; penalties and a pending min_tokens, which
         change the sampling metadata every step; a runner that cannot burst).
 
-        Up to config.decode_burst steps when no request waits and the cache has the slots, nor past any sequence's
-        max_tokens or max_model_len; while any request streams (not FINAL_ONLY), no more than fit in
-        config.decode_burst_ms at the last measured step time for this batch size."""
+        Up to config.decode_burst steps when no request waits, nor past any sequence's max_tokens or max_model_len,
+        halved until the free blocks hold their slots; while any request streams (not FINAL_ONLY), no more than fit
+        in config.decode_burst_ms at the last measured step time for this batch size."""
         if not self._bursts_possible:
             return 0
         length, streaming = self.config.decode_burst, False
@@ -361,9 +361,10 @@ class LLMEngine:
             fits = self.config.decode_burst_ms / 1e3 / max(step_seconds, 1e-9)  # inf: no time limit
             length = length if fits >= length else max(1, int(fits))
         bm = self.block_manager
-        if length <= 1 or sum(bm.num_new_blocks(chunk.seq, length) for chunk in plan.scheduled) > bm.num_free_blocks:
-            return 1
-        return length
+        while length > 1 and sum(bm.num_new_blocks(chunk.seq, length) for chunk in plan.scheduled) > \
+                bm.num_free_blocks:
+            length //= 2  # a shorter burst whose slots fit the free blocks
+        return max(length, 1)
 
     def _decode_bucket(self, plan: SchedulerOutput) -> int:
         """The padded batch size a decode-only step of this plan runs at (one token per sequence)."""
@@ -375,13 +376,16 @@ class LLMEngine:
             allocated = self.block_manager.allocate_slots(chunk.seq, length)
             assert allocated, "_burst_length checked the free blocks"
         batch = self.runner.prepare(plan.scheduled, lookahead=length - 1)
-        meta = self._metadata.build([c.seq for c in plan.scheduled], self.runner.seq_rows_for(len(batch.token_ids)))
+        seqs = [c.seq for c in plan.scheduled]
+        meta = self._metadata.build(seqs, self.runner.seq_rows_for(len(batch.token_ids)))
         start = time.perf_counter()
-        tokens = self._fetch(self.runner.run_burst(batch, meta, length, self.config.decode_burst))[:length]  # [L, S]
-        self._decode_step_seconds[self._decode_bucket(plan)] = (time.perf_counter() - start) / length
-        self.stats.num_steps += length
+        tokens = self._fetch(self.runner.run_burst(batch, meta, length, self.config.decode_burst,
+                                                   _burst_stop_ids(seqs, len(batch.seq_lens))))
+        steps = int(np.count_nonzero(tokens[:, 0] >= 0))  # fewer than length once every sequence stopped
+        self._decode_step_seconds[self._decode_bucket(plan)] = (time.perf_counter() - start) / steps
+        self.stats.num_steps += steps
         changed: dict[str, RequestState] = {}
-        for chunk, row_tokens in zip(plan.scheduled, tokens.T.tolist(), strict=False):  # padding rows unused
+        for chunk, row_tokens in zip(plan.scheduled, tokens[:steps].T.tolist(), strict=False):  # padding unused
             seq = chunk.seq
             state = self.requests[seq.request_id]
             for token in row_tokens:
@@ -470,6 +474,20 @@ class LLMEngine:
             output.metrics = dict(state.metrics)
             self.requests.pop(state.request_id, None)
         return output
+
+
+def _burst_stop_ids(seqs: list[Sequence], rows: int) -> np.ndarray:
+    """i32[rows, STOP_IDS_WIDTH]: the tokens that end each sequence (its EOS ids unless ignore_eos, then its
+    stop_token_ids; the first STOP_IDS_WIDTH, -1 padding), for a burst to end on the device once all have ended."""
+    stop_ids = no_stop_ids(rows)
+    for row, seq in enumerate(seqs):
+        ids = seq.burst_stop_ids
+        if ids is None:  # the same every burst: built once per sequence
+            params = seq.params
+            ids = ([] if params.ignore_eos else list(params.eos_token_ids)) + list(params.stop_token_ids)
+            ids = seq.burst_stop_ids = ids[:STOP_IDS_WIDTH]
+        stop_ids[row, :len(ids)] = ids
+    return stop_ids
 
 
 def _is_decode(chunk) -> bool:

@@ -32,6 +32,9 @@ from sharding import KV_CACHE_AXES, logical_sharding, replicated
 
 logger = logging.getLogger(__name__)
 
+# A burst checks each row's first this many stop tokens on the device (one compiled shape); the host checks them all.
+STOP_IDS_WIDTH = 8
+
 
 @dataclass
 class ScheduledChunk:
@@ -50,6 +53,11 @@ def pow2_buckets(smallest: int, largest: int) -> list[int]:
         size *= 2
     buckets.append(largest)
     return buckets
+
+
+def no_stop_ids(rows: int) -> np.ndarray:
+    """A burst's stop ids for rows that never end it early: i32[rows, STOP_IDS_WIDTH] of -1."""
+    return np.full((rows, STOP_IDS_WIDTH), -1, np.int32)
 
 
 def pick_bucket(buckets: list[int], n: int) -> int:
@@ -138,8 +146,8 @@ class ModelRunner:
 
     def _packed_burst(self, params: list[jax.Array], kv_cache: KVCache, packed: jax.Array, layout: PackedLayout,
                       max_steps: int) -> tuple[KVCache, jax.Array]:
-        batch, meta, num_steps = unpack(packed, layout)
-        return self._burst_steps(params, kv_cache, batch, meta, num_steps, max_steps)
+        batch, meta, stop_ids, num_steps = unpack(packed, layout)
+        return self._burst_steps(params, kv_cache, batch, meta, stop_ids, num_steps, max_steps)
 
     def _forward(self, params: list, kv_cache: KVCache, batch: StepBatch) -> tuple[KVCache, jax.Array]:
         layer_stack = None
@@ -155,24 +163,32 @@ class ModelRunner:
             return model(kv_cache, batch)
 
     def _burst_steps(self, params: list[jax.Array], kv_cache: KVCache, batch: StepBatch, meta: SamplingMetadata,
-                     num_steps: jax.Array, max_steps: int) -> tuple[KVCache, jax.Array]:
-        """num_steps (<= max_steps, traced: one executable serves every length) decode steps, each feeding the
-        tokens it samples to the next -> (kv_cache, i32[max_steps, S]; rows past num_steps are zeros).
+                     stop_ids: jax.Array, num_steps: jax.Array, max_steps: int) -> tuple[KVCache, jax.Array]:
+        """Up to num_steps (<= max_steps, traced: one executable serves every length) decode steps, each feeding the
+        tokens it samples to the next, ending early once every sequence row has sampled one of its stop_ids
+        (i32[S, STOP_IDS_WIDTH], -1 padding) -> (kv_cache, i32[max_steps, S]; rows of steps not run are -1).
 
         Step i samples as the i-th of that many single steps would (meta.steps + i keys the draw)."""
         real = jnp.arange(batch.token_ids.shape[0]) < batch.query_start[-1]  # [T] tokens before the padding
 
-        def one_step(i, carry):
-            kv_cache, batch, tokens = carry
+        def one_step(carry):
+            i, kv_cache, batch, tokens, stopped = carry
             # Tied to the loop-carried batch, the weights are not loop-invariant: XLA would otherwise hoist the
             # embedding table's bitcast (gathered as uint16 bits) out of the loop and copy all 56 MB every call.
             step_params, batch = jax.lax.optimization_barrier((params, batch))
             kv_cache, logits = self._forward(step_params, kv_cache, batch)
             sampled = sample(logits, dataclasses.replace(meta, steps=meta.steps + i)).token_ids  # [S]
-            return kv_cache, self._next_decode_batch(batch, sampled, real), tokens.at[i].set(sampled)
+            stopped = stopped | jnp.any(sampled[:, None] == stop_ids, axis=1)
+            return i + 1, kv_cache, self._next_decode_batch(batch, sampled, real), tokens.at[i].set(sampled), stopped
 
-        tokens = jnp.zeros((max_steps, batch.seq_lens.shape[0]), jnp.int32)
-        kv_cache, _, tokens = jax.lax.fori_loop(0, num_steps, one_step, (kv_cache, batch, tokens))
+        def more_steps(carry) -> jax.Array:
+            i, *_, stopped = carry
+            return (i < num_steps) & ~jnp.all(stopped)
+
+        tokens = jnp.full((max_steps, batch.seq_lens.shape[0]), -1, jnp.int32)
+        stopped = batch.seq_lens == 0  # [S] padding rows never hold a burst
+        _, kv_cache, _, tokens, _ = jax.lax.while_loop(more_steps, one_step,
+                                                       (jnp.int32(0), kv_cache, batch, tokens, stopped))
         return kv_cache, tokens
 
     def _next_decode_batch(self, batch: StepBatch, sampled: jax.Array, real: jax.Array) -> StepBatch:
@@ -185,11 +201,15 @@ class ModelRunner:
             slot_mapping=jnp.where(real, pages * self.block_size + positions % self.block_size, self.num_slots),
             seq_lens=jnp.where(batch.seq_lens > 0, batch.seq_lens + 1, 0))
 
-    def run_burst(self, batch: StepBatch, meta: SamplingMetadata, num_steps: int, max_steps: int) -> jax.Array:
-        """Run a decode-only batch num_steps (<= max_steps, the compiled bound) steps on the device -> sampled token
-        ids i32[max_steps, S] on the device (rows past num_steps are zeros). The batch's sequences must hold slots
-        for num_steps tokens (prepare with lookahead=num_steps - 1)."""
-        packed, layout = pack((batch, meta, np.int32(num_steps)))
+    def run_burst(self, batch: StepBatch, meta: SamplingMetadata, num_steps: int, max_steps: int,
+                  stop_ids: np.ndarray | None = None) -> jax.Array:
+        """Run a decode-only batch num_steps (<= max_steps, the compiled bound) steps on the device, fewer once every
+        sequence row has sampled one of its stop_ids (i32[S, STOP_IDS_WIDTH], -1 padding; None: no stop ids) ->
+        sampled token ids i32[max_steps, S] on the device (rows of steps not run are -1). The batch's sequences must
+        hold slots for num_steps tokens (prepare with lookahead=num_steps - 1)."""
+        if stop_ids is None:
+            stop_ids = no_stop_ids(len(batch.seq_lens))
+        packed, layout = pack((batch, meta, stop_ids, np.int32(num_steps)))
         compiled = self._compiled_bursts.get((layout, max_steps))
         if compiled is None:  # a shape or sampler variant not compiled ahead goes through jit
             self.kv_cache, tokens = self._burst(self.params, self.kv_cache, packed, layout, max_steps)
@@ -284,7 +304,7 @@ class ModelRunner:
     def lower_burst(self, batch: StepBatch, meta: SamplingMetadata,
                     max_steps: int) -> tuple[tuple[PackedLayout, int], jax.stages.Lowered]:
         """A burst of up to max_steps for this batch and metadata, lowered, and the key run_burst() finds it by."""
-        packed, layout = pack((batch, meta, np.int32(max_steps)))
+        packed, layout = pack((batch, meta, no_stop_ids(len(batch.seq_lens)), np.int32(max_steps)))
         return (layout, max_steps), self._burst.lower(self.params, self.kv_cache, packed, layout, max_steps)
 
     def burst_batches(self):

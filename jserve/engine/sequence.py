@@ -43,6 +43,7 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.sampling_seed: int | None = None  # the engine's seed for this sequence's draws
         self.sampling_row = None  # the sampler's cache of the fixed per-row parameters (sampler.SamplingRow)
+        self.burst_stop_ids: list[int] | None = None  # the engine's cache of the tokens that end it (bursts)
 
     @property
     def token_ids(self) -> list[int]:
