@@ -45,11 +45,11 @@ def _cache_dir() -> Path:
     return Path(base) / "jserve" / "cpu_kernels"
 
 
-def _compile(compiler: str, include_dir: str, out: Path) -> None:
+def _compile(compiler: str, flags: Sequence[str], include_dir: str, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_lib = Path(tmp) / out.name
-        cmd = [compiler, *CXXFLAGS, f"-I{include_dir}", str(SOURCE), "-o", str(tmp_lib)]
+        cmd = [compiler, *flags, f"-I{include_dir}", str(SOURCE), "-o", str(tmp_lib)]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             raise KernelUnavailable(f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n{result.stderr[-2000:]}")
@@ -57,15 +57,28 @@ def _compile(compiler: str, include_dir: str, out: Path) -> None:
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str]:
+def _cpuinfo(field: str) -> str:
+    """The first value of `field` in /proc/cpuinfo ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                name, _, value = line.partition(":")
+                if name.strip() == field:
+                    return value.strip()
     except OSError:
         pass
-    return frozenset()
+    return ""
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    return frozenset(_cpuinfo("flags").split())
+
+
+def _build_flags() -> tuple[str, ...]:
+    """CXXFLAGS, and the weight stream's prefetch for Intel: T0 hints 2 KiB ahead, not non-temporal ones 512 bytes
+    ahead (kernels.cc's PrefetchAhead says what each measured)."""
+    return CXXFLAGS + (("-DJSERVE_INTEL_STREAM",) if _cpuinfo("vendor_id") == "GenuineIntel" else ())
 
 
 @functools.cache
@@ -79,12 +92,13 @@ def _load() -> ctypes.CDLL | KernelUnavailable:
     if compiler is None:
         return KernelUnavailable("no C++ compiler (g++, c++ or clang++) to build the CPU kernels")
     include_dir = jax.ffi.include_dir()
-    identity = [jax.__version__, compiler, *CXXFLAGS, *sorted(_cpu_flags())]
+    flags = _build_flags()
+    identity = [jax.__version__, compiler, *flags, *sorted(_cpu_flags())]
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(identity).encode()).hexdigest()[:16]
     lib_path = _cache_dir() / f"libjserve_cpu_{key}.so"
     try:
         if not lib_path.exists():
-            _compile(compiler, include_dir, lib_path)
+            _compile(compiler, flags, include_dir, lib_path)
         lib = ctypes.cdll.LoadLibrary(str(lib_path))
         jax.ffi.register_ffi_target("jserve_matmul", jax.ffi.pycapsule(lib.JserveMatmul), platform="cpu")
         jax.ffi.register_ffi_target("jserve_paged_attention", jax.ffi.pycapsule(lib.JservePagedAttention),
@@ -143,8 +157,8 @@ def packed_rows(w: jax.Array, ids: jax.Array) -> jax.Array:
 
 def read_bandwidth(nbytes: int = 256 << 20, threads: int | None = None, repeats: int = 5) -> float:
     """Bytes/s this machine's memory is read at: every core (or `threads` threads) summing its share of an
-    nbytes buffer on 2 MiB pages, best of `repeats` passes. A decode step that reads every weight once can go no
-    faster (jserve bench latency's roofline)."""
+    nbytes buffer on 2 MiB pages, best of `repeats` passes of plain loads and `repeats` with the weight stream's
+    prefetches. A decode step that reads every weight once can go no faster (jserve bench latency's roofline)."""
     _require()
     lib = _load()
     lib.JserveReadBandwidth.restype = ctypes.c_double

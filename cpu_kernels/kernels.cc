@@ -901,12 +901,21 @@ constexpr int64_t kWideRows = 2;
 // 52.6-53.1 tok/s with 384-768 bytes, but fell to 45.8 at 1024 (bfloat16 pairs: level at 384-1024). On an AVX-512
 // EPYC (Zen 4), switched on and off between batch-1 generations in one process: bfloat16 +6.7% (median of 30 paired
 // rounds, 25 faster), float32 level (0.995, 11 of 24); T0 hints at 512-2048 bytes gained less, T1 at 1024-2048 was
-// level with this (16 paired rounds).
+// level with this (16 paired rounds). On an Intel Xeon with AVX512-BF16 a non-temporal prefetch, which fills L1
+// alone there, halved one core's stream (8.4 against 14.9 GB/s plain, 16.5 with T0: benchmarks/core_bandwidth.cc)
+// and two threads read the packed weights at 0.72 of the memory's bandwidth, against 1.0 with T0 hints 2 KiB ahead
+// (benchmarks/stream_sim.cc): cpu_kernels builds with JSERVE_INTEL_STREAM where the CPU's vendor is Intel.
+#ifdef JSERVE_INTEL_STREAM
+constexpr int64_t kWidePrefetchBytes = 2048;
+constexpr auto kWidePrefetchHint = _MM_HINT_T0;
+#else
 constexpr int64_t kWidePrefetchBytes = 512;
+constexpr auto kWidePrefetchHint = _MM_HINT_NTA;
+#endif
 inline void PrefetchAhead(const void* at) {
   const char* ahead = static_cast<const char*>(at) + kWidePrefetchBytes;
-  _mm_prefetch(ahead, _MM_HINT_NTA);
-  _mm_prefetch(ahead + 64, _MM_HINT_NTA);
+  _mm_prefetch(ahead, kWidePrefetchHint);
+  _mm_prefetch(ahead + 64, kWidePrefetchHint);
 }
 
 #ifdef JSERVE_AVX512_BF16
@@ -3012,7 +3021,9 @@ extern "C" void JserveProfileRead(int64_t* out) {
 
 // The memory's read bandwidth, the bound of a decode step that reads every weight once (jserve bench latency's
 // roofline): `threads` threads each sum their share of a `bytes` buffer on 2 MiB pages where the kernel gives
-// them, as the parameters are (checkpoints/host_arena.py); the best of `repeats` passes, in bytes/s.
+// them, as the parameters are (checkpoints/host_arena.py); the best of `repeats` passes of plain loads and as many
+// with the weight stream's prefetches (PrefetchAhead), in bytes/s. On an Intel Xeon the prefetched reads were ~12%
+// faster (32.6 against 29.2 GB/s over 1 GiB), so plain loads alone understated the memory there.
 extern "C" double JserveReadBandwidth(int64_t bytes, int64_t threads, int64_t repeats) {
   constexpr size_t kHuge = 2 << 20;
   const size_t size = (static_cast<size_t>(bytes) + kHuge - 1) / kHuge * kHuge;
@@ -3024,7 +3035,8 @@ extern "C" double JserveReadBandwidth(int64_t bytes, int64_t threads, int64_t re
   const size_t share = size / static_cast<size_t>(threads) / 128 * 128;
   std::vector<float> sums(static_cast<size_t>(threads));  // kept, so the reads are not optimised away
   double best = 0.0;
-  for (int64_t pass = 0; pass < repeats; ++pass) {
+  for (int64_t pass = 0; pass < 2 * repeats; ++pass) {
+    const bool prefetch = pass % 2 == 1;
     const auto start = std::chrono::steady_clock::now();
     std::vector<std::thread> workers;
     for (int64_t t = 0; t < threads; ++t) {
@@ -3032,6 +3044,7 @@ extern "C" double JserveReadBandwidth(int64_t bytes, int64_t threads, int64_t re
         const float* p = reinterpret_cast<const float*>(buffer + static_cast<size_t>(t) * share);
         __m256 a = _mm256_setzero_ps(), b = a, c = a, d = a;
         for (size_t i = 0; i < share / 4; i += 32) {
+          if (prefetch) PrefetchAhead(p + i);  // the two lines of this step, kWidePrefetchBytes ahead
           a = _mm256_add_ps(a, _mm256_load_ps(p + i));
           b = _mm256_add_ps(b, _mm256_load_ps(p + i + 8));
           c = _mm256_add_ps(c, _mm256_load_ps(p + i + 16));
