@@ -216,7 +216,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    decode_burst: int = 32
+    decode_burst: int = 8
     decode_burst_ms: float = 100.0
     compilation_cache_dir: str = field(default_factory=lambda: os.path.expanduser("~/.cache/jserve/xla"))
     warmup: bool = True
