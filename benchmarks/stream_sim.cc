@@ -5,6 +5,9 @@
 //   g++ -O3 -march=native -std=c++17 -pthread benchmarks/stream_sim.cc -o /tmp/stream_sim
 //   /tmp/stream_sim LAYOUT BARRIERS ROUNDS      # e.g. /tmp/stream_sim guided 1 60
 //
+// The prefetch is the kernels' default (non-temporal, 512 bytes ahead); -DPREFETCH_HINT=_MM_HINT_T0
+// -DPREFETCH_BYTES=2048 builds what kernels.cc does on Intel (JSERVE_INTEL_STREAM).
+//
 // LAYOUT says where each thread's share of a matrix lies and who reads it:
 //   guided      each kind of weight one [layers, ...] stack (the loader's LayerStacks); items of shrinking runs of
 //               32-column blocks claimed from a shared counter (the CPU kernels' PackedPhase for a few rows)
@@ -17,9 +20,9 @@
 //               from one matrix to the next continues its stream where it ended
 // BARRIERS 1: both threads wait for each other after every matrix (a decode step's data dependencies); 0: never.
 //
-// Each round reads the whole buffer once plainly (each thread a contiguous half, as cpu_kernels.read_bandwidth
+// Each round reads the whole buffer once plainly (each thread a contiguous half, as cpu_kernels.read_bandwidth's plain passes
 // does) and then once as LAYOUT says; both threads run the same tile loop as the kernels' one-row tile (vdpbf16ps
-// with non-temporal prefetches 512 bytes ahead; plain loads where the CPU has no AVX512-BF16). Rounds are bucketed
+// with the prefetches above; plain loads where the CPU has no AVX512-BF16). Rounds are bucketed
 // by the plain read's bandwidth (above 50 GB/s: the fast state of docs/benchmarks.md), and each bucket prints the
 // median pass / plain-read ratio and the threads' median wait at barriers.
 #include <immintrin.h>
@@ -44,7 +47,13 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr int kThreads = 2;
 constexpr int kLayers = 30;
-constexpr int64_t kPrefetchBytes = 512;
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 512
+#endif
+#ifndef PREFETCH_HINT
+#define PREFETCH_HINT _MM_HINT_NTA
+#endif
+constexpr int64_t kPrefetchBytes = PREFETCH_BYTES;
 static_assert(kThreads * 16 <= static_cast<int>(sizeof(sink) / sizeof(sink[0])));
 
 double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
@@ -56,8 +65,8 @@ void Block(const char* block, int64_t k, const uint16_t* x, int t) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0;
   for (int64_t kp = 0; kp < pairs; ++kp) {
     const char* w = block + kp * 128;
-    _mm_prefetch(w + kPrefetchBytes, _MM_HINT_NTA);
-    _mm_prefetch(w + kPrefetchBytes + 64, _MM_HINT_NTA);
+    _mm_prefetch(w + kPrefetchBytes, PREFETCH_HINT);
+    _mm_prefetch(w + kPrefetchBytes + 64, PREFETCH_HINT);
     int32_t pair;
     std::memcpy(&pair, x + 2 * kp, sizeof(pair));
     const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
@@ -71,7 +80,7 @@ void Block(const char* block, int64_t k, const uint16_t* x, int t) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0;
   for (int64_t kp = 0; kp < pairs; ++kp) {
     const float* w = reinterpret_cast<const float*>(block + kp * 128);
-    _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_NTA);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, PREFETCH_HINT);
     a0 = _mm256_add_ps(_mm256_add_ps(a0, _mm256_loadu_ps(w)), _mm256_loadu_ps(w + 8));
     a1 = _mm256_add_ps(_mm256_add_ps(a1, _mm256_loadu_ps(w + 16)), _mm256_loadu_ps(w + 24));
   }
