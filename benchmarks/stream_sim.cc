@@ -6,7 +6,7 @@
 //   /tmp/stream_sim LAYOUT BARRIERS ROUNDS      # e.g. /tmp/stream_sim guided 1 60
 //
 // The prefetch is the kernels' default (non-temporal, 512 bytes ahead); -DPREFETCH_HINT=_MM_HINT_T0
-// -DPREFETCH_BYTES=2048 builds what kernels.cc does on Intel (JSERVE_INTEL_STREAM).
+// -DPREFETCH_BYTES=2048 builds what kernels.cc does on Intel (JSERVE_INTEL).
 //
 // LAYOUT says where each thread's share of a matrix lies and who reads it:
 //   guided      each kind of weight one [layers, ...] stack (the loader's LayerStacks); items of shrinking runs of

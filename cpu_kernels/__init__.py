@@ -78,7 +78,7 @@ def _cpu_flags() -> frozenset[str]:
 def _build_flags() -> tuple[str, ...]:
     """CXXFLAGS, and the weight stream's prefetch for Intel: T0 hints 2 KiB ahead, not non-temporal ones 512 bytes
     ahead (kernels.cc's PrefetchAhead says what each measured)."""
-    return CXXFLAGS + (("-DJSERVE_INTEL_STREAM",) if _cpuinfo("vendor_id") == "GenuineIntel" else ())
+    return CXXFLAGS + (("-DJSERVE_INTEL",) if _cpuinfo("vendor_id") == "GenuineIntel" else ())
 
 
 @functools.cache

@@ -904,8 +904,8 @@ constexpr int64_t kWideRows = 2;
 // level with this (16 paired rounds). On an Intel Xeon with AVX512-BF16 a non-temporal prefetch, which fills L1
 // alone there, halved one core's stream (8.4 against 14.9 GB/s plain, 16.5 with T0: benchmarks/core_bandwidth.cc)
 // and two threads read the packed weights at 0.72 of the memory's bandwidth, against 1.0 with T0 hints 2 KiB ahead
-// (benchmarks/stream_sim.cc): cpu_kernels builds with JSERVE_INTEL_STREAM where the CPU's vendor is Intel.
-#ifdef JSERVE_INTEL_STREAM
+// (benchmarks/stream_sim.cc): cpu_kernels builds with JSERVE_INTEL where the CPU's vendor is Intel.
+#ifdef JSERVE_INTEL
 constexpr int64_t kWidePrefetchBytes = 2048;
 constexpr auto kWidePrefetchHint = _MM_HINT_T0;
 #else
@@ -1317,6 +1317,54 @@ bool RowBlocks(const MatmulJob<uint16_t, uint32_t>& job, int64_t b0, int64_t b1)
 }
 #endif
 
+// Compute-bound matmuls over bfloat16 pairs, where vdpbf16ps is slow: WidenedBlocks runs blocks [b0, b1) and says
+// true, or says false and leaves them to the tiles.
+template <typename X, typename W>
+bool WidenedBlocks(const MatmulJob<X, W>&, int64_t, int64_t) {
+  return false;
+}
+
+#if defined(JSERVE_AVX512_BF16) && defined(JSERVE_INTEL)
+// On an Intel Xeon the packed bfloat16 tiles (vdpbf16ps) ran at ~0.6 of the float32 ones at 32 rows and more,
+// though they read half the bytes (benchmarks/cpu_kernels_micro.py: gate_up at 32 rows 0.80 against 0.48 ms). So
+// there, past RowBlocks' few rows, each block's two halves are widened to float32 panels [K, 16] first and x to
+// float32 once an item, and the float32 tiles run over them. Each pair's odd k comes first, in the panels and in x:
+// vdpbf16ps adds the odd product, then the even one, each rounded once (checked bit for bit against the
+// instruction on 3.2M lanes), so these tiles give its bits, and a row's bits do not depend on its batch (denormals
+// aside: vdpbf16ps flushes them).
+void WidenPairsOddFirst(const float* pairs, int64_t k_size, float* panel) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t kp = 0; kp < k_size / 2; ++kp) {
+    const __m512i bits = _mm512_loadu_si512(pairs + kp * 2 * kPanel);
+    _mm512_storeu_ps(panel + 2 * kp * kPanel, _mm512_castsi512_ps(_mm512_and_si512(bits, high)));
+    _mm512_storeu_ps(panel + (2 * kp + 1) * kPanel, _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)));
+  }
+}
+
+template <>
+bool WidenedBlocks(const MatmulJob<uint16_t, uint32_t>& job, int64_t b0, int64_t b1) {
+  const int64_t k_size = job.k_size, values = job.m_size * k_size;
+  thread_local std::vector<float> x, panels;
+  x.resize(static_cast<size_t>(values));
+  for (int64_t i = 0; i < values; i += 2) {  // k_size is even: pairs never straddle rows
+    x[i] = Bf16ToFloat(job.x[i + 1]);
+    x[i + 1] = Bf16ToFloat(job.x[i]);
+  }
+  panels.resize(static_cast<size_t>(2 * kPanel * k_size));
+  float* const panel_b = panels.data() + kPanel * k_size;
+  const MatmulJob<float, F32Panels> wide{x.data(), nullptr, job.y, job.bias, job.accumulate,
+                                         job.m_size, job.n_size, k_size};
+  const int64_t length = 2 * PanelLength<uint32_t>(k_size);
+  for (int64_t b = b0; b < b1; ++b) {
+    const float* block = BlockAt(job, b, length);
+    WidenPairsOddFirst(block, k_size, panels.data());
+    WidenPairsOddFirst(block + kPanel, k_size, panel_b);
+    BlockTiles(wide, b * 2 * kPanel, panels.data(), panel_b, kPanel);
+  }
+  return true;
+}
+#endif
+
 // Packed blocks lie one after another, so an item of consecutive blocks is one forward stream. For a few rows of x
 // (bandwidth-bound) the items are guided (RunsOf): with one 36 KiB block an item, the 576-wide projections streamed
 // at 35 GB/s; at 96 KiB, 50. Many rows are compute-bound: equal runs, each block requesting the next one early.
@@ -1362,7 +1410,7 @@ Phase PackedPhase(const MatmulJob<X, W>& job, int64_t threads, MatmulInput<X> in
   const ItemStarts starts = RunsOf(Blocks(job.n_size, 2 * kPanel), threads, streamed);
   return {static_cast<int64_t>(starts->size()) - 1, [job, starts, streamed](int64_t item) {
             const int64_t begin = (*starts)[item], end = (*starts)[item + 1];
-            if (RowBlocks(job, begin, end)) return;
+            if (RowBlocks(job, begin, end) || WidenedBlocks(job, begin, end)) return;
             for (int64_t b = begin; b < end; ++b) MatmulPacked(job, b, !streamed && b + 1 < end);
           }};
 }

@@ -250,3 +250,20 @@ def test_read_bandwidth_is_of_the_order_of_a_numpy_copy():
     np.copyto(dst, src)
     copy = 2 * src.nbytes / (time.perf_counter() - start)
     assert 0.2 * copy < bandwidth < 50 * copy
+
+
+@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
+def test_the_kernels_compile_with_each_vendors_weight_stream(monkeypatch, vendor):
+    """Intel builds get the weight stream's T0 prefetch (JSERVE_INTEL), others the non-temporal one: whichever
+    CPU runs the tests, kernels.cc compiles both ways (a syntax-only compile: no code generated)."""
+    import shutil
+    import subprocess
+
+    info = {"vendor_id": vendor}
+    monkeypatch.setattr(cpu_kernels, "_cpuinfo", lambda field: info.get(field, ""))
+    flags = cpu_kernels._build_flags()
+    assert ("-DJSERVE_INTEL" in flags) == (vendor == "GenuineIntel")
+    compiler = next(c for c in ("g++", "c++", "clang++") if shutil.which(c))
+    result = subprocess.run([compiler, *flags, "-fsyntax-only", f"-I{jax.ffi.include_dir()}", str(cpu_kernels.SOURCE)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
