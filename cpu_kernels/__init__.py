@@ -76,8 +76,9 @@ def _cpu_flags() -> frozenset[str]:
 
 
 def _build_flags() -> tuple[str, ...]:
-    """CXXFLAGS, and the weight stream's prefetch for Intel: T0 hints 2 KiB ahead, not non-temporal ones 512 bytes
-    ahead (kernels.cc's PrefetchAhead says what each measured)."""
+    """CXXFLAGS, plus JSERVE_INTEL on Intel CPUs: there the weight stream prefetches T0 2 KiB ahead, not
+    non-temporal 512 bytes ahead, and bfloat16 tiles run widened to float32 (kernels.cc's PrefetchAhead and
+    WidenedBlocks say what each measured)."""
     return CXXFLAGS + (("-DJSERVE_INTEL",) if _cpuinfo("vendor_id") == "GenuineIntel" else ())
 
 
