@@ -6,7 +6,8 @@
 //   /tmp/stream_sim LAYOUT BARRIERS ROUNDS      # e.g. /tmp/stream_sim guided 1 60
 //
 // The prefetch is the kernels' default (non-temporal, 512 bytes ahead); -DPREFETCH_HINT=_MM_HINT_T0
-// -DPREFETCH_BYTES=2048 builds what kernels.cc does on Intel (JSERVE_INTEL).
+// -DPREFETCH_BYTES=2048 -DFAR_PREFETCH_BYTES=8192 builds what kernels.cc does on Intel (JSERVE_INTEL): the second
+// request goes into L2 (T2), that far ahead.
 //
 // LAYOUT says where each thread's share of a matrix lies and who reads it:
 //   guided      each kind of weight one [layers, ...] stack (the loader's LayerStacks); items of shrinking runs of
@@ -53,7 +54,21 @@ constexpr int kLayers = 30;
 #ifndef PREFETCH_HINT
 #define PREFETCH_HINT _MM_HINT_NTA
 #endif
+#ifndef FAR_PREFETCH_BYTES
+#define FAR_PREFETCH_BYTES 0
+#endif
 constexpr int64_t kPrefetchBytes = PREFETCH_BYTES;
+constexpr int64_t kFarPrefetchBytes = FAR_PREFETCH_BYTES;
+
+// The kernels' PrefetchAhead: the two lines at `at` + kPrefetchBytes, and where asked the two kFarPrefetchBytes ahead.
+inline void PrefetchAhead(const char* at) {
+  _mm_prefetch(at + kPrefetchBytes, PREFETCH_HINT);
+  _mm_prefetch(at + kPrefetchBytes + 64, PREFETCH_HINT);
+  if constexpr (kFarPrefetchBytes > 0) {
+    _mm_prefetch(at + kFarPrefetchBytes, _MM_HINT_T2);
+    _mm_prefetch(at + kFarPrefetchBytes + 64, _MM_HINT_T2);
+  }
+}
 static_assert(kThreads * 16 <= static_cast<int>(sizeof(sink) / sizeof(sink[0])));
 
 double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
@@ -65,8 +80,7 @@ void Block(const char* block, int64_t k, const uint16_t* x, int t) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0;
   for (int64_t kp = 0; kp < pairs; ++kp) {
     const char* w = block + kp * 128;
-    _mm_prefetch(w + kPrefetchBytes, PREFETCH_HINT);
-    _mm_prefetch(w + kPrefetchBytes + 64, PREFETCH_HINT);
+    PrefetchAhead(w);
     int32_t pair;
     std::memcpy(&pair, x + 2 * kp, sizeof(pair));
     const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
@@ -80,7 +94,7 @@ void Block(const char* block, int64_t k, const uint16_t* x, int t) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0;
   for (int64_t kp = 0; kp < pairs; ++kp) {
     const float* w = reinterpret_cast<const float*>(block + kp * 128);
-    _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, PREFETCH_HINT);
+    PrefetchAhead(reinterpret_cast<const char*>(w));
     a0 = _mm256_add_ps(_mm256_add_ps(a0, _mm256_loadu_ps(w)), _mm256_loadu_ps(w + 8));
     a1 = _mm256_add_ps(_mm256_add_ps(a1, _mm256_loadu_ps(w + 16)), _mm256_loadu_ps(w + 24));
   }
