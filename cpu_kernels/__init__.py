@@ -76,8 +76,8 @@ def _cpu_flags() -> frozenset[str]:
 
 
 def _build_flags() -> tuple[str, ...]:
-    """CXXFLAGS, plus JSERVE_INTEL on Intel CPUs: there the weight stream prefetches T0 2 KiB ahead, not
-    non-temporal 512 bytes ahead, and bfloat16 tiles run widened to float32 (kernels.cc's PrefetchAhead and
+    """CXXFLAGS, plus JSERVE_INTEL on Intel CPUs: there the weight stream prefetches T0 2 KiB ahead and T2 8 KiB
+    ahead, not non-temporal 512 bytes ahead, and bfloat16 tiles run widened to float32 (kernels.cc's PrefetchAhead and
     WidenedBlocks say what each measured)."""
     return CXXFLAGS + (("-DJSERVE_INTEL",) if _cpuinfo("vendor_id") == "GenuineIntel" else ())
 

@@ -40,7 +40,12 @@ from jserve.bench.metrics import (
     parse_goodput,
     summarize,
 )
-from jserve.bench.roofline import decode_bytes_per_token, kv_bytes_per_token, weight_params_read_per_token
+from jserve.bench.roofline import (
+    decode_bytes_per_token,
+    kv_bytes_per_token,
+    last_level_cache_bytes,
+    weight_params_read_per_token,
+)
 from jserve.bench.throughput import static_batches
 from jserve.cli import main
 from jserve.config import ModelConfig
@@ -225,6 +230,21 @@ def test_roofline_bytes_for_the_135m_shape():
     assert decode_bytes_per_token(SMOLLM_135M, "bfloat16", 0) == (134_515_008 + 576) * 2
 
 
+def test_last_level_cache_is_the_largest_data_level_sysfs_lists(tmp_path):
+    # The Intel Xeon's sysfs (docs/benchmarks.md): L1 data and instruction, L2, and a 260 MiB L3.
+    for index, (level, kind, size) in enumerate([(1, "Data", "48K"), (1, "Instruction", "32K"), (2, "Unified", "2048K"),
+                                                 (3, "Unified", "266240K")]):
+        d = tmp_path / f"index{index}"
+        d.mkdir()
+        (d / "level").write_text(f"{level}\n")
+        (d / "type").write_text(f"{kind}\n")
+        (d / "size").write_text(f"{size}\n")
+    assert last_level_cache_bytes(tmp_path) == 266240 * 1024
+    (tmp_path / "index3" / "size").write_text("garbled\n")  # an unreadable level is skipped
+    assert last_level_cache_bytes(tmp_path) == 2048 * 1024
+    assert last_level_cache_bytes(tmp_path / "missing") is None
+
+
 def test_static_batches_sort_longest_first():
     requests = [SampleRequest([1] * p, o) for p, o in [(5, 3), (2, 9), (7, 3), (1, 1), (4, 6)]]
     batches = static_batches(requests, 2, sort=True)
@@ -289,6 +309,7 @@ def test_bench_latency_reports_speed_and_roofline(hf_model_dir, tmp_path):
     roofline_each = [bw * 1e9 / report["bytes_per_decode_token"] for bw in bandwidths]
     shares = [3 / seconds / roofline for seconds, roofline in zip(decodes, roofline_each, strict=True)]
     assert report["decode_fraction_of_roofline"] == pytest.approx(statistics.median(shares))
+    assert report["last_level_cache_bytes"] == last_level_cache_bytes()
 
 
 # ----- bench serve against a fake OpenAI-compatible server -----

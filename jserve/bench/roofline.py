@@ -7,6 +7,7 @@ the most tokens per second any implementation can reach at batch 1.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -32,6 +33,26 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: str, context_len: float) -> floa
 
 def decode_bytes_per_token(cfg: ModelConfig, dtype: str, context_len: float) -> float:
     return weight_params_read_per_token(cfg) * DTYPE_BYTES[dtype] + kv_bytes_per_token(cfg, dtype, context_len)
+
+
+def last_level_cache_bytes(cpu_dir: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
+    """Size of this CPU's largest data cache level (e.g. "266240K" for L3), from sysfs; None where it says nothing.
+    Bytes read per token within a small multiple of it may partly come from that cache instead of the memory."""
+    levels = {}
+    for index in cpu_dir.glob("index*"):
+        try:
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            size = (index / "size").read_text().strip()
+            level = int((index / "level").read_text())
+        except (OSError, ValueError):
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        scale = units.get(size[-1:].upper(), 1)
+        digits = size[:-1] if size[-1:].upper() in units else size
+        if digits.isdigit():
+            levels[level] = int(digits) * scale
+    return levels[max(levels)] if levels else None
 
 
 def stream_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
