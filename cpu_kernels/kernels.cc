@@ -907,7 +907,7 @@ constexpr int64_t kWideRows = 2;
 // (benchmarks/stream_sim.cc): cpu_kernels builds with JSERVE_INTEL where the CPU's vendor is Intel. There a second
 // request, into L2 (T2) 8 KiB ahead, keeps more lines in flight (presumably past what L1's fill buffers hold): the one-row vdpbf16ps
 // loop (8 cycles a pair of k on its accumulator chain there) then read 1.10-1.13x the plain read, against 1.01 with
-// the T0 request alone (T2 at 4-16 KiB alone: 1.07-1.08; stream_sim.cc built with -DFAR_PREFETCH_BYTES=8192).
+// the T0 request alone (T2 at 6-16 KiB alone: 1.07-1.08; stream_sim.cc built with -DFAR_PREFETCH_BYTES=8192).
 #ifdef JSERVE_INTEL
 constexpr int64_t kWidePrefetchBytes = 2048;
 constexpr auto kWidePrefetchHint = _MM_HINT_T0;
