@@ -905,9 +905,9 @@ constexpr int64_t kWideRows = 2;
 // alone there, halved one core's stream (8.4 against 14.9 GB/s plain, 16.5 with T0: benchmarks/core_bandwidth.cc)
 // and two threads read the packed weights at 0.72 of the memory's bandwidth, against 1.0 with T0 hints 2 KiB ahead
 // (benchmarks/stream_sim.cc): cpu_kernels builds with JSERVE_INTEL where the CPU's vendor is Intel. There a second
-// request, into L2 (T2) 8 KiB ahead, keeps more lines in flight (presumably past what L1's fill buffers hold): the one-row vdpbf16ps
-// loop (8 cycles a pair of k on its accumulator chain there) then read 1.10-1.13x the plain read, against 1.01 with
-// the T0 request alone (T2 at 6-16 KiB alone: 1.07-1.08; stream_sim.cc built with -DFAR_PREFETCH_BYTES=8192).
+// request, into L2 (T2) 8 KiB ahead, keeps more lines in flight (presumably past what L1's fill buffers hold): the
+// one-row vdpbf16ps loop (8 cycles a pair of k on its accumulator chain there) then read 1.10-1.13x the plain read,
+// against 1.01 with the T0 request alone (T2 at 6-16 KiB alone: 1.07-1.08; stream_sim.cc with -DFAR_PREFETCH_BYTES).
 #ifdef JSERVE_INTEL
 constexpr int64_t kWidePrefetchBytes = 2048;
 constexpr auto kWidePrefetchHint = _MM_HINT_T0;
