@@ -35,6 +35,9 @@ def decode_bytes_per_token(cfg: ModelConfig, dtype: str, context_len: float) -> 
     return weight_params_read_per_token(cfg) * DTYPE_BYTES[dtype] + kv_bytes_per_token(cfg, dtype, context_len)
 
 
+_SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}  # sysfs cache sizes: "48K", "2048K", "266240K"
+
+
 def last_level_cache_bytes(cpu_dir: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
     """Size of this CPU's largest data cache level (e.g. "266240K" for L3), from sysfs; None where it says nothing.
     Bytes read per token within a small multiple of it may partly come from that cache instead of the memory."""
@@ -47,9 +50,8 @@ def last_level_cache_bytes(cpu_dir: Path = Path("/sys/devices/system/cpu/cpu0/ca
             level = int((index / "level").read_text())
         except (OSError, ValueError):
             continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        scale = units.get(size[-1:].upper(), 1)
-        digits = size[:-1] if size[-1:].upper() in units else size
+        scale = _SIZE_UNITS.get(size[-1:].upper(), 1)
+        digits = size[:-1] if size[-1:].upper() in _SIZE_UNITS else size
         if digits.isdigit():
             levels[level] = int(digits) * scale
     return levels[max(levels)] if levels else None
