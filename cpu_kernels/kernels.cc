@@ -3102,7 +3102,7 @@ extern "C" double JserveReadBandwidth(int64_t bytes, int64_t threads, int64_t re
         const float* p = reinterpret_cast<const float*>(buffer + static_cast<size_t>(t) * share);
         __m256 a = _mm256_setzero_ps(), b = a, c = a, d = a;
         for (size_t i = 0; i < share / 4; i += 32) {
-          if (prefetch) PrefetchAhead(p + i);  // the two lines of this step, kWidePrefetchBytes ahead
+          if (prefetch) PrefetchAhead(p + i);  // this step's lines, as far ahead as the weight stream asks
           a = _mm256_add_ps(a, _mm256_load_ps(p + i));
           b = _mm256_add_ps(b, _mm256_load_ps(p + i + 8));
           c = _mm256_add_ps(c, _mm256_load_ps(p + i + 16));
