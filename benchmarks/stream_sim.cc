@@ -1,13 +1,15 @@
 // A batch-1 decode token's weight stream without the model: how fast two threads read the 135M benchmark model's
-// packed bfloat16 weights (30 layers of qkv, o, gate_up and down, then the LM head) in the order and split a decode
-// step reads them, beside a plain read of the same bytes in the same round.
+// packed bfloat16 weights (30 layers of qkv, o, gate_up and down, or LAYERS of them, then the LM head) in the order
+// and split a decode step reads them, beside a plain read of the same bytes in the same round.
 //
 //   g++ -O3 -march=native -std=c++17 -pthread benchmarks/stream_sim.cc -o /tmp/stream_sim
-//   /tmp/stream_sim LAYOUT BARRIERS ROUNDS      # e.g. /tmp/stream_sim guided 1 60
+//   /tmp/stream_sim LAYOUT BARRIERS ROUNDS [LAYERS]      # e.g. /tmp/stream_sim guided 1 60 75
 //
 // The prefetch is the kernels' default (non-temporal, 512 bytes ahead); -DPREFETCH_HINT=_MM_HINT_T0
 // -DPREFETCH_BYTES=2048 -DFAR_PREFETCH_BYTES=8192 builds what kernels.cc does on Intel (JSERVE_INTEL): the second
-// request goes into L2 (T2), that far ahead.
+// request goes into L2 (T2), that far ahead. -DSIDE_BY_SIDE_BLOCKS=2 adds kernels.cc's one-row loop on Intel (two
+// blocks at a time), -DPLAIN_PREFETCH=1 gives the plain read the same prefetches (read_bandwidth's best pass, the
+// roofline's reference), and -DLOADS_ONLY=1 drops vdpbf16ps from the tile loop (loads and adds only).
 //
 // LAYOUT says where each thread's share of a matrix lies and who reads it:
 //   guided      each kind of weight one [layers, ...] stack (the loader's LayerStacks); items of shrinking runs of
@@ -47,7 +49,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr int kThreads = 2;
-constexpr int kLayers = 30;
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 512
 #endif
@@ -59,6 +60,14 @@ constexpr int kLayers = 30;
 #endif
 constexpr int64_t kPrefetchBytes = PREFETCH_BYTES;
 constexpr int64_t kFarPrefetchBytes = FAR_PREFETCH_BYTES;
+#ifndef LOADS_ONLY
+#define LOADS_ONLY 0  // 1: the tile loop only loads and adds (the AVX2 loop), to part the memory from vdpbf16ps
+#endif
+#ifndef PLAIN_PREFETCH
+#define PLAIN_PREFETCH 0
+#endif
+// 1: the plain read carries the same prefetches, as read_bandwidth's prefetched passes (the roofline takes the best).
+constexpr bool kPlainPrefetch = PLAIN_PREFETCH != 0;
 
 // The kernels' PrefetchAhead: the two lines at `at` + kPrefetchBytes, and where asked the two kFarPrefetchBytes ahead.
 inline void PrefetchAhead(const char* at) {
@@ -76,7 +85,7 @@ double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::d
 // One packed 32-column block: k / 2 pairs of k, 128 bytes each (two 16-column halves), times one row of x.
 void Block(const char* block, int64_t k, const uint16_t* x, int t) {
   const int64_t pairs = k / 2;
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && !LOADS_ONLY
   __m512 a0 = _mm512_setzero_ps(), a1 = a0;
   for (int64_t kp = 0; kp < pairs; ++kp) {
     const char* w = block + kp * 128;
@@ -104,12 +113,43 @@ void Block(const char* block, int64_t k, const uint16_t* x, int t) {
 #endif
 }
 
-// The plain read: four 32-byte loads a 128 bytes, no prefetch. The same loop as cpu_kernels' JserveReadBandwidth
+#ifndef SIDE_BY_SIDE_BLOCKS
+#define SIDE_BY_SIDE_BLOCKS 1  // 2: where a thread reads blocks in order, two at a time, as kernels.cc's RowBlockSet
+#endif
+
+// Two blocks read side by side: four accumulator chains, each column's sum in Block's order.
+void TwoBlocks(const char* b0, const char* b1, int64_t k, const uint16_t* x, int t) {
+#if defined(__AVX512BF16__) && !LOADS_ONLY
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, c0 = a0, c1 = a0;
+  for (int64_t kp = 0; kp < k / 2; ++kp) {
+    const char* w = b0 + kp * 128;
+    const char* v = b1 + kp * 128;
+    PrefetchAhead(w);
+    PrefetchAhead(v);
+    int32_t pair;
+    std::memcpy(&pair, x + 2 * kp, sizeof(pair));
+    const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+    a0 = _mm512_dpbf16_ps(a0, xv, reinterpret_cast<__m512bh>(_mm512_loadu_ps(reinterpret_cast<const float*>(w))));
+    a1 = _mm512_dpbf16_ps(a1, xv, reinterpret_cast<__m512bh>(_mm512_loadu_ps(reinterpret_cast<const float*>(w) + 16)));
+    c0 = _mm512_dpbf16_ps(c0, xv, reinterpret_cast<__m512bh>(_mm512_loadu_ps(reinterpret_cast<const float*>(v))));
+    c1 = _mm512_dpbf16_ps(c1, xv, reinterpret_cast<__m512bh>(_mm512_loadu_ps(reinterpret_cast<const float*>(v) + 16)));
+  }
+  float out[16];
+  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(c0, c1)));
+  sink[t * 16] += out[0];
+#else
+  Block(b0, k, x, t);
+  Block(b1, k, x, t);
+#endif
+}
+
+// The plain read: four 32-byte loads a 128 bytes, no prefetch unless PLAIN_PREFETCH. The same loop as cpu_kernels' JserveReadBandwidth
 // (the roofline's reference), copied because this program builds alone, without XLA's FFI headers.
 void PlainRead(const char* p, size_t bytes, int t) {
   const float* f = reinterpret_cast<const float*>(p);
   __m256 a = _mm256_setzero_ps(), b = a, c = a, d = a;
   for (size_t i = 0; i < bytes / 4; i += 32) {
+    if constexpr (kPlainPrefetch) PrefetchAhead(reinterpret_cast<const char*>(f + i));
     a = _mm256_add_ps(a, _mm256_load_ps(f + i));
     b = _mm256_add_ps(b, _mm256_load_ps(f + i + 8));
     c = _mm256_add_ps(c, _mm256_load_ps(f + i + 16));
@@ -159,12 +199,14 @@ int64_t Median(std::vector<double> v, double* out) {
 
 int main(int argc, char** argv) {
   if (argc < 4) {
-    std::fprintf(stderr, "usage: %s guided|halves|steal|per-thread|zigzag BARRIERS(0|1) ROUNDS\n", argv[0]);
+    std::fprintf(stderr, "usage: %s guided|halves|steal|per-thread|zigzag BARRIERS(0|1) ROUNDS [LAYERS]\n", argv[0]);
     return 2;
   }
   const std::string layout = argv[1];
   const bool barriers = std::atoi(argv[2]) != 0;
   const int rounds = std::atoi(argv[3]);
+  // 30: the 135M model, about the size of some CPUs' L3; 75 reads 588 MB, from memory on any of them.
+  const int kLayers = argc > 4 ? std::atoi(argv[4]) : 30;
   if (layout != "guided" && layout != "halves" && layout != "steal" && layout != "per-thread" && layout != "zigzag") {
     std::fprintf(stderr, "unknown layout %s\n", layout.c_str());
     return 2;
@@ -258,8 +300,12 @@ int main(int argc, char** argv) {
             Block(matrix.block_at[b], matrix.k, x, t);
         } else {
           const int half = layout == "zigzag" && i % 2 == 1 ? kThreads - 1 - t : t;
-          for (int64_t b = matrix.blocks * half / kThreads; b < matrix.blocks * (half + 1) / kThreads; ++b)
-            Block(matrix.block_at[b], matrix.k, x, t);
+          const int64_t end = matrix.blocks * (half + 1) / kThreads;
+          int64_t b = matrix.blocks * half / kThreads;
+          if constexpr (SIDE_BY_SIDE_BLOCKS == 2) {
+            for (; b + 1 < end; b += 2) TwoBlocks(matrix.block_at[b], matrix.block_at[b + 1], matrix.k, x, t);
+          }
+          for (; b < end; ++b) Block(matrix.block_at[b], matrix.k, x, t);
         }
         if (barriers) {
           const auto w0 = Clock::now();
