@@ -2422,7 +2422,7 @@ void RmsNormHeads(float* x, int64_t heads, int64_t d, const float* weight, float
 // Every layer's rotary angles, once a call: token t's cos(pos * inv_freq[f]) at table[t * 2 * half + f], its sin
 // half floats on (the same bits as before). Each layer's rotary phase computed them anew, D calls of std::cos or
 // std::sin a token; at batch 1 that phase (one thread's, the other waiting) now runs ~0.15 us shorter a layer
-// (benchmarks/phase_profile.py), what is left of it being mostly reading the q/k/v rows the other core wrote.
+// (benchmarks/phase_profile.py); what is left is presumably reading the q/k/v rows the other core wrote.
 void RotaryTable(const int32_t* positions, const float* inv_freq, int64_t tokens, int64_t half, float* table) {
   for (int64_t t = 0; t < tokens; ++t) {
     const float pos = static_cast<float>(positions[t]);
