@@ -7,7 +7,7 @@
 //
 // The prefetch is the kernels' default (non-temporal, 512 bytes ahead); -DPREFETCH_HINT=_MM_HINT_T0
 // -DPREFETCH_BYTES=2048 -DFAR_PREFETCH_BYTES=8192 builds what kernels.cc does on Intel (JSERVE_INTEL): the second
-// request goes into L2 (T2), that far ahead. -DSIDE_BY_SIDE_BLOCKS=2 adds kernels.cc's one-row loop on Intel (two
+// request goes into L2 (T2), that far ahead. -DSIDE_BY_SIDE_BLOCKS=2 builds kernels.cc's one-row loop on Intel (two
 // blocks at a time), -DPLAIN_PREFETCH=1 gives the plain read the same prefetches (read_bandwidth's best pass, the
 // roofline's reference), and -DLOADS_ONLY=1 drops vdpbf16ps from the tile loop (loads and adds only).
 //
@@ -23,11 +23,11 @@
 //               from one matrix to the next continues its stream where it ended
 // BARRIERS 1: both threads wait for each other after every matrix (a decode step's data dependencies); 0: never.
 //
-// Each round reads the whole buffer once plainly (each thread a contiguous half, as cpu_kernels.read_bandwidth's plain passes
-// does) and then once as LAYOUT says; both threads run the same tile loop as the kernels' one-row tile (vdpbf16ps
-// with the prefetches above; plain loads where the CPU has no AVX512-BF16). Rounds are bucketed
-// by the plain read's bandwidth (above 50 GB/s: the fast state of docs/benchmarks.md), and each bucket prints the
-// median pass / plain-read ratio and the threads' median wait at barriers.
+// Each round reads the whole buffer once plainly (each thread a contiguous half, as cpu_kernels.read_bandwidth's
+// plain passes do) and then once as LAYOUT says; both threads run the same tile loop as the kernels' one-row tile
+// (vdpbf16ps with the prefetches above; plain loads where the CPU has no AVX512-BF16). Rounds are bucketed by the
+// plain read's bandwidth (above 50 GB/s: the fast state of docs/benchmarks.md), and each bucket prints the median
+// pass / plain-read ratio and the threads' median wait at barriers.
 #include <immintrin.h>
 #include <sys/mman.h>
 
@@ -143,8 +143,8 @@ void TwoBlocks(const char* b0, const char* b1, int64_t k, const uint16_t* x, int
 #endif
 }
 
-// The plain read: four 32-byte loads a 128 bytes, no prefetch unless PLAIN_PREFETCH. The same loop as cpu_kernels' JserveReadBandwidth
-// (the roofline's reference), copied because this program builds alone, without XLA's FFI headers.
+// The plain read: four 32-byte loads a 128 bytes, no prefetch unless PLAIN_PREFETCH. The same loop as cpu_kernels'
+// JserveReadBandwidth (the roofline's reference), copied because this program builds alone, without XLA's FFI headers.
 void PlainRead(const char* p, size_t bytes, int t) {
   const float* f = reinterpret_cast<const float*>(p);
   __m256 a = _mm256_setzero_ps(), b = a, c = a, d = a;
@@ -205,8 +205,12 @@ int main(int argc, char** argv) {
   const std::string layout = argv[1];
   const bool barriers = std::atoi(argv[2]) != 0;
   const int rounds = std::atoi(argv[3]);
-  // 30: the 135M model, about the size of some CPUs' L3; 75 reads 588 MB, from memory on any of them.
-  const int kLayers = argc > 4 ? std::atoi(argv[4]) : 30;
+  // 30: the 135M model, about the size of some CPUs' L3; 75 read 588 MB, more than the development machines' L3.
+  const int num_layers = argc > 4 ? std::atoi(argv[4]) : 30;
+  if (num_layers < 1) {
+    std::fprintf(stderr, "LAYERS must be a positive count, not %s\n", argv[4]);
+    return 2;
+  }
   if (layout != "guided" && layout != "halves" && layout != "steal" && layout != "per-thread" && layout != "zigzag") {
     std::fprintf(stderr, "unknown layout %s\n", layout.c_str());
     return 2;
@@ -216,7 +220,7 @@ int main(int argc, char** argv) {
   const int64_t head[2] = {49152, 576};
   auto bytes_of = [](int64_t n, int64_t k) { return n * k * 2; };
   size_t total = bytes_of(head[0], head[1]);
-  for (const auto& kind : kinds) total += kLayers * bytes_of(kind[0], kind[1]);
+  for (const auto& kind : kinds) total += num_layers * bytes_of(kind[0], kind[1]);
   const size_t huge = 2 << 20, mapped = (total + huge - 1) / huge * huge + huge;
   char* base = static_cast<char*>(std::aligned_alloc(huge, mapped));
   madvise(base, mapped, MADV_HUGEPAGE);
@@ -224,9 +228,9 @@ int main(int argc, char** argv) {
 
   // Matrices in the order a token reads them, and where each block lies.
   std::vector<Matrix> order;
-  for (int l = 0; l <= kLayers; ++l) {
-    for (int m = 0; m < 4 && !(l == kLayers && m > 0); ++m) {
-      const int64_t n = l == kLayers ? head[0] : kinds[m][0], k = l == kLayers ? head[1] : kinds[m][1];
+  for (int l = 0; l <= num_layers; ++l) {
+    for (int m = 0; m < 4 && !(l == num_layers && m > 0); ++m) {
+      const int64_t n = l == num_layers ? head[0] : kinds[m][0], k = l == num_layers ? head[1] : kinds[m][1];
       order.push_back({n / 32, k, std::vector<const char*>(static_cast<size_t>(n / 32))});
     }
   }
@@ -248,10 +252,10 @@ int main(int argc, char** argv) {
     }
   } else {  // stacks: kind m of layer l at stack m, slice l; the LM head after them
     size_t stack[5] = {0, 0, 0, 0, 0};
-    for (int m = 1; m <= 4; ++m) stack[m] = stack[m - 1] + kLayers * bytes_of(kinds[m - 1][0], kinds[m - 1][1]);
+    for (int m = 1; m <= 4; ++m) stack[m] = stack[m - 1] + num_layers * bytes_of(kinds[m - 1][0], kinds[m - 1][1]);
     for (size_t i = 0; i < order.size(); ++i) {
       const int l = static_cast<int>(i / 4), m = static_cast<int>(i % 4);
-      const size_t start = l == kLayers ? stack[4] : stack[m] + l * bytes_of(kinds[m][0], kinds[m][1]);
+      const size_t start = l == num_layers ? stack[4] : stack[m] + l * bytes_of(kinds[m][0], kinds[m][1]);
       for (int64_t b = 0; b < order[i].blocks; ++b) order[i].block_at[b] = base + start + b * 64 * order[i].k;
     }
   }

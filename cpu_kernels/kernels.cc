@@ -2418,7 +2418,6 @@ void RmsNormHeads(float* x, int64_t heads, int64_t d, const float* weight, float
   }
 }
 
-// Rotate-half rotary embedding of `heads` heads in place, with the token's cos / sin tables.
 // Every layer's rotary angles, once a call: token t's cos(pos * inv_freq[f]) at table[t * 2 * half + f], its sin
 // half floats on (the same bits as before). Each layer's rotary phase computed them anew, D calls of std::cos or
 // std::sin a token; at batch 1 that phase (one thread's, the other waiting) now runs ~0.15 us shorter a layer
@@ -2426,15 +2425,16 @@ void RmsNormHeads(float* x, int64_t heads, int64_t d, const float* weight, float
 void RotaryTable(const int32_t* positions, const float* inv_freq, int64_t tokens, int64_t half, float* table) {
   for (int64_t t = 0; t < tokens; ++t) {
     const float pos = static_cast<float>(positions[t]);
-    float* cos = table + t * 2 * half;
+    float* row = table + t * 2 * half;
     for (int64_t f = 0; f < half; ++f) {
       const float angle = pos * inv_freq[f];
-      cos[f] = std::cos(angle);
-      cos[half + f] = std::sin(angle);
+      row[f] = std::cos(angle);
+      row[half + f] = std::sin(angle);
     }
   }
 }
 
+// Rotate-half rotary embedding of `heads` heads in place, with the token's cos / sin tables.
 void RotateHeads(float* x, int64_t heads, int64_t d, const float* cos, const float* sin) {
   const int64_t half = d / 2;
   for (int64_t h = 0; h < heads; ++h) {

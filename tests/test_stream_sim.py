@@ -61,3 +61,8 @@ def test_the_build_switches_and_a_layer_count(tmp_path, layout, tile_loop):
 def test_an_unknown_layout_is_refused(stream_sim):
     result = subprocess.run([str(stream_sim), "diagonal", "1", "2"], capture_output=True, text=True)
     assert result.returncode == 2 and "unknown layout diagonal" in result.stderr
+
+
+def test_a_layer_count_below_one_is_refused(stream_sim):
+    result = subprocess.run([str(stream_sim), "per-thread", "1", "2", "0"], capture_output=True, text=True)
+    assert result.returncode == 2 and "LAYERS must be a positive count, not 0" in result.stderr
