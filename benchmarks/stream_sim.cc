@@ -82,66 +82,53 @@ static_assert(kThreads * 16 <= static_cast<int>(sizeof(sink) / sizeof(sink[0])))
 
 double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
-// One packed 32-column block: k / 2 pairs of k, 128 bytes each (two 16-column halves), times one row of x.
-void Block(const char* block, int64_t k, const uint16_t* x, int t) {
-  const int64_t pairs = k / 2;
-#if defined(__AVX512BF16__) && !LOADS_ONLY
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0;
-  for (int64_t kp = 0; kp < pairs; ++kp) {
-    const char* w = block + kp * 128;
-    PrefetchAhead(w);
-    int32_t pair;
-    std::memcpy(&pair, x + 2 * kp, sizeof(pair));
-    const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-    a0 = _mm512_dpbf16_ps(a0, xv, reinterpret_cast<__m512bh>(_mm512_loadu_ps(reinterpret_cast<const float*>(w))));
-    a1 = _mm512_dpbf16_ps(a1, xv, reinterpret_cast<__m512bh>(_mm512_loadu_ps(reinterpret_cast<const float*>(w) + 16)));
-  }
-  float out[16];
-  _mm512_storeu_ps(out, _mm512_add_ps(a0, a1));
-  sink[t * 16] += out[0];
-#else
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0;
-  for (int64_t kp = 0; kp < pairs; ++kp) {
-    const float* w = reinterpret_cast<const float*>(block + kp * 128);
-    PrefetchAhead(reinterpret_cast<const char*>(w));
-    a0 = _mm256_add_ps(_mm256_add_ps(a0, _mm256_loadu_ps(w)), _mm256_loadu_ps(w + 8));
-    a1 = _mm256_add_ps(_mm256_add_ps(a1, _mm256_loadu_ps(w + 16)), _mm256_loadu_ps(w + 24));
-  }
-  float out[8];
-  _mm256_storeu_ps(out, _mm256_add_ps(a0, a1));
-  sink[t * 16] += out[0] + static_cast<float>(x[0]);
-#endif
-}
-
 #ifndef SIDE_BY_SIDE_BLOCKS
 #define SIDE_BY_SIDE_BLOCKS 1  // 2: where a thread reads blocks in order, two at a time, as kernels.cc's RowBlockSet
 #endif
 
-// Two blocks read side by side: four accumulator chains, each column's sum in Block's order.
-void TwoBlocks(const char* b0, const char* b1, int64_t k, const uint16_t* x, int t) {
+// kBlocks packed 32-column blocks read side by side (each k / 2 pairs of k, 128 bytes each: two 16-column halves),
+// times one row of x: two accumulator chains a block, each column's sum in the same order whatever kBlocks.
+template <int kBlocks>
+void BlockSet(const char* const (&blocks)[kBlocks], int64_t k, const uint16_t* x, int t) {
 #if defined(__AVX512BF16__) && !LOADS_ONLY
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, c0 = a0, c1 = a0;
+  __m512 acc[kBlocks][2];
+  for (auto& a : acc) a[0] = a[1] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < k / 2; ++kp) {
-    const char* w = b0 + kp * 128;
-    const char* v = b1 + kp * 128;
-    PrefetchAhead(w);
-    PrefetchAhead(v);
     int32_t pair;
     std::memcpy(&pair, x + 2 * kp, sizeof(pair));
     const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-    a0 = _mm512_dpbf16_ps(a0, xv, reinterpret_cast<__m512bh>(_mm512_loadu_ps(reinterpret_cast<const float*>(w))));
-    a1 = _mm512_dpbf16_ps(a1, xv, reinterpret_cast<__m512bh>(_mm512_loadu_ps(reinterpret_cast<const float*>(w) + 16)));
-    c0 = _mm512_dpbf16_ps(c0, xv, reinterpret_cast<__m512bh>(_mm512_loadu_ps(reinterpret_cast<const float*>(v))));
-    c1 = _mm512_dpbf16_ps(c1, xv, reinterpret_cast<__m512bh>(_mm512_loadu_ps(reinterpret_cast<const float*>(v) + 16)));
+    for (int i = 0; i < kBlocks; ++i) {
+      const float* w = reinterpret_cast<const float*>(blocks[i] + kp * 128);
+      PrefetchAhead(reinterpret_cast<const char*>(w));
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xv, reinterpret_cast<__m512bh>(_mm512_loadu_ps(w)));
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xv, reinterpret_cast<__m512bh>(_mm512_loadu_ps(w + 16)));
+    }
   }
+  __m512 sum = _mm512_setzero_ps();
+  for (const auto& a : acc) sum = _mm512_add_ps(sum, _mm512_add_ps(a[0], a[1]));
   float out[16];
-  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(c0, c1)));
+  _mm512_storeu_ps(out, sum);
   sink[t * 16] += out[0];
 #else
-  Block(b0, k, x, t);
-  Block(b1, k, x, t);
+  __m256 acc[kBlocks][2];
+  for (auto& a : acc) a[0] = a[1] = _mm256_setzero_ps();
+  for (int64_t kp = 0; kp < k / 2; ++kp) {
+    for (int i = 0; i < kBlocks; ++i) {
+      const float* w = reinterpret_cast<const float*>(blocks[i] + kp * 128);
+      PrefetchAhead(reinterpret_cast<const char*>(w));
+      acc[i][0] = _mm256_add_ps(_mm256_add_ps(acc[i][0], _mm256_loadu_ps(w)), _mm256_loadu_ps(w + 8));
+      acc[i][1] = _mm256_add_ps(_mm256_add_ps(acc[i][1], _mm256_loadu_ps(w + 16)), _mm256_loadu_ps(w + 24));
+    }
+  }
+  __m256 sum = _mm256_setzero_ps();
+  for (const auto& a : acc) sum = _mm256_add_ps(sum, _mm256_add_ps(a[0], a[1]));
+  float out[8];
+  _mm256_storeu_ps(out, sum);
+  sink[t * 16] += out[0] + static_cast<float>(x[0]);
 #endif
 }
+
+void Block(const char* block, int64_t k, const uint16_t* x, int t) { BlockSet<1>({block}, k, x, t); }
 
 // The plain read: four 32-byte loads a 128 bytes, no prefetch unless PLAIN_PREFETCH. The same loop as cpu_kernels'
 // JserveReadBandwidth (the roofline's reference), copied because this program builds alone, without XLA's FFI headers.
@@ -307,7 +294,7 @@ int main(int argc, char** argv) {
           const int64_t end = matrix.blocks * (half + 1) / kThreads;
           int64_t b = matrix.blocks * half / kThreads;
           if constexpr (SIDE_BY_SIDE_BLOCKS == 2) {
-            for (; b + 1 < end; b += 2) TwoBlocks(matrix.block_at[b], matrix.block_at[b + 1], matrix.k, x, t);
+            for (; b + 1 < end; b += 2) BlockSet<2>({matrix.block_at[b], matrix.block_at[b + 1]}, matrix.k, x, t);
           }
           for (; b < end; ++b) Block(matrix.block_at[b], matrix.k, x, t);
         }
