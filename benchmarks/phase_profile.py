@@ -5,9 +5,9 @@ generations, each after a read of the memory's bandwidth, summarised apart for t
 
 Per token and per layer it prints each kind of layer phase's time running items and waiting for the other thread
 (per worker: 0 is the thread that called the kernel), each matmul's weight bytes over its running time as a share
-of the bandwidth read before the generation, and the time in each kernel and outside them (XLA's ops between the
-calls and the host). A generation's prompt step is counted with its tokens, so the figures are for this prompt and
---tokens.
+of the bandwidth read before the generation (over as many bytes as a token reads), and the time in each kernel and
+outside them (XLA's ops between the calls and the host). A generation's prompt step is counted with its tokens, so
+the figures are for this prompt and --tokens.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import cpu_kernels
 from jserve import LLM, SamplingParams
+from jserve.bench.roofline import decode_bytes_per_token, last_level_cache_bytes, stream_buffer_bytes
 
 
 def matrix_bytes(cfg, dtype: str) -> dict[str, float]:
@@ -28,8 +29,8 @@ def matrix_bytes(cfg, dtype: str) -> dict[str, float]:
     return {"qkv": e * (q + 2 * kv) * size, "o": q * e * size, "gate_up": 2 * e * i * size, "down": i * e * size}
 
 
-def one_generation(llm: LLM, params: SamplingParams, num_layers: int) -> dict:
-    bandwidth = cpu_kernels.read_bandwidth(256 << 20, repeats=2)
+def one_generation(llm: LLM, params: SamplingParams, num_layers: int, buffer_bytes: int) -> dict:
+    bandwidth = cpu_kernels.read_bandwidth(buffer_bytes, repeats=2)
     cpu_kernels.profile_phases(True)
     start = time.perf_counter()
     llm.generate(["hello world"], params)
@@ -95,9 +96,12 @@ def main() -> None:
     cfg = llm.engine.model_config
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=0.0)
     llm.generate(["hello world"], params)  # warm
+    # The bandwidth is read over as many bytes as a token reads (the roofline's buffer: jserve bench latency).
+    buffer_bytes = stream_buffer_bytes(decode_bytes_per_token(cfg, args.dtype, args.tokens / 2),
+                                       last_level_cache_bytes())
     rows, end = [], time.time() + args.seconds
     while time.time() < end:
-        rows.append(one_generation(llm, params, cfg.num_layers))
+        rows.append(one_generation(llm, params, cfg.num_layers, buffer_bytes))
         r = rows[-1]
         print(f"{r['bandwidth'] / 1e9:5.1f} GB/s  {r['tok_s']:6.1f} tok/s", flush=True)
     threshold = args.fast_gb_s * 1e9

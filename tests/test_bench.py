@@ -41,9 +41,12 @@ from jserve.bench.metrics import (
     summarize,
 )
 from jserve.bench.roofline import (
+    STREAM_BUFFER_MAX_BYTES,
+    STREAM_BUFFER_MIN_BYTES,
     decode_bytes_per_token,
     kv_bytes_per_token,
     last_level_cache_bytes,
+    stream_buffer_bytes,
     weight_params_read_per_token,
 )
 from jserve.bench.throughput import static_batches
@@ -245,6 +248,19 @@ def test_last_level_cache_is_the_largest_data_level_sysfs_lists(tmp_path):
     assert last_level_cache_bytes(tmp_path / "missing") is None
 
 
+def test_roofline_buffer_is_the_bytes_a_token_reads_within_bounds():
+    mib = 1 << 20
+    # The 135M shape in bfloat16 (~269 MB) and a 588 MB model: their own size, in whole 2 MiB pages.
+    assert stream_buffer_bytes(269_031_168) == 258 * mib
+    assert stream_buffer_bytes(588_000_000, 260 * mib) == 562 * mib
+    assert stream_buffer_bytes(100 * mib + 1) == 102 * mib
+    # A tiny model reads at least the floor; a large one at most 1 GiB, or four times a larger last-level cache.
+    assert stream_buffer_bytes(1_000) == STREAM_BUFFER_MIN_BYTES
+    assert stream_buffer_bytes(30e9) == STREAM_BUFFER_MAX_BYTES == 1024 * mib
+    assert stream_buffer_bytes(30e9, 260 * mib) == 1040 * mib
+    assert stream_buffer_bytes(30e9, 512 * mib) == 2048 * mib
+
+
 def test_static_batches_sort_longest_first():
     requests = [SampleRequest([1] * p, o) for p, o in [(5, 3), (2, 9), (7, 3), (1, 1), (4, 6)]]
     batches = static_batches(requests, 2, sort=True)
@@ -310,6 +326,9 @@ def test_bench_latency_reports_speed_and_roofline(hf_model_dir, tmp_path):
     shares = [3 / seconds / roofline for seconds, roofline in zip(decodes, roofline_each, strict=True)]
     assert report["decode_fraction_of_roofline"] == pytest.approx(statistics.median(shares))
     assert report["last_level_cache_bytes"] == last_level_cache_bytes()
+    # The bandwidth is read over a buffer of the bytes a token reads (here the floor: the model is tiny).
+    assert report["stream_buffer_bytes"] == stream_buffer_bytes(report["bytes_per_decode_token"],
+                                                                last_level_cache_bytes())
 
 
 # ----- bench serve against a fake OpenAI-compatible server -----

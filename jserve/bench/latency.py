@@ -26,12 +26,14 @@ from jserve.bench.roofline import (
     decode_bytes_per_token,
     last_level_cache_bytes,
     stream_bandwidth,
+    stream_buffer_bytes,
     weight_params_read_per_token,
 )
 
-# Bytes read per token under this multiple of the last-level cache may partly come from it: the share of the
-# roofline (which counts every byte from memory) can then overstate (a 269 MB model beside a 260 MiB L3 read its
-# matmuls at 1.09-1.13x the memory's bandwidth; a 588 MB one at 0.95-0.99: docs/benchmarks.md).
+# Bytes read per token under this multiple of the last-level cache may partly come from it. The roofline's buffer is
+# that size, so the cache's part is in it, but a decode can keep more of itself there than one plain pass does (a 269
+# MB model beside a 260 MiB L3 read its matmuls at 1.16-1.19x a 256 MiB read; a 588 MB one at 0.97-1.00:
+# docs/benchmarks.md), and the share can then overstate.
 CACHE_NOTE_MULTIPLE = 2
 
 
@@ -60,11 +62,13 @@ def measure(args: Namespace) -> dict:
     engine = llm.engine
     rng = np.random.default_rng(args.seed)
     vocab = ordinary_token_ids(engine.tokenizer, engine.tokenizer.special_token_ids)
+    per_token = decode_bytes_per_token(engine.model_config, args.dtype, mean_context(args.input_len, args.output_len))
+    buffer = stream_buffer_bytes(per_token, last_level_cache_bytes())
     ttfts, decodes, bandwidths = [], [], []
     for i in range(args.num_iters_warmup + args.num_iters):
         timed = i >= args.num_iters_warmup
         if timed:
-            bandwidths.append(stream_bandwidth())
+            bandwidths.append(stream_bandwidth(buffer))
         ttft, decode = time_request(engine, f"latency-{i}", random_prompt(rng, vocab, args.input_len),
                                     args.output_len)
         if timed:
@@ -73,14 +77,19 @@ def measure(args: Namespace) -> dict:
     ttft, decode = statistics.median(ttfts), statistics.median(decodes)
     return {"ttft_s": ttft, "decode_s": decode, "prefill_tokens_per_s": args.input_len / ttft,
             "decode_tokens_per_s": (args.output_len - 1) / decode, "decode_s_each": decodes,
-            "bandwidth_each": bandwidths, "model_config": engine.model_config}
+            "bandwidth_each": bandwidths, "stream_buffer_bytes": buffer, "model_config": engine.model_config}
+
+
+def mean_context(input_len: int, output_len: int) -> float:
+    """The mean context a decode step attends over."""
+    return input_len + output_len / 2
 
 
 def roofline(cfg, dtype: str, input_len: int, output_len: int, decode_s_each: list[float],
              bandwidth_each: list[float]) -> dict:
     """The roofline at the median of the bandwidths measured before each iteration, and the median over iterations
     of each decode's share of the roofline at its own bandwidth."""
-    context = input_len + output_len / 2  # the mean context a decode step attends over
+    context = mean_context(input_len, output_len)
     per_token = decode_bytes_per_token(cfg, dtype, context)
     bandwidth = statistics.median(bandwidth_each)
     shares = [(output_len - 1) / seconds / (bw / per_token) for seconds, bw in zip(decode_s_each, bandwidth_each,
@@ -109,7 +118,8 @@ def run_latency(args: Namespace) -> int:
     print(f"Roofline: {report['roofline_decode_tokens_per_s']:.1f} tokens/s = "
           f"{report['stream_bandwidth_gb_s']:.1f} GB/s read bandwidth (median; "
           f"{min(report['stream_bandwidth_gb_s_each']):.1f}-{max(report['stream_bandwidth_gb_s_each']):.1f} before "
-          f"the iterations) / {report['bytes_per_decode_token'] / 1e6:.1f} MB per token (weights "
+          f"the iterations, over {report['stream_buffer_bytes'] / (1 << 20):.0f} MiB) / "
+          f"{report['bytes_per_decode_token'] / 1e6:.1f} MB per token (weights "
           f"{report['weight_bytes_per_token'] / 1e6:.1f} MB + KV at {report['mean_context']:.0f} tokens of context); "
           f"decode reaches {report['decode_fraction_of_roofline']:.0%} of it (median over the iterations, each against "
           f"the bandwidth measured before it)")
@@ -117,7 +127,8 @@ def run_latency(args: Namespace) -> int:
     if cache and report["bytes_per_decode_token"] < CACHE_NOTE_MULTIPLE * cache:
         print(f"Note: the {report['bytes_per_decode_token'] / 1e6:.1f} MB read per token is under "
               f"{CACHE_NOTE_MULTIPLE}x this CPU's {cache / (1 << 20):.0f} MiB last-level cache: part of it may be "
-              f"read from the cache, and the share of the roofline may then overstate")
+              f"read from the cache; the roofline's read of as many bytes counts that part, but a decode can keep "
+              f"more of itself there, and the share may then overstate")
     if args.result_json:
         Path(args.result_json).write_text(json.dumps(report, indent=2) + "\n")
     return 0

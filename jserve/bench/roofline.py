@@ -57,6 +57,24 @@ def last_level_cache_bytes(cpu_dir: Path = Path("/sys/devices/system/cpu/cpu0/ca
     return levels[max(levels)] if levels else None
 
 
+# The roofline's read buffer: the bytes a token reads, within these bounds. How fast a machine reads a buffer depends
+# on its size against the caches (this Xeon's 260 MiB L3: 52 GB/s at 128 MiB, ~35 at 256, ~32.5 from 560 MiB up),
+# so a fixed size overstated a 588 MB model's bound by ~7% (docs/benchmarks.md). Under the floor a pass is too short
+# to time; past the cap (a few times any last-level cache) the rate is the memory's, and the buffer only costs RAM.
+STREAM_BUFFER_MIN_BYTES = 64 << 20
+STREAM_BUFFER_MAX_BYTES = 1 << 30
+_PAGE = 2 << 20  # read_bandwidth's buffer lies on 2 MiB pages
+
+
+def stream_buffer_bytes(bytes_per_token: float, cache_bytes: int | None = None) -> int:
+    """The size of buffer to read for the roofline of a decode that reads `bytes_per_token`: that many bytes, in
+    whole 2 MiB pages, at least STREAM_BUFFER_MIN_BYTES and at most the larger of STREAM_BUFFER_MAX_BYTES and four
+    times the last-level cache (`cache_bytes`)."""
+    cap = max(STREAM_BUFFER_MAX_BYTES, 4 * cache_bytes) if cache_bytes else STREAM_BUFFER_MAX_BYTES
+    pages = -(-int(bytes_per_token) // _PAGE)
+    return min(max(pages * _PAGE, STREAM_BUFFER_MIN_BYTES), -(-cap // _PAGE) * _PAGE)
+
+
 def stream_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     """Bytes/s the memory is read at, best of `repeats`. With the CPU kernels: every core reading its share of a
     buffer on 2 MiB pages (cpu_kernels.read_bandwidth), as a decode step reads the parameters. Without them: one
