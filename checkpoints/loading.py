@@ -12,9 +12,11 @@ from flax import nnx
 from jax.sharding import Mesh, Sharding
 
 import cpu_kernels
+from checkpoints import dummy
+from checkpoints.dummy import DummySource
 from checkpoints.host_arena import HugePageArena, LayerStacks
 from checkpoints.safetensors_loader import ParamSource, load_state
-from jserve.config import ModelConfig, ModelLoadError
+from jserve.config import LOAD_FORMATS, ModelConfig, ModelLoadError
 from jserve.models import model_class
 from sharding import MODEL_AXIS, logical_sharding, shard_model_config
 
@@ -49,8 +51,11 @@ def resolve_model_path(model: str) -> Path:
 
 
 def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend: str = "reference",
-               mesh: Mesh | None = None, weight_parts: int | None = None) -> LoadedModel:
-    """attention_backend: a concrete backend (pallas_kernels.resolve_backend), baked into the graphdef.
+               mesh: Mesh | None = None, weight_parts: int | None = None, load_format: str = "auto") -> LoadedModel:
+    """load_format: "auto" reads the directory's safetensors; "dummy" draws random weights of config.json's shape
+    (checkpoints.dummy) and needs no weight files.
+
+    attention_backend: a concrete backend (pallas_kernels.resolve_backend), baked into the graphdef.
 
     weight_parts: where the cpu backend packs the layers' matrices, they are laid out in this many per-thread parts
     (cpu_kernels.PartLayout; None: one per CPU the kernels run on, cpu_kernels.kernel_threads(); 0: as [num_layers,
@@ -93,13 +98,28 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
             return jax.device_put(array) if arena is None else arena.place(array)
         return place_sharded(source, logical_sharding(mesh, axes[path], source.shape))
 
-    placed = load_state(model_dir, config, shapes, place)
+    if load_format == "dummy":
+        placed = _dummy_state(shapes, axes, mesh, place, through_host=arena is not None or bool(packed))
+    elif load_format == "auto":
+        placed = load_state(model_dir, config, shapes, place)
+    else:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     for path, array in placed.items():
         _assign(pure, path, array)
     nnx.replace_by_pure_dict(state, pure)
     layer_stack = _layer_stack(stacks, stack_paths) if stacks is not None else None
     return LoadedModel(config=config, graphdef=graphdef, state=state, attention_backend=attention_backend,
                        layer_stack=layer_stack)
+
+
+def _dummy_state(shapes: dict, axes: dict, mesh: Mesh | None, place, through_host: bool) -> dict[tuple, jax.Array]:
+    """Random parameters: drawn where they live, or, where the CPU layer kernel packs and stacks host arrays, drawn
+    on the CPU and placed one at a time as a checkpoint's would be."""
+    if through_host:
+        return {path: place(path, DummySource(array)) for path, array in dummy.draw(shapes, lambda path: None)}
+    if mesh is None:
+        return dict(dummy.draw(shapes, lambda path: None))
+    return dict(dummy.draw(shapes, lambda path: logical_sharding(mesh, axes[path], shapes[path][0])))
 
 
 def _matrix_shapes(config: ModelConfig) -> list[tuple[int, int]]:

@@ -10,7 +10,9 @@ from pathlib import Path
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
-ATTENTION_BACKENDS = ("auto", "reference", "cpu", "pallas", "pallas-interpret")  # see pallas_kernels/interface.py
+LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights of config.json's shape (checkpoints/dummy.py)
+# See pallas_kernels/interface.py (ENGINE_BACKENDS).
+ATTENTION_BACKENDS = ("auto", "reference", "cpu", "pallas", "pallas-interpret", "pallas-interpret-gpu")
 
 
 class ModelLoadError(ValueError):
@@ -195,7 +197,10 @@ class EngineConfig:
       warmup: compile every step shape at start-up so serving never stalls on a compile.
       attention_backend: "auto" (the Pallas kernel on TPU/GPU, the C++ kernels on CPU where they build, else the
         reference) | "reference" (pure JAX) | "cpu" (cpu_kernels: C++ paged attention and matmuls) |
-        "pallas" (the kernel; needs a TPU or GPU) | "pallas-interpret" (the kernels interpreted, slow; for tests).
+        "pallas" (the kernel; needs a TPU or GPU) | "pallas-interpret" (the kernels interpreted, slow; for tests) |
+        "pallas-interpret-gpu" (the GPU's Triton kernel interpreted: the engine as it runs on a GPU, on any host).
+      load_format: "auto" (the checkpoint's safetensors) | "dummy" (random weights of config.json's shape, drawn on
+        the devices: benchmarks and checks of real-sized models without their weights; vLLM's name).
       tokenizer: tokenizer directory when it differs from `model`.
       tensor_parallel_size: devices a model is split over (1 = no sharding); the mesh's `model` axis.
       data_parallel_size: independent model replicas (each on tensor_parallel_size devices, with its own KV cache
@@ -221,6 +226,7 @@ class EngineConfig:
     compilation_cache_dir: str = field(default_factory=lambda: os.path.expanduser("~/.cache/jserve/xla"))
     warmup: bool = True
     attention_backend: str = "auto"
+    load_format: str = "auto"
     tokenizer: str | None = None
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -248,6 +254,8 @@ class EngineConfig:
             raise ValueError(f"decode_burst_ms must be a positive number, got {self.decode_burst_ms!r}")
         if not 0 < self.kv_cache_fraction <= 1:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
 

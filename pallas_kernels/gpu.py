@@ -23,9 +23,12 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.blocks import block_metadata, pack_q, unpack_out
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked tile must not make NaNs
-# f32 inputs would default to TF32 tensor-core math on Ampere and later (~1e-3 error); HIGHEST keeps IEEE f32,
-# and bf16 inputs still take the bf16 tensor-core path.
-_PRECISION = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
+
+
+def _precision(dtype) -> tuple[lax.Precision, lax.Precision] | None:
+    """f32 inputs would default to TF32 tensor-core math on Ampere and later (~1e-3 error): HIGHEST keeps IEEE f32.
+    bf16 inputs take the default, the bf16 tensor cores (HIGHEST there asks Triton for IEEE math on CUDA cores)."""
+    return (lax.Precision.HIGHEST, lax.Precision.HIGHEST) if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def _next_pow2(n: int) -> int:
@@ -35,7 +38,7 @@ def _next_pow2(n: int) -> int:
 def _attend_page(q, k, v, carry, key_pos0, row_pos, *, scale, soft_cap, sliding_window):
     """One online-softmax step of the [M, D] query tile against one [B, D] page of keys and values."""
     acc, m_prev, l_prev = carry
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_PRECISION,
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_precision(k.dtype),
                         preferred_element_type=jnp.float32) * scale
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
@@ -47,14 +50,15 @@ def _attend_page(q, k, v, carry, key_pos0, row_pos, *, scale, soft_cap, sliding_
     m_next = jnp.maximum(m_prev, s.max(axis=1))
     p = jnp.exp(s - m_next[:, None])
     correction = jnp.exp(m_prev - m_next)
-    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_PRECISION,
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_precision(v.dtype),
                          preferred_element_type=jnp.float32)
     return acc * correction[:, None] + pv, m_next, l_prev * correction + p.sum(axis=1)
 
 
-def _kernel(seq_ref, q_pos_ref, kv_end_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, *,
-            scale: float, block_q: int, pages_per_step: int, sliding_window: int | None, soft_cap: float | None):
-    b, h = pl.program_id(0), pl.program_id(1)
+def _kernel(seq_ref, q_pos_ref, kv_end_ref, page_table_ref, q_ref, k_ref, v_ref, *out_refs,
+            scale: float, block_q: int, pages_per_step: int, kv_splits: int, sliding_window: int | None,
+            soft_cap: float | None):
+    b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq, q_pos, kv_end = seq_ref[b], q_pos_ref[b], kv_end_ref[b]
     page_size = k_ref.shape[1]
     q = q_ref[...]
@@ -63,6 +67,10 @@ def _kernel(seq_ref, q_pos_ref, kv_end_ref, page_table_ref, q_ref, k_ref, v_ref,
     first_page = 0 if sliding_window is None else jnp.maximum(q_pos - sliding_window + 1, 0) // page_size
     last_page = (kv_end + page_size - 1) // page_size
     num_steps = (last_page - first_page + pages_per_step - 1) // pages_per_step
+    # Split s of kv_splits takes its own contiguous run of the steps (an empty run writes an empty partial).
+    steps_per_split = (num_steps + kv_splits - 1) // kv_splits
+    begin = split * steps_per_split
+    end = jnp.minimum(begin + steps_per_split, num_steps)
     attend = functools.partial(_attend_page, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
     block_k = pages_per_step * page_size
 
@@ -77,39 +85,90 @@ def _kernel(seq_ref, q_pos_ref, kv_end_ref, page_table_ref, q_ref, k_ref, v_ref,
 
     init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), MASK_VALUE, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
-    acc, _, denom = lax.fori_loop(0, num_steps, body, init)
-    o_ref[...] = acc / jnp.where(denom == 0, 1.0, denom)[:, None]  # padding blocks (no keys) write zeros
+    acc, m, denom = lax.fori_loop(begin, end, body, init)
+    if kv_splits == 1:
+        (o_ref,) = out_refs
+        o_ref[...] = acc / jnp.where(denom == 0, 1.0, denom)[:, None]  # padding blocks (no keys) write zeros
+    else:  # unnormalized partials, merged by _merge_splits
+        acc_ref, m_ref, denom_ref = out_refs
+        acc_ref[...] = acc
+        m_ref[...] = m
+        denom_ref[...] = denom
+
+
+def _merge_splits(acc: jax.Array, m: jax.Array, denom: jax.Array) -> jax.Array:
+    """Online-softmax partials over axis 2 (acc [NB, Hkv, splits, M, D], m and denom [NB, Hkv, splits, M]) ->
+    normalized [NB, Hkv, M, D]."""
+    m_max = m.max(axis=2, keepdims=True)
+    weight = jnp.exp(m - m_max)  # empty splits carry MASK_VALUE: weight 0 beside any real split
+    num = (acc * weight[..., None]).sum(axis=2)
+    den = (denom * weight).sum(axis=2)
+    return num / jnp.where(den == 0, 1.0, den)[..., None]
+
+
+def auto_kv_splits(num_programs: int, target_programs: int = 256, max_splits: int = 16) -> int:
+    """Splits of each sequence's keys so that about target_programs programs run (a bit under two per SM of an
+    H100): a lone decode is Hkv programs, far too few to stream its keys at the memory's rate."""
+    if num_programs >= target_programs:
+        return 1
+    return min(max_splits, _next_pow2(-(-target_programs // num_programs)))
 
 
 def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                                query_start: jax.Array, seq_lens: jax.Array, *, scale: float,
                                sliding_window: int | None = None, soft_cap: float | None = None,
-                               block_q: int = 16, pages_per_step: int = 4, num_warps: int = 4, num_stages: int = 2,
-                               interpret: bool = False) -> jax.Array:
+                               block_q: int | None = None, pages_per_step: int | None = None,
+                               kv_splits: int | None = None,
+                               num_warps: int = 4, num_stages: int = 2, interpret: bool = False) -> jax.Array:
     """Triton-backend kernel with the interface of `ragged_paged_attention` (spec in pallas_kernels/interface.py).
 
-    block_q: query tokens per block (a power of two; raised so the tile has >= 16 rows, tl.dot's minimum).
+    block_q: query tokens per block (a power of two; raised so the tile has >= 16 rows, tl.dot's minimum). None:
+    16 where the bucket has more tokens than sequence rows (prefill chunks reuse each K/V tile over 16 tokens),
+    else the fewest that fill 16 rows (a decode block holds one token: its other rows would be wasted work).
     pages_per_step: pages gathered per loop step; their pages_per_step * page_size keys are the N of the QK^T
-    tile (a power of two), 64-128 keeps the tensor cores fed while the registers hold [M, N] scores.
+    tile (a power of two). None: 64 keys (4 pages of 16), which keeps the tensor cores fed while the registers
+    hold [M, N] scores; larger tiles of D = 128 overflow shared memory (seen: page 64 x 4 pages on an H200).
+    kv_splits: programs per (block, KV head), each over its own run of the keys, merged after the kernel (flash
+    decoding). None: auto_kv_splits of the grid, so small decode batches still stream at the memory's rate.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[2]
+    num_seqs = seq_lens.shape[0]
+    page_size = k_pages.shape[1]
+    if pages_per_step is None:
+        pages_per_step = max(1, 64 // page_size)
     group_pad = _next_pow2(num_heads // num_kv_heads)  # Triton tiles need power-of-two extents
+    if block_q is None:
+        block_q = 16 if num_tokens > num_seqs else 1
     block_q = max(block_q, 16 // group_pad)  # tl.dot needs M >= 16
     meta = block_metadata(query_start, seq_lens, num_tokens, block_q)
     q_packed = pack_q(q.astype(k_pages.dtype), meta, num_kv_heads, block_q, group_pad)
     nb, _, rows, _ = q_packed.shape
-    tile = pl.BlockSpec((None, None, rows, head_dim), lambda b, h: (b, h, 0, 0))
+    if kv_splits is None:
+        kv_splits = auto_kv_splits(nb * num_kv_heads)
+    tile = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0))
     whole = pl.no_block_spec
+    if kv_splits == 1:
+        out_specs = tile
+        out_shape = jax.ShapeDtypeStruct(q_packed.shape, jnp.float32)
+    else:
+        out_specs = [pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
+                     pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
+                     pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0))]
+        out_shape = [jax.ShapeDtypeStruct((nb, num_kv_heads, kv_splits, rows, head_dim), jnp.float32),
+                     jax.ShapeDtypeStruct((nb, num_kv_heads, kv_splits, rows), jnp.float32),
+                     jax.ShapeDtypeStruct((nb, num_kv_heads, kv_splits, rows), jnp.float32)]
     out = pl.pallas_call(
         functools.partial(_kernel, scale=scale, block_q=block_q, pages_per_step=pages_per_step,
-                          sliding_window=sliding_window, soft_cap=soft_cap),
-        grid=(nb, num_kv_heads),
+                          kv_splits=kv_splits, sliding_window=sliding_window, soft_cap=soft_cap),
+        grid=(nb, num_kv_heads, kv_splits),
         in_specs=[whole, whole, whole, whole, tile, whole, whole],
-        out_specs=tile,
-        out_shape=jax.ShapeDtypeStruct(q_packed.shape, jnp.float32),
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention_triton",
     )(meta.seq, meta.q_pos, meta.kv_end, page_table, q_packed, k_pages, v_pages)
+    if kv_splits > 1:
+        out = _merge_splits(*out)
     return unpack_out(out, query_start, num_tokens, num_heads, block_q)

@@ -44,7 +44,7 @@ from pallas_kernels.reference import from_stored, ragged_paged_attention_ref, wr
 from pallas_kernels.tpu import ragged_paged_attention_tpu
 from sharding.kernels import model_parallel_mesh, shard_over_heads
 
-ENGINE_BACKENDS = ("auto", "reference", "cpu", "pallas", "pallas-interpret")
+ENGINE_BACKENDS = ("auto", "reference", "cpu", "pallas", "pallas-interpret", "pallas-interpret-gpu")
 BACKENDS = ("reference", "cpu", "pallas", "pallas-interpret", "pallas-interpret-tpu", "pallas-interpret-gpu")
 _KERNEL_PLATFORMS = ("tpu", "gpu")
 

@@ -62,7 +62,9 @@ def ragged_paged_attention_ref(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     k = from_stored(k_pages[token_pages]).reshape(num_tokens, width, kv_heads, head_dim)
     v = from_stored(v_pages[token_pages]).reshape(num_tokens, width, kv_heads, head_dim)
     qg = q.reshape(num_tokens, kv_heads, group, head_dim).astype(k.dtype)
-    scores = jnp.einsum("tkgd,tlkd->tkgl", qg, k, preferred_element_type=jnp.float32) * scale
+    # float32 caches multiply in float32 (a GPU's default for float32 is TF32, a TPU's one bfloat16 pass).
+    precision = jax.lax.Precision.HIGHEST if k.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+    scores = jnp.einsum("tkgd,tlkd->tkgl", qg, k, precision=precision, preferred_element_type=jnp.float32) * scale
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     key_pos = jnp.arange(width, dtype=jnp.int32)[None, :]
@@ -71,5 +73,6 @@ def ragged_paged_attention_ref(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
         mask &= key_pos > positions[:, None] - sliding_window
     scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("tkgl,tlkd->tkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("tkgl,tlkd->tkgd", probs.astype(v.dtype), v, precision=precision,
+                     preferred_element_type=jnp.float32)
     return out.reshape(num_tokens, num_heads, head_dim)

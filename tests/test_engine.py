@@ -1,5 +1,10 @@
 """The engine end to end: continuous batching, preemption, prefix caching and chunked prefill all give exactly
-the tokens a request gets alone, and the tokens transformers gives for the same weights."""
+the tokens a request gets alone, and the tokens transformers gives for the same weights.
+
+The tests that compare with transformers run on both executors (the `executor` fixture): "auto" (on CPU the C++
+layer kernels, their full-width page table and decode bursts) and "reference", the XLA path a GPU or TPU runs
+(the Flax layers, power-of-two page-table buckets, single steps through the jitted sampler) with the pure-JAX
+attention in place of the Pallas kernel."""
 
 from __future__ import annotations
 
@@ -26,6 +31,11 @@ def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
     return tokens
 
 
+@pytest.fixture(scope="module", params=["auto", "reference"], ids=["cpu-kernels", "xla"])
+def executor(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def workload() -> list[tuple[list[int], int]]:
     """64 (prompt, max_tokens) pairs: prompts of 1..300 tokens, outputs of 1..200 tokens."""
@@ -45,8 +55,9 @@ def run(llm, workload) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def batched_tokens(hf_model_dir, llm_factory, workload) -> list[list[int]]:
-    llm = llm_factory(hf_model_dir("llama"), kv_cache_memory_bytes=16 << 20, max_num_seqs=32)
+def batched_tokens(hf_model_dir, llm_factory, workload, executor) -> list[list[int]]:
+    llm = llm_factory(hf_model_dir("llama"), kv_cache_memory_bytes=16 << 20, max_num_seqs=32,
+                      attention_backend=executor)
     tokens = run(llm, workload)
     assert llm.engine.scheduler.num_preemptions == 0  # the preemption test covers that path separately
     return tokens
@@ -58,17 +69,19 @@ def test_batched_requests_match_transformers(hf_model_dir, workload, batched_tok
         assert tokens == hf_greedy(hf, prompt, max_tokens)
 
 
-def test_batched_requests_match_each_request_alone(hf_model_dir, llm_factory, workload, batched_tokens):
-    llm = llm_factory(hf_model_dir("llama"), kv_cache_memory_bytes=16 << 20, max_num_seqs=32)
+def test_batched_requests_match_each_request_alone(hf_model_dir, llm_factory, workload, batched_tokens, executor):
+    llm = llm_factory(hf_model_dir("llama"), kv_cache_memory_bytes=16 << 20, max_num_seqs=32,
+                      attention_backend=executor)
     for (prompt, max_tokens), tokens in zip(workload, batched_tokens, strict=True):
         alone = llm.generate({"prompt_token_ids": prompt}, greedy(max_tokens), use_tqdm=False)
         assert alone[0].outputs[0].token_ids == tokens
 
 
 def test_preemption_keeps_outputs_identical_and_frees_every_block(hf_model_dir, llm_factory, workload,
-                                                                   batched_tokens):
+                                                                   batched_tokens, executor):
     # 80 blocks of 16 tokens hold about three of the longest requests, so the 64 requests must preempt.
-    llm = llm_factory(hf_model_dir("llama"), kv_cache_memory_bytes=80 * 8 * 1024, max_num_seqs=32)
+    llm = llm_factory(hf_model_dir("llama"), kv_cache_memory_bytes=80 * 8 * 1024, max_num_seqs=32,
+                      attention_backend=executor)
     engine = llm.engine
     assert run(llm, workload) == batched_tokens
     assert engine.scheduler.num_preemptions > 0
@@ -76,27 +89,29 @@ def test_preemption_keeps_outputs_identical_and_frees_every_block(hf_model_dir, 
     engine.block_manager.check_invariants()
 
 
-def test_prefix_cache_computes_only_the_new_tokens(hf_model_dir, llm_factory):
+def test_prefix_cache_computes_only_the_new_tokens(hf_model_dir, llm_factory, executor):
     rng = np.random.default_rng(3)
     prefix = rng.integers(3, 500, 512).tolist()
     first, second = prefix + rng.integers(3, 500, 20).tolist(), prefix + rng.integers(3, 500, 37).tolist()
     params = greedy(24)
-    cached = llm_factory(hf_model_dir("llama"), max_model_len=1024)
+    cached = llm_factory(hf_model_dir("llama"), max_model_len=1024, attention_backend=executor)
     cached.generate({"prompt_token_ids": first}, params, use_tqdm=False)
     before = cached.engine.stats.num_computed_prompt_tokens
     out = cached.generate({"prompt_token_ids": second}, params, use_tqdm=False)[0]
     assert cached.engine.stats.num_computed_prompt_tokens - before == len(second) - 512
     assert out.num_cached_tokens == 512
-    uncached = llm_factory(hf_model_dir("llama"), max_model_len=1024, enable_prefix_caching=False)
+    uncached = llm_factory(hf_model_dir("llama"), max_model_len=1024, enable_prefix_caching=False,
+                           attention_backend=executor)
     reference = uncached.generate({"prompt_token_ids": second}, params, use_tqdm=False)[0]
     assert reference.num_cached_tokens == 0
     assert out.outputs[0].token_ids == reference.outputs[0].token_ids
 
 
-def test_chunked_prefill_matches_one_shot_prefill(hf_model_dir, llm_factory):
+def test_chunked_prefill_matches_one_shot_prefill(hf_model_dir, llm_factory, executor):
     prompt = np.random.default_rng(5).integers(3, 500, 2000).tolist()
     params = greedy(12)
-    settings = dict(max_model_len=2048, kv_cache_memory_bytes=8 << 20, enable_prefix_caching=False)
+    settings = dict(max_model_len=2048, kv_cache_memory_bytes=8 << 20, enable_prefix_caching=False,
+                    attention_backend=executor)
     chunked = llm_factory(hf_model_dir("llama"), max_num_batched_tokens=256, **settings)
     one_shot = llm_factory(hf_model_dir("llama"), max_num_batched_tokens=2048, **settings)
     steps_before = chunked.engine.stats.num_steps
@@ -106,8 +121,8 @@ def test_chunked_prefill_matches_one_shot_prefill(hf_model_dir, llm_factory):
                                                          use_tqdm=False)[0].outputs[0].token_ids
 
 
-def test_seeded_sampling_is_reproducible_across_batch_compositions(hf_model_dir, llm_factory):
-    llm = llm_factory(hf_model_dir("llama"))
+def test_seeded_sampling_is_reproducible_across_batch_compositions(hf_model_dir, llm_factory, executor):
+    llm = llm_factory(hf_model_dir("llama"), attention_backend=executor)
     rng = np.random.default_rng(11)
     target = rng.integers(3, 500, 40).tolist()
     seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=30, ignore_eos=True)
@@ -339,9 +354,9 @@ def test_stop_strings_and_stop_tokens_end_generation(hf_model_dir, llm_factory):
     assert (by_string.finish_reason, by_string.stop_reason) == ("stop", stop_text)
 
 
-def test_logprobs_are_the_models_log_softmax(hf_model_dir, llm_factory):
+def test_logprobs_are_the_models_log_softmax(hf_model_dir, llm_factory, executor):
     model_dir = hf_model_dir("llama")
-    llm = llm_factory(model_dir)
+    llm = llm_factory(model_dir, attention_backend=executor)
     prompt = np.random.default_rng(4).integers(3, 500, 12).tolist()
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True,
                                                                     logprobs=5), use_tqdm=False)[0].outputs[0]
@@ -403,15 +418,17 @@ def test_kv_budget_too_small_for_one_request_fails_with_advice(hf_model_dir):
             compilation_cache_dir="")
 
 
-def test_no_recompilation_after_warmup(hf_model_dir):
-    """A randomized 200-request workload (mixed lengths, sampling settings, aborts) compiles nothing new."""
+def test_no_recompilation_after_warmup(hf_model_dir, executor):
+    """A randomized 200-request workload (mixed lengths, sampling settings, aborts) compiles nothing new: on the XLA
+    path every (tokens, page-table width) bucket and the sampler's variants, on the CPU kernels the bursts too."""
     import jax
     from jax._src import dispatch  # the event name jax reports for each XLA compilation
 
     from jserve import LLM
 
     llm = LLM(str(hf_model_dir("llama")), max_model_len=256, kv_cache_memory_bytes=1 << 20,
-              max_num_batched_tokens=128, max_num_seqs=16, warmup=True, compilation_cache_dir="")
+              max_num_batched_tokens=128, max_num_seqs=16, warmup=True, compilation_cache_dir="",
+              attention_backend=executor)
     engine, rng = llm.engine, np.random.default_rng(0)
     compiles = []
     listener = lambda event, duration, **kw: compiles.append(event) if event == dispatch.BACKEND_COMPILE_EVENT \
@@ -439,9 +456,10 @@ def test_no_recompilation_after_warmup(hf_model_dir):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_prompt_logprobs_match_transformers_across_prefill_chunks(hf_model_dir, llm_factory):
+def test_prompt_logprobs_match_transformers_across_prefill_chunks(hf_model_dir, llm_factory, executor):
     model_dir = hf_model_dir("llama")
-    llm = llm_factory(model_dir, max_num_batched_tokens=32)  # the 90-token prompt takes three chunks
+    # the 90-token prompt takes three chunks
+    llm = llm_factory(model_dir, max_num_batched_tokens=32, attention_backend=executor)
     prompt = np.random.default_rng(6).integers(3, 500, 90).tolist()
     llm.generate({"prompt_token_ids": prompt}, greedy(2), use_tqdm=False)  # cache the prefix: it must be ignored
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3),

@@ -133,6 +133,19 @@ def test_kernels_agree_for_every_block_and_chunk_size():
         assert max_error(kernel, args, ref_meta, scale=0.125) <= 1e-5
 
 
+@pytest.mark.parametrize("kv_splits", [2, 3, 16])
+def test_gpu_kernel_split_over_keys(kv_splits):
+    """Flash decoding: each (block, KV head) split over runs of its keys, partials merged after the kernel. More
+    splits than a short sequence has steps leaves empty partials, which must weigh nothing; a window leaves
+    fully masked ones."""
+    rng = np.random.default_rng(11 + kv_splits)
+    for batch, extra in (("decode", {}), ("mixed", {"sliding_window": 9})):
+        args, ref_meta = make_batch(rng, BATCHES[batch], heads=8, kv_heads=2, head_dim=64, page_size=16,
+                                    dtype=jnp.float32)
+        kernel = functools.partial(ragged_paged_attention_gpu, interpret=True, kv_splits=kv_splits, pages_per_step=1)
+        assert max_error(kernel, args, ref_meta, scale=0.125, **extra) <= 1e-5
+
+
 def test_empty_batch_is_all_padding():
     """A warm-up batch: no real tokens, every sequence row empty. Kernels must run and return zeros."""
     q = jnp.ones((8, 4, 64), jnp.float32)
@@ -181,7 +194,7 @@ def test_resolve_backend():
 def test_engine_config_accepts_the_backends():
     from jserve.config import EngineConfig
 
-    for backend in ("auto", "reference", "cpu", "pallas", "pallas-interpret"):
+    for backend in ("auto", "reference", "cpu", "pallas", "pallas-interpret", "pallas-interpret-gpu"):
         assert EngineConfig(attention_backend=backend).attention_backend == backend
     with pytest.raises(ValueError, match="attention_backend"):
         EngineConfig(attention_backend="triton")
@@ -206,12 +219,18 @@ def test_engine_pallas_interpret_matches_reference(hf_model_dir, llm_factory):
     # 24 tokens per step: the 70-token prompt is prefilled in chunks, alongside other requests' decodes.
     settings = dict(max_num_batched_tokens=24, max_model_len=128)
     results = {}
-    for backend in ("reference", "pallas-interpret"):
+    kernels = ("pallas-interpret", "pallas-interpret-gpu")
+    for backend in ("reference", *kernels):
         llm = llm_factory(model_dir, attention_backend=backend, **settings)
         results[backend] = _mixed_workload(llm, prompts, params)
-    assert sum(out.num_cached_tokens for out in results["pallas-interpret"][1:]) >= 64  # prefix-cache hits
-    for ref, got in zip(results["reference"], results["pallas-interpret"], strict=True):
-        assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+        # The GPU's configuration: the Triton kernel reads only used pages, so one full-width page table serves
+        # every step, and decodes run in bursts; the gather (and, unmeasured, the TPU kernel) bucket the width.
+        runner = llm.engine.runner
+        assert (len(runner.page_buckets) == 1) == runner.supports_burst == (backend == "pallas-interpret-gpu")
+    for backend in kernels:
+        assert sum(out.num_cached_tokens for out in results[backend][1:]) >= 64  # prefix-cache hits
+        for ref, got in zip(results["reference"], results[backend], strict=True):
+            assert got.outputs[0].token_ids == ref.outputs[0].token_ids
 
 
 @pytest.mark.parametrize(("backend", "dtype", "atol"), [("pallas-interpret-tpu", "float32", 1e-4),

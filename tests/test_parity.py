@@ -80,12 +80,13 @@ def test_sliding_window_is_exercised(hf_model_dir):
     assert np.abs(hf_logits(windowed, prompt) - hf_logits(unwindowed, prompt)).max() > 1e-3
 
 
+@pytest.mark.parametrize("executor", ["auto", "reference"], ids=["cpu-kernels", "xla"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_greedy_tokens_match_transformers(hf_model_dir, variant, llm_factory):
+def test_greedy_tokens_match_transformers(hf_model_dir, variant, llm_factory, executor):
     model_dir = hf_model_dir(variant)
     hf = load_hf(model_dir)
     prompts = _prompts(2)
-    llm = llm_factory(model_dir)
+    llm = llm_factory(model_dir, attention_backend=executor)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for prompt, output in zip(prompts, outputs, strict=True):

@@ -124,7 +124,8 @@ class LLMEngine:
         if config.num_processes > 1 and self.mesh.size != jax.device_count():
             raise ValueError(f"multi-host: tensor_parallel_size must cover every process's devices "
                              f"({jax.device_count()} in all), got {config.tensor_parallel_size}")
-        model = load_model(model_dir, config.dtype, resolve_backend(config.attention_backend), mesh=self.mesh)
+        model = load_model(model_dir, config.dtype, resolve_backend(config.attention_backend), mesh=self.mesh,
+                           load_format=config.load_format)
         self.model_config = model.config
         self.max_model_len = self._max_model_len()
         num_blocks = self._num_kv_blocks()
@@ -188,8 +189,11 @@ class LLMEngine:
             logits_shapes = set(self.runner.compile_ahead(batches, bursts))
         else:  # a sharded (or multi-process) step compiles on its first run, in lockstep on every process
             logits_shapes = {tuple(self.runner.run(batch).shape) for batch in batches}
+        # Committed to the step's device(s) as a step's logits are: jit keys its cache on committedness, so
+        # uncommitted warm-up logits would leave the first real step of each shape to compile the sampler again.
+        placement = self.runner.devices_of_logits()
         for shape in sorted(logits_shapes):
-            logits = jnp.zeros(shape, jnp.float32)
+            logits = jax.device_put(jnp.zeros(shape, jnp.float32), placement)
             for meta in warmup_metadata(shape[0]):
                 jax.block_until_ready(sample_packed(logits, *pack(meta)))
         logger.info("warm-up compiled %d step shapes and %d decode bursts in %.1f s", len(batches), len(bursts),

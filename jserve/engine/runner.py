@@ -67,6 +67,14 @@ def pick_bucket(buckets: list[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+def reads_only_used_pages(backend: str, platform: str | None = None) -> bool:
+    """Whether this attention backend's cost is independent of the page table's width: the CPU kernel and the Triton
+    kernel ("pallas" on a GPU) walk each sequence's pages up to its length; the gather (reference) reads every
+    column, and the TPU kernel is not measured for it yet."""
+    platform = platform or jax.default_backend()
+    return backend == "cpu" or (backend == "pallas" and platform == "gpu") or backend == "pallas-interpret-gpu"
+
+
 def kv_bytes_per_block(config, block_size: int, dtype: str) -> int:
     return 2 * config.num_layers * block_size * config.kv_size * jnp.dtype(dtype).itemsize
 
@@ -128,10 +136,12 @@ class ModelRunner:
         smallest = 1 if cpu_kernels else 8
         self.token_buckets = pow2_buckets(min(smallest, max_num_batched_tokens), max_num_batched_tokens)
         self.max_seq_rows = min(max_num_seqs, max_num_batched_tokens)
-        # Gathering attention pays for every page in the table, so its width is bucketed too; the CPU kernel reads
-        # only the pages below each sequence's length, so one full-width table serves every step (7x fewer shapes).
+        # Gathering attention pays for every page in the table, so its width is bucketed too; the CPU kernel and the
+        # Triton kernel read only the pages below each sequence's length, so one full-width table serves every step
+        # (7x fewer shapes, and decode bursts, which need one width for all their steps).
         max_pages = math.ceil(max_model_len / block_size)
-        self.page_buckets = [max_pages] if cpu_kernels else pow2_buckets(1, max_pages)
+        self.page_buckets = [max_pages] if reads_only_used_pages(model.attention_backend) \
+            else pow2_buckets(1, max_pages)
         # The batch (and a burst's sampling metadata and step count) travel packed into one array; the packing
         # layout, which holds every shape and the metadata's static flags, keys the executables compiled ahead.
         self._compiled: dict[PackedLayout, Callable] = {}
@@ -288,13 +298,17 @@ class ModelRunner:
         Only a single-device step is compiled this way: sharded steps warm up by running (see LLMEngine.warmup).
         """
         lowered = [self.lower_step(b) for b in batches] + [self.lower_burst(*burst) for burst in bursts]
-        workers = workers or min(4, os.cpu_count() or 1)
+        workers = workers or min(8, os.cpu_count() or 1)
         with ThreadPoolExecutor(workers, thread_name_prefix="jserve-compile") as pool:
             compiled = list(pool.map(lambda item: (item[0], item[1].compile()), lowered))
         steps, burst_executables = compiled[:len(batches)], compiled[len(batches):]
         self._compiled.update(steps)
         self._compiled_bursts.update(burst_executables)
         return [tuple(exe.out_info[1].shape) for _, exe in steps]
+
+    def devices_of_logits(self) -> jax.sharding.Sharding:
+        """Where a step's logits live: the one device, or replicated over the mesh."""
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0]) if self.mesh is None else replicated(self.mesh)
 
     def lower_step(self, batch: StepBatch) -> tuple[PackedLayout, jax.stages.Lowered]:
         """The step for this batch's shapes, lowered (not compiled), and the key run() finds it by."""

@@ -1,0 +1,109 @@
+"""Run the check's sections one process each, under one overall deadline; merge their results; write the report.
+
+    PYTHONPATH=. python -m benchmarks.gpu_check --out DIR [--device gpu|cpu] [--model llama3-8b|demo|PATH]
+                                                [--sections env,kernels,parity,speed,hf] [--deadline 560]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.gpu_check.common import REPO
+from benchmarks.gpu_check.report import markdown
+
+SECTIONS = ("env", "kernels", "parity", "speed", "hf", "warmup")
+MODULES = {"env": "env", "kernels": "kernels", "parity": "parity", "speed": "speed", "hf": "hf_peer",
+           "warmup": "speed"}
+# Seconds each section may take at most on a GPU (the deadline may leave less); a CPU run gets 10x.
+CAPS = {"env": 30, "kernels": 80, "parity": 90, "speed": 180, "hf": 60, "warmup": 120}
+
+
+def section_env(device: str, section: str) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    env["JAX_PLATFORMS"] = "cuda" if device == "gpu" else "cpu"
+    if section == "parity":  # torch shares the device with jax here
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "0.5"
+    if device == "gpu" and section in ("speed", "warmup"):
+        # cuBLAS by its heuristics: XLA's default autotunes each matmul shape's Triton GEMM on the device, one
+        # compile at a time, and an 8B model's 27 warm-up shapes took over 135 s that way on an H200.
+        flags = "--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0"
+        env["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS"), flags]))
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
+    parser.add_argument("--model", default=None, help="llama3-8b (default on gpu), demo (default on cpu) or a path")
+    parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--deadline", type=float, default=420.0, help="seconds for the whole check")
+    parser.add_argument("--concurrency", default=None, help="comma-separated request counts (gpu: 64,256)")
+    parser.add_argument("--io", default=None, help="comma-separated input/output lengths (gpu: 128/128,1024/128)")
+    parser.add_argument("--kernel-cases", default=None,
+                        help="only these correctness cases, as heads/kv_heads/head_dim/page/dtype (comma-separated)")
+    parser.add_argument("--no-kernel-timing", action="store_true", help="kernels: correctness only")
+    opts = parser.parse_args(argv)
+    gpu = opts.device == "gpu"
+    args = {"device": opts.device, "model": opts.model or ("llama3-8b" if gpu else "demo"),
+            "concurrency": (opts.concurrency or ("64,256" if gpu else "4,8")).split(","),
+            "io": (opts.io or ("128/128,1024/128" if gpu else "32/16,128/16")).split(","),
+            "ttft_prompt": 2048 if gpu else 256, "decode_tokens": 256 if gpu else 32,
+            "hf_batches": [1, 64] if gpu else [1, 4], "hf_io": "128/128" if gpu else "32/16",
+            "kv_cache_bytes": (40 << 30) if gpu else (64 << 20), "max_num_batched_tokens": 2048 if gpu else 256,
+            "kernel_cases": opts.kernel_cases.split(",") if opts.kernel_cases else None,
+            "kernel_timing": not opts.no_kernel_timing}
+    opts.out.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    merged: dict = {"args": args, "sections": {}}
+    for section in [s for s in opts.sections.split(",") if s]:
+        if section not in SECTIONS:
+            parser.error(f"unknown section {section!r}; expected some of {SECTIONS}")
+        left = opts.deadline - (time.monotonic() - start)
+        limit = min(CAPS[section] * (1 if gpu else 10), left - 5)
+        if limit < 10:
+            merged["sections"][section] = {"status": "skipped: deadline"}
+            continue
+        env_results = merged["sections"].get("env", {})
+        args["hbm_gb_per_s"] = env_results.get("hbm_bandwidth", {}).get("gb_per_s")
+        args["matmul_tflops"] = env_results.get("bf16_matmul", {}).get("tflops")
+        out_json = opts.out / f"{section}.json"
+        out_json.unlink(missing_ok=True)
+        log = opts.out / f"{section}.log"
+        began = time.monotonic()
+        section_args = dict(args, full_warmup=section == "warmup")
+        cmd = [sys.executable, "-m", f"benchmarks.gpu_check.{MODULES[section]}", json.dumps(section_args),
+               str(out_json)]
+        with open(log, "w") as log_file:
+            try:
+                proc = subprocess.run(cmd, stdout=log_file, stderr=subprocess.STDOUT, timeout=limit,
+                                      env=section_env(opts.device, section), cwd=REPO)
+                status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
+            except subprocess.TimeoutExpired:
+                status = f"timed out after {limit:.0f} s"
+        data = json.loads(out_json.read_text()) if out_json.exists() else {}
+        data["status"] = status
+        data["seconds"] = round(time.monotonic() - began, 1)
+        if status != "ok":
+            data["log_tail"] = log.read_text(errors="replace")[-3000:]
+        merged["sections"][section] = data
+        print(f"== {section}: {status} in {data['seconds']} s", flush=True)
+        (opts.out / "gpu_check.json").write_text(json.dumps(merged, indent=1, default=str))
+    merged["total_seconds"] = round(time.monotonic() - start, 1)
+    (opts.out / "gpu_check.json").write_text(json.dumps(merged, indent=1, default=str))
+    report = markdown(merged)
+    (opts.out / "gpu_check.md").write_text(report)
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

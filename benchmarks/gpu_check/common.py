@@ -1,0 +1,83 @@
+"""What the sections share: the section's arguments, its results file written as it goes, the model shapes, timing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Llama-3-8B's config.json (meta-llama/Meta-Llama-3-8B), the shape the speed sections measure with dummy weights.
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": False,
+    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "torch_dtype": "bfloat16",
+}
+
+
+class Results:
+    """A section's results, rewritten to its JSON file after every record: a section stopped at its time limit
+    keeps everything it finished."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.data: dict = {}
+
+    def record(self, key: str, value) -> None:
+        self.data[key] = value
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=str))
+        tmp.replace(self.path)
+        print(f"[{self.path.stem}] {key}: {json.dumps(value, default=str)[:400]}", flush=True)
+
+    def append(self, key: str, value) -> None:
+        self.record(key, [*self.data.get(key, []), value])
+
+
+def section_args() -> tuple[dict, Results]:
+    """A section process's arguments (JSON in argv[1]) and its results file (argv[2])."""
+    args = json.loads(sys.argv[1])
+    return args, Results(sys.argv[2])
+
+
+def model_dir(spec: str, work: Path) -> tuple[Path, str]:
+    """(checkpoint directory, load_format) for --model: "demo" (the bundled checkpoint), "llama3-8b" (its
+    config.json beside the demo tokenizer, dummy weights), or a directory (dummy weights unless it has safetensors)."""
+    from checkpoints import DEMO_MODEL_DIR
+
+    if spec == "demo":
+        return DEMO_MODEL_DIR, "auto"
+    if spec == "llama3-8b":
+        out = work / "llama3-8b"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(LLAMA3_8B))
+        for name in ("tokenizer.json", "tokenizer_config.json"):  # ids past its vocabulary decode to nothing
+            shutil.copy(DEMO_MODEL_DIR / name, out / name)
+        return out, "dummy"
+    path = Path(spec)
+    has_weights = any(path.glob("*.safetensors"))
+    return path, "auto" if has_weights else "dummy"
+
+
+def work_dir() -> Path:
+    return Path(os.environ.get("GPU_CHECK_WORK") or tempfile.mkdtemp(prefix="gpu_check_"))
+
+
+def time_calls(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """Median seconds of fn() (which must block until its work is done)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -1,0 +1,177 @@
+"""Section kernels: the Triton ragged paged attention kernel against the reference on ragged mixed batches, then its
+time against XLA's gather-based attention (the reference backend) at Llama-3-8B decode shapes.
+
+Correctness: every real token's output against the reference computed in float32 from the same inputs, as
+||out - ref|| / ||ref|| (bf16 operands land near 1e-3, float32 near 1e-7), padding rows must be zeros, and each
+batch is drawn afresh. Time: a jitted loop of `reps` calls (the query perturbed per call so nothing is hoisted),
+over its count, so dispatch costs stay out of a kernel that runs for microseconds.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.gpu_check.common import section_args
+from pallas_kernels import ragged_paged_attention, ragged_paged_attention_gpu, ragged_paged_attention_ref
+from pallas_kernels.gpu import auto_kv_splits
+from pallas_kernels.interface import token_positions
+
+# (q_len, kv_len) per sequence: decodes at several lengths, prefill chunks over cached prefixes, whole prompts.
+MIXED = [(1, 1), (1, 17), (1, 300), (37, 37), (1, 1000), (64, 600), (5, 130), (1, 64), (128, 128), (1, 2049)]
+MIXED_CPU = [(1, 1), (1, 17), (9, 40), (1, 64), (20, 20)]
+# (heads, kv_heads, head_dim, page_size, dtype, extra): GQA 1, 4, 8 at head_dim 64 and 128 on the engine's page
+# size, then a sliding window, a soft cap, page sizes 32 and 64, float32, and split-KV forced on a mixed batch.
+CASES = [
+    (8, 8, 128, 16, "bfloat16", {}), (32, 8, 128, 16, "bfloat16", {}), (32, 4, 128, 16, "bfloat16", {}),
+    (8, 8, 64, 16, "bfloat16", {}), (16, 4, 64, 16, "bfloat16", {}), (16, 2, 64, 16, "bfloat16", {}),
+    (32, 8, 128, 16, "bfloat16", {"sliding_window": 256}), (32, 8, 128, 16, "bfloat16", {"soft_cap": 30.0}),
+    (32, 8, 128, 32, "bfloat16", {}), (32, 8, 128, 64, "bfloat16", {}), (32, 8, 128, 16, "float32", {}),
+    (32, 8, 128, 16, "bfloat16", {"kv_splits": 4}), (14, 2, 64, 16, "bfloat16", {}),
+]
+TOLERANCE = {"bfloat16": 1e-2, "float32": 1e-5}
+
+
+def ragged_batch(rng: np.random.Generator, seqs, *, heads, kv_heads, head_dim, page_size, dtype, pad_tokens=5,
+                 pad_seqs=3):
+    """Random q and paged K/V for `seqs` (pages shuffled over the cache, padding tokens and rows) -> kernel args."""
+    q_lens = np.array([q for q, _ in seqs], np.int32)
+    kv_lens = np.array([kv for _, kv in seqs], np.int32)
+    num_seqs, num_tokens = len(seqs) + pad_seqs, int(q_lens.sum()) + pad_tokens
+    pages = -(-kv_lens // page_size)
+    num_pages = int(pages.sum()) + 3
+    perm = rng.permutation(num_pages)
+    page_table = np.full((num_seqs, int(pages.max()) + 2), perm[-1], np.int32)
+    used = 0
+    for s, n in enumerate(pages):
+        page_table[s, :n] = perm[used: used + n]
+        used += n
+    query_start = np.full(num_seqs + 1, q_lens.sum(), np.int32)
+    query_start[: len(seqs) + 1] = np.concatenate([[0], np.cumsum(q_lens)])
+    seq_lens = np.zeros(num_seqs, np.int32)
+    seq_lens[: len(seqs)] = kv_lens
+    cache = (num_pages, page_size, kv_heads, head_dim)
+    arrays = [rng.standard_normal((num_tokens, heads, head_dim)), rng.standard_normal(cache),
+              rng.standard_normal(cache)]
+    q, k, v = (jnp.asarray(a, dtype) for a in arrays)
+    return (q, k, v, jnp.asarray(page_table), jnp.asarray(query_start), jnp.asarray(seq_lens)), int(q_lens.sum())
+
+
+def check_case(rng, case, kernel_backend: str, seqs) -> dict:
+    heads, kv_heads, head_dim, page_size, dtype, extra = case
+    args, num_real = ragged_batch(rng, seqs, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                  page_size=page_size, dtype=dtype)
+    q, k, v, page_table, query_start, seq_lens = args
+    features = {key: extra[key] for key in ("sliding_window", "soft_cap") if key in extra}
+    scale = head_dim**-0.5
+    if "kv_splits" in extra:
+        interpret = kernel_backend != "pallas"
+        kernel = jax.jit(functools.partial(ragged_paged_attention_gpu, scale=scale, interpret=interpret,
+                                           kv_splits=extra["kv_splits"], **features))
+    else:
+        kernel = jax.jit(functools.partial(ragged_paged_attention, scale=scale, backend=kernel_backend, **features))
+    out = np.asarray(kernel(*args))
+    token_seq, positions = token_positions(query_start, seq_lens, q.shape[0])
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    ref = np.asarray(ragged_paged_attention_ref(f32[0], f32[1], f32[2], page_table, token_seq, positions,
+                                                scale=scale, **features))[:num_real]
+    error = float(np.linalg.norm(out[:num_real] - ref) / np.linalg.norm(ref))
+    padding_zero = bool(np.all(out[num_real:] == 0))
+    ok = error <= TOLERANCE[dtype] and padding_zero and bool(np.isfinite(out).all())
+    return {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "page_size": page_size, "dtype": dtype,
+            **extra, "tokens": num_real, "rel_error": error, "padding_zero": padding_zero, "ok": ok}
+
+
+def decode_batch(batch: int, context: int, *, heads, kv_heads, head_dim, page_size, dtype, key):
+    """A decode-only batch of `batch` sequences at `context` keys, each on its own pages; the page table is exactly
+    as wide as the context (the reference gathers every column, as the engine's bucketed table would)."""
+    width = context // page_size
+    num_pages = batch * width
+    kq, kk, kv = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (batch, heads, head_dim), dtype)
+    k = jax.random.normal(kk, (num_pages, page_size, kv_heads, head_dim), dtype)
+    v = jax.random.normal(kv, (num_pages, page_size, kv_heads, head_dim), dtype)
+    page_table = jnp.asarray(np.random.default_rng(batch).permutation(num_pages).reshape(batch, width), jnp.int32)
+    query_start = jnp.arange(batch + 1, dtype=jnp.int32)
+    seq_lens = jnp.full((batch,), context, jnp.int32)
+    return q, k, v, page_table, query_start, seq_lens
+
+
+def time_attention(attention, args, reps: int) -> float:
+    """Seconds per call of attention(*args), from a jitted loop of reps calls."""
+
+    @jax.jit
+    def loop(q, *rest):
+        def body(i, acc):
+            out = attention(q * (1 + i.astype(q.dtype) * 1e-3), *rest)
+            return acc + out.sum()
+
+        return jax.lax.fori_loop(0, reps, body, jnp.float32(0))
+
+    loop(*args).block_until_ready()  # compile and warm
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        loop(*args).block_until_ready()
+        best = min(best, (time.perf_counter() - start) / reps)
+    return best
+
+
+def main() -> None:
+    args, results = section_args()
+    on_gpu = jax.default_backend() == "gpu"
+    kernel_backend = "pallas" if on_gpu else "pallas-interpret-gpu"
+    rng = np.random.default_rng(0)
+    cases = CASES if on_gpu else CASES[:2] + CASES[6:8] + CASES[-3:-1]
+    if args.get("kernel_cases"):
+        cases = [c for c in cases if f"{c[0]}/{c[1]}/{c[2]}/{c[3]}/{c[4]}" in args["kernel_cases"]]
+    for case in cases:
+        try:
+            results.append("correctness", check_case(rng, case, kernel_backend, MIXED if on_gpu else MIXED_CPU))
+        except Exception as e:  # one failing configuration must not hide the others
+            results.append("correctness", {"case": repr(case), "ok": False, "error": f"{type(e).__name__}: {e}"})
+    bandwidth = args.get("hbm_gb_per_s")
+    shape = dict(heads=32, kv_heads=8, head_dim=128, page_size=16, dtype=jnp.bfloat16)
+    grid = [(b, c) for c in (1024, 8192) for b in (1, 32, 256)] if on_gpu else [(1, 128), (4, 512)]
+    if args.get("kernel_timing") is False:
+        grid = []
+    if not on_gpu:
+        shape.update(heads=8, kv_heads=2, head_dim=64)
+    for batch, context in grid:
+        try:
+            q, k, v, page_table, query_start, seq_lens = decode_batch(batch, context, key=jax.random.key(batch),
+                                                                      **shape)
+            rest = (k, v, page_table, query_start, seq_lens)
+            kv_bytes = 2 * batch * context * shape["kv_heads"] * shape["head_dim"] * jnp.dtype(shape["dtype"]).itemsize
+            reps = max(2, min(200, int(2e9 / kv_bytes))) if on_gpu else 2
+            scale = shape["head_dim"] ** -0.5
+            entry = {"batch": batch, "context": context, "kv_bytes": kv_bytes}
+            if on_gpu:
+                variants = {"pallas": functools.partial(ragged_paged_attention, scale=scale, backend="pallas"),
+                            "pallas_no_split": functools.partial(ragged_paged_attention_gpu, scale=scale, kv_splits=1)}
+            else:
+                variants = {"pallas": functools.partial(ragged_paged_attention_gpu, scale=scale, interpret=True),
+                            "pallas_no_split": functools.partial(ragged_paged_attention_gpu, scale=scale,
+                                                                 interpret=True, kv_splits=1)}
+            variants["xla_gather"] = functools.partial(ragged_paged_attention, scale=scale, backend="reference")
+            entry["auto_kv_splits"] = auto_kv_splits(batch * shape["kv_heads"])
+            for name, fn in variants.items():
+                seconds = time_attention(fn, (q, *rest), reps)
+                entry[f"{name}_us"] = seconds * 1e6
+                entry[f"{name}_gb_per_s"] = kv_bytes / seconds / 1e9
+                if bandwidth:
+                    entry[f"{name}_share_of_hbm"] = kv_bytes / seconds / 1e9 / bandwidth
+            entry["pallas_over_xla"] = entry["xla_gather_us"] / entry["pallas_us"]
+            results.append("decode_timing", entry)
+            del q, rest, k, v
+        except Exception as e:
+            results.append("decode_timing", {"batch": batch, "context": context,
+                                             "error": f"{type(e).__name__}: {e}"[:2000]})
+
+
+if __name__ == "__main__":
+    main()
