@@ -23,9 +23,10 @@ def _prompts(seed: int = 0) -> list[list[int]]:
     return [rng.integers(3, 390, n).tolist() for n in PROMPT_LENS]
 
 
-def jserve_logits(model_dir, prompts: list[list[int]], dtype: str) -> list[np.ndarray]:
+def jserve_logits(model_dir, prompts: list[list[int]], dtype: str,
+                  attention_backend: str = "reference") -> list[np.ndarray]:
     """All-position logits of every prompt, computed in one ragged step over a paged cache."""
-    runner = ModelRunner(load_model(model_dir, dtype), dtype=dtype, num_blocks=32, block_size=16,
+    runner = ModelRunner(load_model(model_dir, dtype, attention_backend), dtype=dtype, num_blocks=32, block_size=16,
                          max_num_batched_tokens=128, max_num_seqs=8, max_model_len=256)
     chunks, next_block = [], 0
     for p in prompts:

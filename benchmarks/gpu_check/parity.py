@@ -50,33 +50,11 @@ def engine_tokens(model_dir: Path, prompts, backend: str, dtype: str) -> list[li
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def engine_logits(model_dir: Path, prompts, backend: str, dtype: str) -> list[np.ndarray]:
-    """All-position logits of every prompt in one ragged step (tests/test_parity.py's jserve_logits)."""
-    from checkpoints.loading import load_model
-    from jserve.engine.runner import ModelRunner, ScheduledChunk
-    from jserve.engine.sequence import Sequence
-    from jserve.sampling_params import SamplingParams
-
-    runner = ModelRunner(load_model(model_dir, dtype, backend), dtype=dtype, num_blocks=32, block_size=16,
-                         max_num_batched_tokens=128, max_num_seqs=8, max_model_len=256)
-    chunks, next_block = [], 0
-    for p in prompts:
-        seq = Sequence("parity", p, SamplingParams())
-        needed = -(-len(p) // 16)
-        seq.block_table = list(range(next_block, next_block + needed))[::-1]
-        next_block += needed
-        chunks.append(ScheduledChunk(seq, len(p), True))
-    batch = runner.prepare(chunks)
-    batch.logits_indices = np.arange(len(batch.token_ids), dtype=np.int32)
-    logits = np.asarray(runner.run(batch), dtype=np.float32)
-    starts = np.cumsum([0, *map(len, prompts)])
-    return [logits[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
-
-
 def main() -> None:
     import jax
     import torch
     from hf_models import VARIANTS, build_model, load_hf, save_tokenizer
+    from test_parity import jserve_logits as engine_logits  # all-position logits in one ragged step
 
     args, results = section_args()
     on_gpu = jax.default_backend() == "gpu"
@@ -99,12 +77,12 @@ def main() -> None:
                 if got != expected:
                     entry[f"first_mismatch_{backend}"] = next(
                         (i, g, e) for i, (g, e) in enumerate(zip(got, expected, strict=True)) if g != e)
-            ours = engine_logits(model_dir, prompts, kernel, "float32")
+            ours = engine_logits(model_dir, prompts, "float32", kernel)
             entry["f32_max_logit_diff"] = max(float(np.abs(o - hf_logits(hf, p, device)).max())
                                               for o, p in zip(ours, prompts, strict=True))
             if variant in ("llama", "qwen3"):
                 hf16 = load_hf(model_dir, torch.bfloat16).to(device)
-                ours16 = engine_logits(model_dir, prompts, kernel, "bfloat16")
+                ours16 = engine_logits(model_dir, prompts, "bfloat16", kernel)
                 entry["bf16_max_logit_diff"] = max(float(np.abs(o - hf_logits(hf16, p, device)).max())
                                                    for o, p in zip(ours16, prompts, strict=True))
                 entry["bf16_ok"] = entry["bf16_max_logit_diff"] < BF16_LOGIT_TOLERANCE
