@@ -292,6 +292,7 @@ def test_bench_throughput_jserve_and_hf_run_the_same_requests(hf_model_dir, tmp_
     assert hf["generated_tokens"] >= hf["output_tokens"]  # static batches run to their longest request
     for report in (jserve, hf):
         assert report["output_tokens_per_s"] == pytest.approx(report["output_tokens"] / report["elapsed_s"])
+    assert "--no-warmup" in TINY_ENGINE_FLAGS and jserve["warmup_step_shapes"] == jserve["warmup_s"] == 0
 
 
 def test_hf_static_batch_ignores_eos(hf_model_dir):
@@ -314,6 +315,7 @@ def test_bench_latency_reports_speed_and_roofline(hf_model_dir, tmp_path):
                  "--result-json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["prefill_tokens_per_s"] > 0 and report["decode_tokens_per_s"] > 0
+    assert report["warmup_step_shapes"] == 0 and report["warmup_burst_shapes"] == 0  # --no-warmup
     cfg = ModelConfig.from_pretrained(hf_model_dir("llama"))
     assert report["bytes_per_decode_token"] == decode_bytes_per_token(cfg, "float32", 8 + 4 / 2)
     assert report["roofline_decode_tokens_per_s"] == pytest.approx(

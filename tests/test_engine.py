@@ -430,6 +430,9 @@ def test_no_recompilation_after_warmup(hf_model_dir, executor):
               max_num_batched_tokens=128, max_num_seqs=16, warmup=True, compilation_cache_dir="",
               attention_backend=executor)
     engine, rng = llm.engine, np.random.default_rng(0)
+    runner, stats = engine.runner, engine.stats
+    assert stats.warmup_step_shapes == len(runner.token_buckets) * len(runner.page_buckets) and stats.warmup_seconds > 0
+    assert (stats.warmup_burst_shapes > 0) == runner.supports_burst == (executor == "auto")
     compiles = []
     listener = lambda event, duration, **kw: compiles.append(event) if event == dispatch.BACKEND_COMPILE_EVENT \
         else None

@@ -29,6 +29,7 @@ from jserve.bench.roofline import (
     stream_buffer_bytes,
     weight_params_read_per_token,
 )
+from jserve.bench.throughput import warmup_line, warmup_report
 
 # Bytes read per token under this multiple of the last-level cache may partly come from it. The roofline's buffer is
 # that size, so the cache's part is in it, but a decode can keep more of itself there than one plain pass does (a 269
@@ -77,7 +78,8 @@ def measure(args: Namespace) -> dict:
     ttft, decode = statistics.median(ttfts), statistics.median(decodes)
     return {"ttft_s": ttft, "decode_s": decode, "prefill_tokens_per_s": args.input_len / ttft,
             "decode_tokens_per_s": (args.output_len - 1) / decode, "decode_s_each": decodes,
-            "bandwidth_each": bandwidths, "stream_buffer_bytes": buffer, "model_config": engine.model_config}
+            "bandwidth_each": bandwidths, "stream_buffer_bytes": buffer, "model_config": engine.model_config,
+            **warmup_report(engine.stats)}
 
 
 def mean_context(input_len: int, output_len: int) -> float:
@@ -111,6 +113,7 @@ def run_latency(args: Namespace) -> int:
     report = {"model": args.model, "dtype": args.dtype, "input_len": args.input_len, "output_len": args.output_len,
               "num_iters": args.num_iters, **result,
               **roofline(cfg, args.dtype, args.input_len, args.output_len, result["decode_s_each"], bandwidth_each)}
+    print(warmup_line(report))
     print(f"Prefill: {report['prefill_tokens_per_s']:.1f} tokens/s (TTFT {report['ttft_s'] * 1000:.1f} ms for "
           f"{args.input_len} tokens)")
     print(f"Decode:  {report['decode_tokens_per_s']:.1f} tokens/s at batch 1 "

@@ -44,6 +44,7 @@ def run_jserve(args: Namespace, requests: list[SampleRequest]) -> dict:
     # The host's work in a step is its wall time less the time it waited for the device's results.
     host = (stats.step_seconds - before.step_seconds) - (stats.device_wait_seconds - before.device_wait_seconds)
     return {"backend": "jserve", "dtype": args.dtype, "startup_s": startup, "elapsed_s": elapsed,
+            **warmup_report(stats),
             "output_tokens": generated, "generated_tokens": generated,
             "engine_steps": stats.num_steps - before.num_steps, "engine_calls": engine_steps,
             "host_ms_per_engine_call": 1e3 * host / max(engine_steps, 1)}
@@ -119,9 +120,22 @@ def run_throughput(args: Namespace) -> int:
           f"{report['output_tokens_per_s']:.2f} output tokens/s, {report['total_tokens_per_s']:.2f} total tokens/s "
           f"({report['num_requests']} requests, {report['prompt_tokens']} prompt + {report['output_tokens']} output "
           f"tokens in {report['elapsed_s']:.2f} s; start-up {report['startup_s']:.1f} s)")
+    if "warmup_s" in report:
+        print(warmup_line(report))
     if "host_ms_per_engine_call" in report:
         print(f"Host work: {report['host_ms_per_engine_call']:.3f} ms per engine step ({report['engine_calls']} "
               f"steps running {report['engine_steps']} model steps; the rest of each step waited for the device)")
     if args.result_json:
         Path(args.result_json).write_text(json.dumps(report, indent=2) + "\n")
     return 0
+
+
+def warmup_report(stats) -> dict:
+    """The engine's warm-up (EngineStats), for a benchmark's JSON."""
+    return {"warmup_s": stats.warmup_seconds, "warmup_step_shapes": stats.warmup_step_shapes,
+            "warmup_burst_shapes": stats.warmup_burst_shapes}
+
+
+def warmup_line(report: dict) -> str:
+    return (f"Warm-up: {report['warmup_step_shapes']} step shapes and {report['warmup_burst_shapes']} decode bursts "
+            f"compiled in {report['warmup_s']:.1f} s (with compilation_cache_dir, a later start reads them from disk)")

@@ -86,6 +86,9 @@ class EngineStats:
     num_engine_steps: int = 0  # calls of LLMEngine.step that ran something
     step_seconds: float = 0.0  # their wall time
     device_wait_seconds: float = 0.0  # of which blocked on the device's results; the rest is the host's work
+    warmup_seconds: float = 0.0  # LLMEngine.warmup: compiling every step shape up front
+    warmup_step_shapes: int = 0
+    warmup_burst_shapes: int = 0
 
 
 @contextlib.contextmanager
@@ -196,8 +199,11 @@ class LLMEngine:
             logits = jax.device_put(jnp.zeros(shape, jnp.float32), placement)
             for meta in warmup_metadata(shape[0]):
                 jax.block_until_ready(sample_packed(logits, *pack(meta)))
+        stats = self.stats
+        stats.warmup_seconds = time.perf_counter() - start
+        stats.warmup_step_shapes, stats.warmup_burst_shapes = len(batches), len(bursts)
         logger.info("warm-up compiled %d step shapes and %d decode bursts in %.1f s", len(batches), len(bursts),
-                    time.perf_counter() - start)
+                    stats.warmup_seconds)
 
     # ----- requests -----
 

@@ -113,6 +113,11 @@ class ModelRunner:
             self.params = [leaf for (_, leaf), layer in zip(leaves, in_layers, strict=True) if not layer]
             self.params.append(self.layer_stack)
         if mesh is None:
+            # Committed to the device: a step's outputs are then committed whichever way the weights were placed,
+            # and jit keys its cache on that (the sampler compiled at warm-up must be the one steps call).
+            device = jax.devices()[0]
+            self.params = [jax.device_put(p, device) if isinstance(p, jax.Array) and not p.committed else p
+                           for p in self.params]
             if self.stacked_cache:
                 stacked = (cfg.num_layers, *shape)
                 self.kv_cache = KVCache(k=jnp.zeros(stacked, storage), v=jnp.zeros(stacked, storage))
