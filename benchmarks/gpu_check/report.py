@@ -66,10 +66,12 @@ def markdown(merged: dict) -> str:
                         warm.get("step_shapes"), warm.get("burst_shapes"), speed.get("compiles_in_measured_runs")]])
         b1 = speed.get("batch1_decode")
         if b1:
+            steps_per_call = b1["model_steps"] / b1["engine_calls"] if b1.get("engine_calls") else None
             out += _table(["batch-1 decode tok/s", "ms/token", "roofline ms/token", "share of roofline",
-                           "first run s (compiles)"],
+                           "first run s (compiles)", "steps per engine call", "host ms per call"],
                           [[b1.get("tok_s"), b1.get("ms_per_token"), b1.get("roofline_ms"),
-                            b1.get("share_of_roofline"), b1.get("cold_seconds")]])
+                            b1.get("share_of_roofline"), b1.get("cold_seconds"), steps_per_call,
+                            b1.get("host_ms_per_call")]])
         hf = {g.get("batch"): g for g in sections.get("hf", {}).get("generate", [])}
         hf64 = hf.get(64, {}).get("output_tok_s")
         if speed.get("throughput"):

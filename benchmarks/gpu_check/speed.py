@@ -11,6 +11,7 @@ larger of the step's bytes over the bandwidth and its FLOPs over the matmul rate
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -88,9 +89,13 @@ def main() -> None:
         counting[0] = False
         _, cold = run_requests(llm, rng.integers(10, vocab, (n, in_len)).tolist(), out_len)
         counting[0] = True
+        before = dataclasses.replace(engine.stats)
         outputs, seconds = run_requests(llm, rng.integers(10, vocab, (n, in_len)).tolist(), out_len)
         counting[0] = False
+        last_steps[0] = step_split(before, engine.stats)
         return outputs, seconds, cold
+
+    last_steps = [{}]
 
     bandwidth, flops_rate = args.get("hbm_gb_per_s"), args.get("matmul_tflops")
     # Batch-1 decode: one request, its decode rate from the engine's own first-token and finish times.
@@ -100,7 +105,7 @@ def main() -> None:
     tok_s = (decode_len - 1) / (m["finished_time"] - m["first_token_time"])
     bytes_per_token = total_bytes - embed_bytes + (128 + decode_len / 2) * kv_token
     entry = {"prompt": 128, "new_tokens": decode_len, "tok_s": tok_s, "ms_per_token": 1e3 / tok_s,
-             "bytes_per_token": bytes_per_token, "cold_seconds": cold}
+             "bytes_per_token": bytes_per_token, "cold_seconds": cold, **last_steps[0]}
     if bandwidth:
         floor = bytes_per_token / (bandwidth * 1e9)
         entry.update(roofline_ms=floor * 1e3, share_of_roofline=floor * tok_s)
@@ -109,7 +114,7 @@ def main() -> None:
     ttft_prompt = int(args["ttft_prompt"])
     _, seconds, cold = measured(1, ttft_prompt, 1)
     results.record("ttft", {"prompt": ttft_prompt, "seconds": seconds, "prefill_tok_s": ttft_prompt / seconds,
-                            "cold_seconds": cold})
+                            "cold_seconds": cold, **last_steps[0]})
     # Offline throughput: n requests at once of in/out tokens each.
     flops_token = 2 * (total_bytes - embed_bytes) / (2 if settings["dtype"] == "bfloat16" else 4)
     for n in (int(c) for c in args["concurrency"]):
@@ -119,7 +124,7 @@ def main() -> None:
                 generated = sum(len(o.outputs[0].token_ids) for o in outputs)
                 entry = {"concurrent": n, "input": in_len, "output": out_len, "seconds": seconds,
                          "output_tok_s": generated / seconds, "total_tok_s": (generated + n * in_len) / seconds,
-                         "cold_seconds": cold}
+                         "cold_seconds": cold, **last_steps[0]}
                 if bandwidth and flops_rate:
                     # Floor: the prompts' FLOPs at the matmul rate, then each decode step's larger of its weights +
                     # K/V bytes over the bandwidth and its FLOPs over the matmul rate.
@@ -137,6 +142,17 @@ def main() -> None:
     results.record("engine_stats", {"steps": stats.num_steps, "engine_steps": stats.num_engine_steps,
                                     "step_seconds": stats.step_seconds,
                                     "device_wait_seconds": stats.device_wait_seconds})
+
+
+def step_split(before, after) -> dict:
+    """The engine calls and model steps of a run, and each call's time split into the host's work and the wait for
+    the device (EngineStats): a decode burst is one call of several steps."""
+    calls = after.num_engine_steps - before.num_engine_steps
+    wall = after.step_seconds - before.step_seconds
+    wait = after.device_wait_seconds - before.device_wait_seconds
+    return {"engine_calls": calls, "model_steps": after.num_steps - before.num_steps,
+            "host_ms_per_call": 1e3 * (wall - wait) / max(calls, 1),
+            "device_wait_ms_per_call": 1e3 * wait / max(calls, 1)}
 
 
 def engine_settings(args: dict, load_format: str, on_gpu: bool) -> dict:
