@@ -21,7 +21,7 @@ SECTIONS = ("env", "kernels", "parity", "speed", "hf", "warmup")
 MODULES = {"env": "env", "kernels": "kernels", "parity": "parity", "speed": "speed", "hf": "hf_peer",
            "warmup": "speed"}
 # Seconds each section may take at most on a GPU (the deadline may leave less); a CPU run gets 10x.
-CAPS = {"env": 30, "kernels": 80, "parity": 90, "speed": 180, "hf": 60, "warmup": 120}
+CAPS = {"env": 30, "kernels": 120, "parity": 90, "speed": 180, "hf": 60, "warmup": 120}
 
 
 def section_env(device: str, section: str) -> dict:
@@ -45,12 +45,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
     parser.add_argument("--model", default=None, help="llama3-8b (default on gpu), demo (default on cpu) or a path")
     parser.add_argument("--sections", default=",".join(SECTIONS))
-    parser.add_argument("--deadline", type=float, default=420.0, help="seconds for the whole check")
+    parser.add_argument("--deadline", type=float, default=480.0, help="seconds for the whole check")
     parser.add_argument("--concurrency", default=None, help="comma-separated request counts (gpu: 64,256)")
     parser.add_argument("--io", default=None, help="comma-separated input/output lengths (gpu: 128/128,1024/128)")
     parser.add_argument("--kernel-cases", default=None,
                         help="only these correctness cases, as heads/kv_heads/head_dim/page/dtype (comma-separated)")
     parser.add_argument("--no-kernel-timing", action="store_true", help="kernels: correctness only")
+    parser.add_argument("--kernel-variants", action="store_true",
+                        help="kernels: also time tuning candidates (more splits, 3 stages, 2 warps, 128-key tiles)")
     opts = parser.parse_args(argv)
     gpu = opts.device == "gpu"
     args = {"device": opts.device, "model": opts.model or ("llama3-8b" if gpu else "demo"),
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             "hf_batches": [1, 64] if gpu else [1, 4], "hf_io": "128/128" if gpu else "32/16",
             "kv_cache_bytes": (40 << 30) if gpu else (64 << 20), "max_num_batched_tokens": 2048 if gpu else 256,
             "kernel_cases": opts.kernel_cases.split(",") if opts.kernel_cases else None,
-            "kernel_timing": not opts.no_kernel_timing}
+            "kernel_timing": not opts.no_kernel_timing, "kernel_variants": opts.kernel_variants}
     opts.out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     merged: dict = {"args": args, "sections": {}}

@@ -153,6 +153,13 @@ def main() -> None:
             if on_gpu:
                 variants = {"pallas": functools.partial(ragged_paged_attention, scale=scale, backend="pallas"),
                             "pallas_no_split": functools.partial(ragged_paged_attention_gpu, scale=scale, kv_splits=1)}
+                if args.get("kernel_variants"):  # tuning candidates, timed beside the default in the same run
+                    splits = min(16, 4 * auto_kv_splits(batch * shape["kv_heads"]))
+                    gpu = functools.partial(ragged_paged_attention_gpu, scale=scale)
+                    variants.update(pallas_splits_x4=functools.partial(gpu, kv_splits=splits),
+                                    pallas_stages3=functools.partial(gpu, num_stages=3),
+                                    pallas_warps2=functools.partial(gpu, num_warps=2),
+                                    pallas_128_keys=functools.partial(gpu, pages_per_step=8))
             else:
                 variants = {"pallas": functools.partial(ragged_paged_attention_gpu, scale=scale, interpret=True),
                             "pallas_no_split": functools.partial(ragged_paged_attention_gpu, scale=scale,

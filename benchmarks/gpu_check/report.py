@@ -46,6 +46,12 @@ def markdown(merged: dict) -> str:
                       [[t.get("batch"), t.get("context"), t.get("pallas_us"), t.get("pallas_share_of_hbm"),
                         t.get("pallas_no_split_us"), t.get("xla_gather_us"), t.get("pallas_over_xla") or
                         t.get("error", "")[:80]] for t in kernels["decode_timing"]])
+        tuned = [name[:-3] for name in kernels["decode_timing"][0] if name.endswith("_us")
+                 and name not in ("pallas_us", "pallas_no_split_us", "xla_gather_us")]
+        if tuned:
+            out += _table(["batch", "context", "default µs", *[f"{name} µs" for name in tuned]],
+                          [[t.get("batch"), t.get("context"), t.get("pallas_us"),
+                            *[t.get(f"{name}_us") for name in tuned]] for t in kernels["decode_timing"]])
     parity = sections.get("parity", {})
     if parity.get("families"):
         out += ["## End to end against transformers on the same device (float32 greedy, 4 prompts x 16 tokens)", ""]
