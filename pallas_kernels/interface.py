@@ -1,6 +1,7 @@
 """The one attention interface the models call, and the choice of backend behind it.
 
-Spec of `ragged_paged_attention` (every backend computes exactly this; the reference defines it):
+Spec of `ragged_paged_attention` (every backend computes exactly this; reference.ragged_paged_attention_ref, a
+dense gather, defines it):
 
   q            [T, H, D]       float32 or bfloat16. Queries of every scheduled token, flattened over sequences in
                                row order: sequence s owns tokens query_start[s] .. query_start[s+1]-1.
@@ -25,10 +26,11 @@ itself and sees the cached prefix), with query head j reading KV head j // (H //
 decodes mix freely in one call. The KV layout is one thing for every backend; docs/kernels.md says why it suits
 both the TPU DMAs and the Triton loads.
 
-Backends: "reference" (pure JAX), "cpu" (cpu_kernels: a C++ kernel through XLA's FFI, the fast path on CPU),
-"pallas" (the kernel for the current platform: Mosaic on TPU, Triton on GPU), "pallas-interpret" (the Mosaic
-kernel run by the Pallas interpreter on any platform), and "pallas-interpret-tpu" / "pallas-interpret-gpu" to
-interpret one kernel in particular.
+Backends: "reference" (pure JAX: reference.ragged_paged_attention_chunked, the definition's result computed a
+chunk of pages at a time up to the furthest position, so its cost follows the sequences, not the table), "cpu"
+(cpu_kernels: a C++ kernel through XLA's FFI, the fast path on CPU), "pallas" (the kernel for the current
+platform: Mosaic on TPU, Triton on GPU), "pallas-interpret" (the Mosaic kernel run by the Pallas interpreter on any
+platform), and "pallas-interpret-tpu" / "pallas-interpret-gpu" to interpret one kernel in particular.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import jax.numpy as jnp
 
 import cpu_kernels
 from pallas_kernels.gpu import ragged_paged_attention_gpu
-from pallas_kernels.reference import from_stored, ragged_paged_attention_ref, write_kv_ref
+from pallas_kernels.reference import from_stored, ragged_paged_attention_chunked, write_kv_ref
 from pallas_kernels.tpu import ragged_paged_attention_tpu
 from sharding.kernels import model_parallel_mesh, shard_over_heads
 
@@ -85,9 +87,9 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            backend: str = "reference") -> jax.Array:
     """Attention of every token over its own sequence's paged KV; the spec is in this module's docstring."""
     kwargs = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    if backend == "reference":
+    if backend == "reference":  # the engine's pure-JAX attention: the definition's result, chunk by chunk
         token_seq, positions = token_positions(query_start, seq_lens, q.shape[0])
-        return ragged_paged_attention_ref(q, k_pages, v_pages, page_table, token_seq, positions, **kwargs)
+        return ragged_paged_attention_chunked(q, k_pages, v_pages, page_table, token_seq, positions, **kwargs)
     if model_parallel_mesh() is not None:  # tensor parallelism: each device runs the kernel on its own heads
         attention = functools.partial(ragged_paged_attention, backend=backend, **kwargs)
         return shard_over_heads(attention, q, k_pages, v_pages, page_table, query_start, seq_lens)

@@ -1,4 +1,5 @@
-"""Pure-JAX ragged paged attention: the definition of correctness, and the fast path on CPU.
+"""Pure-JAX ragged paged attention: the definition of correctness (ragged_paged_attention_ref, a dense gather), and
+the engine's pure-JAX attention (ragged_paged_attention_chunked: the same result a chunk of pages at a time).
 
 Layout (shared with the kernels):
   q            [T, H, D]        queries of every scheduled token, flattened over sequences
@@ -76,3 +77,55 @@ def ragged_paged_attention_ref(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     out = jnp.einsum("tkgl,tlkd->tkgd", probs.astype(v.dtype), v, precision=precision,
                      preferred_element_type=jnp.float32)
     return out.reshape(num_tokens, num_heads, head_dim)
+
+
+_MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked chunk must not make NaNs
+
+
+def ragged_paged_attention_chunked(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+                                   token_seq: jax.Array, positions: jax.Array, *, scale: float,
+                                   sliding_window: int | None = None, soft_cap: float | None = None,
+                                   pages_per_chunk: int = 8) -> jax.Array:
+    """ragged_paged_attention_ref's result, walking the page table `pages_per_chunk` columns at a time with an
+    online softmax, up to the chunk of the furthest position in the batch (a data-dependent loop): its cost follows
+    the longest sequence, not the table's width, so one full-width table serves every step."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, page_size, kv_heads, _ = k_pages.shape
+    group = num_heads // kv_heads
+    chunk = min(pages_per_chunk, page_table.shape[1])
+    if page_table.shape[1] % chunk:  # whole chunks; the extra columns lie past every sequence and are masked
+        page_table = jnp.pad(page_table, ((0, 0), (0, chunk - page_table.shape[1] % chunk)))
+    width = chunk * page_size
+    value_dtype = from_stored(k_pages[:0]).dtype
+    qg = q.reshape(num_tokens, kv_heads, group, head_dim).astype(value_dtype)
+    precision = jax.lax.Precision.HIGHEST if value_dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+    first = 0
+    if sliding_window is not None:  # chunks wholly before every token's window hold nothing it sees
+        first = jnp.maximum(jnp.min(positions) - sliding_window + 1, 0) // width
+    last = jnp.max(positions) // width + 1
+
+    def body(i, carry):
+        acc, m_prev, l_prev = carry
+        pages = jax.lax.dynamic_slice_in_dim(page_table, i * chunk, chunk, axis=1)[token_seq]  # [T, chunk]
+        k = from_stored(k_pages[pages]).reshape(num_tokens, width, kv_heads, head_dim)
+        v = from_stored(v_pages[pages]).reshape(num_tokens, width, kv_heads, head_dim)
+        s = jnp.einsum("tkgd,tlkd->tkgl", qg, k, precision=precision, preferred_element_type=jnp.float32) * scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        key_pos = i * width + jnp.arange(width, dtype=jnp.int32)[None, :]
+        mask = key_pos <= positions[:, None]
+        if sliding_window is not None:
+            mask &= key_pos > positions[:, None] - sliding_window
+        s = jnp.where(mask[:, None, None, :], s, _MASK)
+        m_next = jnp.maximum(m_prev, s.max(axis=-1))
+        p = jnp.exp(s - m_next[..., None])
+        correction = jnp.exp(m_prev - m_next)
+        pv = jnp.einsum("tkgl,tlkd->tkgd", p.astype(v.dtype), v, precision=precision,
+                        preferred_element_type=jnp.float32)
+        return acc * correction[..., None] + pv, m_next, l_prev * correction + p.sum(axis=-1)
+
+    init = (jnp.zeros((num_tokens, kv_heads, group, head_dim), jnp.float32),
+            jnp.full((num_tokens, kv_heads, group), _MASK, jnp.float32),
+            jnp.zeros((num_tokens, kv_heads, group), jnp.float32))
+    acc, _, denom = jax.lax.fori_loop(first, last, body, init)
+    return (acc / denom[..., None]).reshape(num_tokens, num_heads, head_dim)

@@ -1,5 +1,6 @@
 """Section kernels: the Triton ragged paged attention kernel against the reference on ragged mixed batches, then its
-time against XLA's gather-based attention (the reference backend) at Llama-3-8B decode shapes.
+time against XLA's gather-based attention (the dense definition) and the engine's pure-JAX attention (page chunks,
+the "reference" backend) at Llama-3-8B decode shapes.
 
 Correctness: every real token's output against the reference computed in float32 from the same inputs, as
 ||out - ref|| / ||ref|| (bf16 operands land near 1e-3, float32 near 1e-7), padding rows must be zeros, and each
@@ -101,6 +102,12 @@ def decode_batch(batch: int, context: int, *, heads, kv_heads, head_dim, page_si
     return q, k, v, page_table, query_start, seq_lens
 
 
+def dense_gather(q, k_pages, v_pages, page_table, query_start, seq_lens, *, scale):
+    """XLA's gather-based attention: every token gathers its sequence's whole page-table row (the definition)."""
+    token_seq, positions = token_positions(query_start, seq_lens, q.shape[0])
+    return ragged_paged_attention_ref(q, k_pages, v_pages, page_table, token_seq, positions, scale=scale)
+
+
 def time_attention(attention, args, reps: int) -> float:
     """Seconds per call of attention(*args), from a jitted loop of reps calls."""
 
@@ -164,7 +171,8 @@ def main() -> None:
                 variants = {"pallas": functools.partial(ragged_paged_attention_gpu, scale=scale, interpret=True),
                             "pallas_no_split": functools.partial(ragged_paged_attention_gpu, scale=scale,
                                                                  interpret=True, kv_splits=1)}
-            variants["xla_gather"] = functools.partial(ragged_paged_attention, scale=scale, backend="reference")
+            variants["xla_gather"] = functools.partial(dense_gather, scale=scale)
+            variants["xla_chunked"] = functools.partial(ragged_paged_attention, scale=scale, backend="reference")
             entry["auto_kv_splits"] = auto_kv_splits(batch * shape["kv_heads"])
             for name, fn in variants.items():
                 seconds = time_attention(fn, (q, *rest), reps)

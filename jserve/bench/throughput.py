@@ -138,4 +138,4 @@ def warmup_report(stats) -> dict:
 
 def warmup_line(report: dict) -> str:
     return (f"Warm-up: {report['warmup_step_shapes']} step shapes and {report['warmup_burst_shapes']} decode bursts "
-            f"compiled in {report['warmup_s']:.1f} s (with compilation_cache_dir, a later start reads them from disk)")
+            f"compiled in {report['warmup_s']:.1f} s")

@@ -13,6 +13,7 @@ import math
 import os
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import jax
@@ -188,22 +189,34 @@ class LLMEngine:
         batches = list(self.runner.warmup_batches())
         bursts = [(b, meta, self.config.decode_burst) for b in self.runner.burst_batches()
                   for meta in warmup_metadata(len(b.seq_lens))]
+        placement = self.runner.devices_of_logits()
         if self.runner.mesh is None:
-            logits_shapes = set(self.runner.compile_ahead(batches, bursts))
+            # The sampler's variants compile on a thread of their own while the steps compile (XLA releases the
+            # GIL): its logits are (rows, vocab) for each token bucket's rows.
+            vocab = self.model_config.vocab_size
+            rows = sorted({len(b.seq_lens) for b in batches})
+            with ThreadPoolExecutor(1, thread_name_prefix="jserve-sampler") as pool:
+                sampler = pool.submit(lambda: [self._warm_sampler((n, vocab), placement) for n in rows])
+                logits_shapes = set(self.runner.compile_ahead(batches, bursts))
+                sampler.result()
+            assert logits_shapes == {(n, vocab) for n in rows}, logits_shapes
         else:  # a sharded (or multi-process) step compiles on its first run, in lockstep on every process
             logits_shapes = {tuple(self.runner.run(batch).shape) for batch in batches}
-        # Committed to the step's device(s) as a step's logits are: jit keys its cache on committedness, so
-        # uncommitted warm-up logits would leave the first real step of each shape to compile the sampler again.
-        placement = self.runner.devices_of_logits()
-        for shape in sorted(logits_shapes):
-            logits = jax.device_put(jnp.zeros(shape, jnp.float32), placement)
-            for meta in warmup_metadata(shape[0]):
-                jax.block_until_ready(sample_packed(logits, *pack(meta)))
+            for shape in sorted(logits_shapes):
+                self._warm_sampler(shape, placement)
         stats = self.stats
         stats.warmup_seconds = time.perf_counter() - start
         stats.warmup_step_shapes, stats.warmup_burst_shapes = len(batches), len(bursts)
         logger.info("warm-up compiled %d step shapes and %d decode bursts in %.1f s", len(batches), len(bursts),
                     stats.warmup_seconds)
+
+    @staticmethod
+    def _warm_sampler(shape: tuple[int, int], placement: jax.sharding.Sharding) -> None:
+        # Committed to the step's device(s) as a step's logits are: jit keys its cache on committedness, so
+        # uncommitted warm-up logits would leave the first real step of each shape to compile the sampler again.
+        logits = jax.device_put(jnp.zeros(shape, jnp.float32), placement)
+        for meta in warmup_metadata(shape[0]):
+            jax.block_until_ready(sample_packed(logits, *pack(meta)))
 
     # ----- requests -----
 

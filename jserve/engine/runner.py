@@ -68,11 +68,11 @@ def pick_bucket(buckets: list[int], n: int) -> int:
 
 
 def reads_only_used_pages(backend: str, platform: str | None = None) -> bool:
-    """Whether this attention backend's cost is independent of the page table's width: the CPU kernel and the Triton
-    kernel ("pallas" on a GPU) walk each sequence's pages up to its length; the gather (reference) reads every
-    column, and the TPU kernel is not measured for it yet."""
+    """Whether this attention backend's cost is independent of the page table's width: the CPU kernel, the Triton
+    kernel ("pallas" on a GPU) and the pure-JAX attention (page chunks up to the furthest position) walk each step's
+    pages only as far as its sequences reach; the TPU kernel is not measured for it yet."""
     platform = platform or jax.default_backend()
-    return backend == "cpu" or (backend == "pallas" and platform == "gpu") or backend == "pallas-interpret-gpu"
+    return backend in ("cpu", "reference", "pallas-interpret-gpu") or (backend == "pallas" and platform == "gpu")
 
 
 def kv_bytes_per_block(config, block_size: int, dtype: str) -> int:
@@ -141,9 +141,9 @@ class ModelRunner:
         smallest = 1 if cpu_kernels else 8
         self.token_buckets = pow2_buckets(min(smallest, max_num_batched_tokens), max_num_batched_tokens)
         self.max_seq_rows = min(max_num_seqs, max_num_batched_tokens)
-        # Gathering attention pays for every page in the table, so its width is bucketed too; the CPU kernel and the
-        # Triton kernel read only the pages below each sequence's length, so one full-width table serves every step
-        # (7x fewer shapes, and decode bursts, which need one width for all their steps).
+        # Attention that reads only the pages its sequences reach (reads_only_used_pages) takes one full-width table
+        # for every step: 7x fewer shapes, and decode bursts, which need one width for all their steps. Otherwise
+        # the width is bucketed too.
         max_pages = math.ceil(max_model_len / block_size)
         self.page_buckets = [max_pages] if reads_only_used_pages(model.attention_backend) \
             else pow2_buckets(1, max_pages)
