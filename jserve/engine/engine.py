@@ -26,7 +26,14 @@ from jserve.config import EngineConfig, ModelLoadError
 from jserve.engine.kv_cache import BlockManager
 from jserve.engine.packing import pack
 from jserve.engine.runner import STOP_IDS_WIDTH, ModelRunner, kv_bytes_per_block, no_stop_ids, pick_bucket
-from jserve.engine.sampler import MetadataCache, has_penalty, sample_packed, token_logprobs, warmup_metadata
+from jserve.engine.sampler import (
+    MetadataCache,
+    for_burst,
+    has_penalty,
+    sample_packed,
+    token_logprobs,
+    warmup_metadata,
+)
 from jserve.engine.scheduler import Scheduler, SchedulerOutput
 from jserve.engine.sequence import Sequence, SequenceStatus
 from jserve.outputs import CompletionOutput, RequestOutput
@@ -187,8 +194,8 @@ class LLMEngine:
         """Compile every step shape now, so serving never waits on the compiler."""
         start = time.perf_counter()
         batches = list(self.runner.warmup_batches())
-        bursts = [(b, meta, self.config.decode_burst) for b in self.runner.burst_batches()
-                  for meta in warmup_metadata(len(b.seq_lens))]
+        bursts = [(b, for_burst(warmup_metadata(len(b.seq_lens))[0]), self.config.decode_burst)
+                  for b in self.runner.burst_batches()]
         placement = self.runner.devices_of_logits()
         if self.runner.mesh is None:
             # The sampler's variants compile on a thread of their own while the steps compile (XLA releases the
@@ -400,7 +407,7 @@ class LLMEngine:
             assert allocated, "_burst_length checked the free blocks"
         batch = self.runner.prepare(plan.scheduled, lookahead=length - 1)
         seqs = [c.seq for c in plan.scheduled]
-        meta = self._metadata.build(seqs, self.runner.seq_rows_for(len(batch.token_ids)))
+        meta = for_burst(self._metadata.build(seqs, self.runner.seq_rows_for(len(batch.token_ids))))
         start = time.perf_counter()
         tokens = self._fetch(self.runner.run_burst(batch, meta, length, self.config.decode_burst,
                                                    _burst_stop_ids(seqs, len(batch.seq_lens))))

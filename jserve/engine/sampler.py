@@ -259,8 +259,10 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
     if meta.needs_penalties:
         x = _apply_penalties(x, meta)
     token_ids = _argmax(x)
-    if not meta.all_greedy:
-        token_ids = jnp.where(meta.temperature == 0, token_ids, _draw(x, meta))
+    if not meta.all_greedy:  # a batch of greedy rows skips the draw at run time (see for_burst)
+        greedy = meta.temperature == 0
+        token_ids = jax.lax.cond(jnp.all(greedy), lambda: token_ids,
+                                 lambda: jnp.where(greedy, token_ids, _draw(x, meta)))
     if not meta.needs_logprobs:  # a logsumexp over the whole vocabulary is not free: skip it when nobody asks
         rows = logits.shape[0]
         return SamplerOutput(token_ids=token_ids, logprobs=jnp.zeros(rows, jnp.float32),
@@ -308,8 +310,9 @@ def _apply_penalties(x: jax.Array, meta: SamplingMetadata) -> jax.Array:
 def _draw(x: jax.Array, meta: SamplingMetadata) -> jax.Array:
     temperature = jnp.where(meta.temperature > 0, meta.temperature, 1.0)
     x = x / temperature[:, None]
-    if meta.needs_filters:
-        x = _apply_filters(x, meta.top_k, meta.top_p, meta.min_p)
+    if meta.needs_filters:  # rows without a filter pass through it unchanged; a batch of them skips its sort
+        wanted = jnp.any((meta.top_k > 0) | (meta.top_p < 1.0) | (meta.min_p > 0.0))
+        x = jax.lax.cond(wanted, lambda x: _apply_filters(x, meta.top_k, meta.top_p, meta.min_p), lambda x: x, x)
     keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(meta.seeds, meta.steps)
     return jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)
 
@@ -367,6 +370,13 @@ def token_logprobs(logits: jax.Array, token_ids: jax.Array) -> tuple[jax.Array, 
     chosen = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0] - lse
     top_ids, top_logprobs = _top_logprobs(logits, lse, MAX_LOGPROBS)
     return chosen, top_ids, top_logprobs
+
+
+def for_burst(meta: SamplingMetadata) -> SamplingMetadata:
+    """The metadata a decode burst takes: the draw and the filters compiled in whatever its rows ask, each skipped at
+    run time where no row needs it, so one executable per batch bucket serves greedy, sampled and filtered bursts
+    (bursts never carry penalties or logprobs). Each row samples exactly what the specialized sampler would."""
+    return dataclasses.replace(meta, all_greedy=False, needs_filters=True)
 
 
 def warmup_metadata(rows: int) -> list[SamplingMetadata]:
