@@ -21,6 +21,9 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+# The masked logit of every online softmax here: finite, so a fully masked tile or chunk never makes NaNs.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
 
 @jax.tree_util.register_dataclass
 @dataclass

@@ -20,9 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.blocks import block_metadata, pack_q, unpack_out
-
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked tile must not make NaNs
+from pallas_kernels.blocks import MASK_VALUE, block_metadata, pack_q, unpack_out
 
 
 def _precision(dtype) -> tuple[lax.Precision, lax.Precision] | None:

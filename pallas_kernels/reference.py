@@ -17,6 +17,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.blocks import MASK_VALUE
+
+
+def dot_precision(dtype: jnp.dtype) -> jax.lax.Precision:
+    """float32 operands multiply in float32: a GPU's default for float32 dots is TF32 (10-bit mantissa) and a TPU's
+    one bfloat16 pass, either of which would change greedy tokens against a float32 reference. Narrower dtypes
+    take the default (their own precision)."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
 
 def kv_storage_dtype(dtype: str | jnp.dtype, platform: str) -> jnp.dtype:
     """The KV cache's array dtype: on CPU, bfloat16 K/V are stored as their uint16 bits, because XLA CPU gathers
@@ -63,8 +72,7 @@ def ragged_paged_attention_ref(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     k = from_stored(k_pages[token_pages]).reshape(num_tokens, width, kv_heads, head_dim)
     v = from_stored(v_pages[token_pages]).reshape(num_tokens, width, kv_heads, head_dim)
     qg = q.reshape(num_tokens, kv_heads, group, head_dim).astype(k.dtype)
-    # float32 caches multiply in float32 (a GPU's default for float32 is TF32, a TPU's one bfloat16 pass).
-    precision = jax.lax.Precision.HIGHEST if k.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+    precision = dot_precision(k.dtype)
     scores = jnp.einsum("tkgd,tlkd->tkgl", qg, k, precision=precision, preferred_element_type=jnp.float32) * scale
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
@@ -77,9 +85,6 @@ def ragged_paged_attention_ref(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     out = jnp.einsum("tkgl,tlkd->tkgd", probs.astype(v.dtype), v, precision=precision,
                      preferred_element_type=jnp.float32)
     return out.reshape(num_tokens, num_heads, head_dim)
-
-
-_MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked chunk must not make NaNs
 
 
 def ragged_paged_attention_chunked(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
@@ -98,7 +103,7 @@ def ragged_paged_attention_chunked(q: jax.Array, k_pages: jax.Array, v_pages: ja
     width = chunk * page_size
     value_dtype = from_stored(k_pages[:0]).dtype
     qg = q.reshape(num_tokens, kv_heads, group, head_dim).astype(value_dtype)
-    precision = jax.lax.Precision.HIGHEST if value_dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+    precision = dot_precision(value_dtype)
     first = 0
     if sliding_window is not None:  # chunks wholly before every token's window hold nothing it sees
         first = jnp.maximum(jnp.min(positions) - sliding_window + 1, 0) // width
@@ -116,7 +121,7 @@ def ragged_paged_attention_chunked(q: jax.Array, k_pages: jax.Array, v_pages: ja
         mask = key_pos <= positions[:, None]
         if sliding_window is not None:
             mask &= key_pos > positions[:, None] - sliding_window
-        s = jnp.where(mask[:, None, None, :], s, _MASK)
+        s = jnp.where(mask[:, None, None, :], s, MASK_VALUE)
         m_next = jnp.maximum(m_prev, s.max(axis=-1))
         p = jnp.exp(s - m_next[..., None])
         correction = jnp.exp(m_prev - m_next)
@@ -125,7 +130,7 @@ def ragged_paged_attention_chunked(q: jax.Array, k_pages: jax.Array, v_pages: ja
         return acc * correction[..., None] + pv, m_next, l_prev * correction + p.sum(axis=-1)
 
     init = (jnp.zeros((num_tokens, kv_heads, group, head_dim), jnp.float32),
-            jnp.full((num_tokens, kv_heads, group), _MASK, jnp.float32),
+            jnp.full((num_tokens, kv_heads, group), MASK_VALUE, jnp.float32),
             jnp.zeros((num_tokens, kv_heads, group), jnp.float32))
     acc, _, denom = jax.lax.fori_loop(first, last, body, init)
     return (acc / denom[..., None]).reshape(num_tokens, num_heads, head_dim)

@@ -17,6 +17,7 @@ from flax import nnx
 
 import cpu_kernels
 from jserve.config import ModelConfig
+from pallas_kernels.reference import dot_precision
 from sharding.kernels import model_parallel_mesh
 
 
@@ -39,13 +40,6 @@ def matmul(x: jax.Array, w: jax.Array, cpu_kernel: bool = False, out_features: i
         return cpu_kernels.matmul(x, w)
     return jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())),
                                precision=dot_precision(w.dtype), preferred_element_type=jnp.float32)
-
-
-def dot_precision(dtype: jnp.dtype) -> jax.lax.Precision:
-    """float32 weights multiply in float32: a GPU's default for float32 dots is TF32 (10-bit mantissa) and a TPU's
-    one bfloat16 pass, either of which would change greedy tokens against a float32 reference. Narrower dtypes
-    take the default (their own precision)."""
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
 def embed_lookup(table: jax.Array, token_ids: jax.Array) -> jax.Array:
