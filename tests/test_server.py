@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -378,12 +379,28 @@ def test_closed_streams_are_aborted(server, client, model_name):
     assert after.choices[0].finish_reason in ("stop", "length")
 
 
-def test_non_streaming_client_timeout_aborts(server, model_name):
+def test_non_streaming_client_timeout_aborts(server, model_name, monkeypatch):
+    # Each engine step is held back 50 ms, so the answer cannot arrive before the client's 50 ms read timeout however
+    # fast the machine decodes; the test then checks the engine aborted the request rather than finishing it.
+    engine = server.state.engine.engine
+    step, abort = engine.step, engine.abort_request
+    aborted = []
+
+    def slow_step():
+        time.sleep(0.05)
+        return step()
+
+    def recording_abort(request_id):
+        aborted.append(request_id)
+        return abort(request_id)
+
+    monkeypatch.setattr(engine, "step", slow_step)
+    monkeypatch.setattr(engine, "abort_request", recording_abort)
     body = {"model": model_name, "prompt": PROMPTS[1], "max_tokens": 450, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        # 450 tokens take well over 50 ms even with the CPU kernels (about 1 ms a step for the tiny model)
         httpx.post(f"{server.url}/v1/completions", headers=AUTH, json=body, timeout=httpx.Timeout(5, read=0.05))
-    assert wait_until(lambda: drained(server), 2.0)
+    assert wait_until(lambda: drained(server), 5.0)
+    assert len(aborted) == 1
 
 
 # ----- malformed input: always a 4xx with an OpenAI error body, never a 500 -----
