@@ -1,11 +1,12 @@
 """Build the 135M-shaped benchmark model: a SmolLM-135M-shaped Llama with random weights and a trained tokenizer.
 
-    python benchmarks/build_bench_model.py [OUT_DIR] [--dtype float32|bfloat16] [--seed 0] [--force]
+    python benchmarks/build_bench_model.py [OUT_DIR] [--dtype float32|bfloat16] [--seed 0] [--num-layers 30] [--force]
 
 OUT_DIR defaults to ~/.cache/jserve/bench-135m. The shape (hidden 576, 30 layers, 9 heads / 3 KV heads,
-intermediate 1536, vocab 49152, tied embeddings) is the one whose llama.cpp and transformers speeds are recorded
-in ARCHITECTURE.md, so the figures compare like with like. Weights are random (transformers' own initialisation
-under a fixed torch seed): speed does not depend on what the weights say, and no download is possible here.
+intermediate 1536, vocab 49152, tied embeddings) is SmolLM-135M's, the model docs/benchmarks.md measures jserve,
+llama.cpp and transformers on. --num-layers N builds the same shape with N layers: 75 layers make a 588 MB
+bfloat16 model, larger than a 260 MiB L3, for batch-1 decode read from memory. Weights are random (transformers' own
+initialisation under a fixed torch seed): speed does not depend on what the weights say, and nothing is downloaded.
 
 The tokenizer is a byte-level BPE with exactly 49152 tokens, trained in about 20 s on the running interpreter's
 standard library with the same recipe as the demo checkpoint (checkpoints/train_demo.py): the demo's own
@@ -38,8 +39,12 @@ MODEL_SHAPE = dict(
 )
 
 
-def build_settings(dtype: str, seed: int) -> dict:
-    return {"version": BUILD_VERSION, "dtype": dtype, "seed": seed, "shape": MODEL_SHAPE}
+def model_shape(num_layers: int = MODEL_SHAPE["num_hidden_layers"]) -> dict:
+    return {**MODEL_SHAPE, "num_hidden_layers": num_layers}
+
+
+def build_settings(dtype: str, seed: int, shape: dict = MODEL_SHAPE) -> dict:
+    return {"version": BUILD_VERSION, "dtype": dtype, "seed": seed, "shape": shape}
 
 
 def is_built(out: Path, settings: dict) -> bool:
@@ -50,19 +55,19 @@ def is_built(out: Path, settings: dict) -> bool:
     return recorded == settings and (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
 
 
-def build(out: Path, dtype: str, seed: int) -> None:
+def build(out: Path, dtype: str, seed: int, shape: dict = MODEL_SHAPE) -> None:
     sys.path.insert(0, str(REPO_ROOT))  # the tokenizer recipe lives in checkpoints/, beside this script
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     from checkpoints import train_demo
 
-    tokenizer = train_demo.train_tokenizer(train_demo.read_texts(train_demo.stdlib_files()), MODEL_SHAPE["vocab_size"])
-    if len(tokenizer) != MODEL_SHAPE["vocab_size"]:
-        raise RuntimeError(f"the tokenizer came out with {len(tokenizer)} tokens, not {MODEL_SHAPE['vocab_size']}")
+    tokenizer = train_demo.train_tokenizer(train_demo.read_texts(train_demo.stdlib_files()), shape["vocab_size"])
+    if len(tokenizer) != shape["vocab_size"]:
+        raise RuntimeError(f"the tokenizer came out with {len(tokenizer)} tokens, not {shape['vocab_size']}")
     eos = tokenizer.convert_tokens_to_ids(train_demo.EOS)
     im_end = tokenizer.convert_tokens_to_ids(train_demo.IM_END)
-    config = LlamaConfig(**MODEL_SHAPE, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    config = LlamaConfig(**shape, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
     model.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=[eos, im_end], pad_token_id=eos)
@@ -71,7 +76,7 @@ def build(out: Path, dtype: str, seed: int) -> None:
         model.to(getattr(torch, dtype)).save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp, save_jinja_files=False)
         train_demo._portable_tokenizer_config(tmp / "tokenizer_config.json")
-        (tmp / BUILD_FILE).write_text(json.dumps(build_settings(dtype, seed), indent=2) + "\n")
+        (tmp / BUILD_FILE).write_text(json.dumps(build_settings(dtype, seed, shape), indent=2) + "\n")
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -87,14 +92,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="stored weight dtype; jserve and llama.cpp's converter can make bf16 from float32")
     parser.add_argument("--seed", type=int, default=0, help="torch seed for the random weights")
+    parser.add_argument("--num-layers", type=int, default=MODEL_SHAPE["num_hidden_layers"],
+                        help="decoder layers (30, SmolLM-135M's); more make a model that outgrows the L3")
     parser.add_argument("--force", action="store_true", help="rebuild even if the directory is up to date")
     args = parser.parse_args(argv)
+    if args.num_layers < 1:
+        parser.error("--num-layers must be at least 1")
+    shape = model_shape(args.num_layers)
     out = args.out.expanduser().resolve()
-    if not args.force and is_built(out, build_settings(args.dtype, args.seed)):
+    if not args.force and is_built(out, build_settings(args.dtype, args.seed, shape)):
         print(f"{out} is up to date")
         return 0
     out.parent.mkdir(parents=True, exist_ok=True)
-    build(out, args.dtype, args.seed)
+    build(out, args.dtype, args.seed, shape)
     return 0
 
 

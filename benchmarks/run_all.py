@@ -1,6 +1,9 @@
-"""Run the whole comparison (jserve against llama.cpp and transformers) and write docs/benchmarks.md.
+"""Run the whole comparison (jserve against llama.cpp and transformers) and write a report of it.
 
-    python benchmarks/run_all.py [--build-llama-cpp] [--quick] [--output docs/benchmarks.md]
+    python benchmarks/run_all.py [--build-llama-cpp] [--quick] [--work-dir DIR] [--output FILE]
+
+The report (markdown, with a plot of the bfloat16 serving run beside it) goes to --output, by default
+benchmarks.md in --work-dir; docs/benchmarks.md is the curated page of current results, which a run does not touch.
 
 Run it on a quiet machine: every figure is a timing. Steps, each recorded with its exact command line:
   1. build the 135M-shaped model (build_bench_model.py) and, where llama.cpp is built, its f32 and bf16 GGUFs
@@ -368,11 +371,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the llama.cpp sdist is unpacked and built")
     parser.add_argument("--build-llama-cpp", action="store_true", help="download and build it if it is not built")
     parser.add_argument("--work-dir", type=Path, default=CACHE / "bench-run", help="logs and result JSON files")
-    parser.add_argument("--output", type=Path, default=REPO / "docs" / "benchmarks.md")
+    parser.add_argument("--output", type=Path, help="the report (default: benchmarks.md in --work-dir)")
     parser.add_argument("--quick", action="store_true", help="tiny workloads, to check the script only")
     parser.add_argument("--render-only", action="store_true",
                         help="only rewrite --output from the results already in --work-dir")
     args = parser.parse_args(argv)
+    args.output = args.output or args.work_dir / "benchmarks.md"
     if args.render_only:
         write_report(args.work_dir, args.output)
         return 0
@@ -398,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_report(work_dir: Path, output: Path) -> None:
-    """docs/benchmarks.md (and its plot) from the results a run left in work_dir."""
+    """The report (and its plot) from the results a run left in work_dir."""
     res = json.loads((work_dir / "all.json").read_text())
     output.parent.mkdir(parents=True, exist_ok=True)
     plot = _copy_plot(work_dir / "serve-jserve-bfloat16.png", output)
