@@ -9,7 +9,7 @@ bfloat16 model, larger than a 260 MiB L3, for batch-1 decode read from memory. W
 initialisation under a fixed torch seed): speed does not depend on what the weights say, and nothing is downloaded.
 
 The tokenizer is a byte-level BPE with exactly 49152 tokens, trained in about 20 s on the running interpreter's
-standard library with the same recipe as the demo checkpoint (checkpoints/train_demo.py): the demo's own
+standard library with the same recipe as the demo checkpoint (tools/train_demo.py): the demo's own
 tokenizer has only 4096 tokens, and a random model samples ids from all 49152, which must all decode.
 
 Idempotent: a directory whose build.json records the same settings is left alone (--force rebuilds it). The
@@ -56,11 +56,11 @@ def is_built(out: Path, settings: dict) -> bool:
 
 
 def build(out: Path, dtype: str, seed: int, shape: dict = MODEL_SHAPE) -> None:
-    sys.path.insert(0, str(REPO_ROOT))  # the tokenizer recipe lives in checkpoints/, beside this script
+    sys.path.insert(0, str(REPO_ROOT))  # the tokenizer recipe lives in tools/, beside this script
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    from checkpoints import train_demo
+    from tools import train_demo
 
     tokenizer = train_demo.train_tokenizer(train_demo.read_texts(train_demo.stdlib_files()), shape["vocab_size"])
     if len(tokenizer) != shape["vocab_size"]:

@@ -1,7 +1,8 @@
-"""Load Hugging Face safetensors checkpoints tensor by tensor into a jserve model's state.
+"""Load Hugging Face safetensors checkpoints tensor by tensor into a Llama-family model's state.
 
 The file format is read directly (8-byte header length, JSON header, raw little-endian data) through a memory
-map, so a tensor is only copied when it is converted and placed; no framework is needed to read it.
+map, so a tensor is only copied when it is converted and placed; no framework is needed to read it. The model's
+shape comes in as any object with CheckpointShape's fields (jserve's ModelConfig has them all).
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import re
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 import ml_dtypes
 import numpy as np
 
-from jserve.config import ModelConfig, ModelLoadError
+from checkpoints import CheckpointError
 
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -30,6 +32,30 @@ Target = tuple[tuple, str | None]
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
+class CheckpointShape(Protocol):
+    """What the loader reads of the model's configuration: error messages name model_type and num_layers, the
+    rest places tensors (fused_shards and kv_head_replicas: the tensor-parallel layout, 1 and 1 without it)."""
+
+    @property
+    def model_type(self) -> str: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def tie_word_embeddings(self) -> bool: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def q_size(self) -> int: ...  # query heads x head_dim
+    @property
+    def kv_size(self) -> int: ...  # KV heads (with their replicas) x head_dim
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def fused_shards(self) -> int: ...
+    @property
+    def kv_head_replicas(self) -> int: ...
+
+
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
     """The safetensors files of a checkpoint directory: one file, or the shards its index names."""
     model_dir = Path(model_dir)
@@ -38,17 +64,17 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ModelLoadError(f"{index}: not a valid safetensors index ({e})") from None
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
         files = [model_dir / name for name in dict.fromkeys(weight_map.values())]
         for f in files:
             if not f.is_file():
-                raise ModelLoadError(f"{index} names shard {f.name}, which does not exist")
+                raise CheckpointError(f"{index} names shard {f.name}, which does not exist")
         return files
     single = model_dir / "model.safetensors"
     if single.is_file():
         return [single]
-    raise ModelLoadError(f"{model_dir}: no model.safetensors or model.safetensors.index.json found "
-                         "(only safetensors checkpoints are supported)")
+    raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json found "
+                          "(only safetensors checkpoints are supported)")
 
 
 def iter_tensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
@@ -56,26 +82,26 @@ def iter_tensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
-            raise ModelLoadError(f"{path}: truncated safetensors file")
+            raise CheckpointError(f"{path}: truncated safetensors file")
         (header_len,) = struct.unpack("<Q", raw)
         try:
             header = json.loads(f.read(header_len))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ModelLoadError(f"{path}: bad safetensors header ({e})") from None
+            raise CheckpointError(f"{path}: bad safetensors header ({e})") from None
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
     for name, info in header.items():
         if name == "__metadata__":
             continue
         dtype = _DTYPES.get(info["dtype"])
         if dtype is None:
-            raise ModelLoadError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
         start, end = info["data_offsets"]
         if end > data.size:
-            raise ModelLoadError(f"{path}: tensor {name} runs past the end of the file (truncated?)")
+            raise CheckpointError(f"{path}: tensor {name} runs past the end of the file (truncated?)")
         yield name, data[start:end].view(dtype).reshape(info["shape"])
 
 
-def llama_name_map(config: ModelConfig) -> Callable[[str], list[Target] | None]:
+def llama_name_map(tie_word_embeddings: bool) -> Callable[[str], list[Target] | None]:
     """Map a Hugging Face Llama-family tensor name to where it lands in LlamaForCausalLM's state."""
     fused = {part: dest for dest, parts in FUSED_PARTS.items() for part in parts}
     layer_re = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
@@ -88,7 +114,7 @@ def llama_name_map(config: ModelConfig) -> Callable[[str], list[Target] | None]:
         if name == "model.norm.weight":
             return [(("norm", "weight"), None)]
         if name == "lm_head.weight":
-            return [] if config.tie_word_embeddings else [(("lm_head",), None)]  # tied: a copy of embed
+            return [] if tie_word_embeddings else [(("lm_head",), None)]  # tied: a copy of embed
         if name.endswith("rotary_emb.inv_freq"):
             return []  # old checkpoints store the rotary table; we compute it
         if m := norm_re.match(name):
@@ -109,7 +135,7 @@ class ParamSource:
     """Where one model parameter's values are in the memory-mapped checkpoint, and how to read any slice of it.
 
     `read(index)` returns just the requested block (a shard) as a fresh array of the parameter's dtype, so a
-    sharded parameter is never assembled whole on the host (checkpoints.loading.place_sharded reads one device's
+    sharded parameter is never assembled whole on the host (the loader's place_sharded reads one device's
     block at a time). Fused parameters gather their rows from several checkpoint tensors through a row map.
     """
 
@@ -135,12 +161,12 @@ class ParamSource:
         return out
 
 
-def fused_row_map(config: ModelConfig, dest: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def fused_row_map(config: CheckpointShape, dest: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """For each part of a fused weight: (destination rows in the fused parameter, source rows in its tensor).
 
     The fused rows are config.fused_shards blocks; block i holds part after part, each part's i-th slice of
     rows, so a row split into fused_shards equal pieces gives each device its own heads (see
-    sharding.shard_model_config). Each checkpoint KV head is repeated config.kv_head_replicas times.
+    sharding.kv_head_replicas). Each checkpoint KV head is repeated config.kv_head_replicas times.
     """
     shards, d, reps = config.fused_shards, config.head_dim, config.kv_head_replicas
     kv_src = (np.arange(config.kv_size) // d // reps) * d + np.arange(config.kv_size) % d
@@ -158,26 +184,28 @@ def fused_row_map(config: ModelConfig, dest: str) -> dict[str, tuple[np.ndarray,
     return row_map
 
 
-def load_state(model_dir: str | Path, config: ModelConfig, shapes: dict[tuple, tuple[tuple[int, ...], np.dtype]],
+def load_state(model_dir: str | Path, config: CheckpointShape,
+               shapes: dict[tuple, tuple[tuple[int, ...], np.dtype]],
                place: Callable[[tuple, ParamSource], object]) -> dict[tuple, object]:
     """Fill every parameter of `shapes` ({path: (shape, dtype)}) from the checkpoint.
 
     First every tensor is located (headers only; the data stay memory-mapped), then each parameter is handed to
     `place` (which builds the device or mesh array from `source.read`) one at a time, so host memory holds at
     most one parameter's shards in flight beyond the memory-mapped files.
-    Missing, unexpected and mis-shaped tensors raise ModelLoadError naming the tensor and file.
+    Missing, unexpected and mis-shaped tensors raise CheckpointError naming the tensor and file.
     """
-    name_map = llama_name_map(config)
+    name_map = llama_name_map(config.tie_word_embeddings)
     sources: dict[tuple, ParamSource] = {}
     for file in checkpoint_files(model_dir):
         for name, tensor in iter_tensors(file):
             targets = name_map(name)
             if targets is None:
-                raise ModelLoadError(f"{file}: unexpected tensor {name} for a {config.model_type} model")
+                raise CheckpointError(f"{file}: unexpected tensor {name} for a {config.model_type} model")
             for path, part in targets:
                 if path not in shapes:
-                    raise ModelLoadError(f"{file}: unexpected tensor {name} (no parameter {'.'.join(map(str, path))} "
-                                         f"in a {config.num_layers}-layer {config.model_type} model)")
+                    where = ".".join(map(str, path))
+                    raise CheckpointError(f"{file}: unexpected tensor {name} (no parameter {where} "
+                                          f"in a {config.num_layers}-layer {config.model_type} model)")
                 shape, dtype = shapes[path]
                 source = sources.setdefault(path, ParamSource(shape, dtype))
                 if part is None:
@@ -190,9 +218,9 @@ def load_state(model_dir: str | Path, config: ModelConfig, shapes: dict[tuple, t
                 if src.whole is not None or len(src.parts) == len(FUSED_PARTS[path[-2]])}
     missing = [p for p in shapes if p not in complete]
     if missing:
-        names = ", ".join(_hf_names(p, config) for p in missing[:8])
-        raise ModelLoadError(f"{model_dir}: checkpoint is missing tensor(s) {names}"
-                             + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+        names = ", ".join(_hf_names(p) for p in missing[:8])
+        raise CheckpointError(f"{model_dir}: checkpoint is missing tensor(s) {names}"
+                              + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
     placed: dict[tuple, object] = {}
     for path in shapes:
         source = sources.pop(path)  # drop our reference once placed
@@ -202,7 +230,7 @@ def load_state(model_dir: str | Path, config: ModelConfig, shapes: dict[tuple, t
     return placed
 
 
-def _fused_rows(name: str, config: ModelConfig) -> int:
+def _fused_rows(name: str, config: CheckpointShape) -> int:
     """Rows of one checkpoint tensor of a fused weight (before any KV-head replication)."""
     proj = name.rsplit(".", 2)[-2]
     kv_rows = config.kv_size // config.kv_head_replicas
@@ -212,11 +240,11 @@ def _fused_rows(name: str, config: ModelConfig) -> int:
 
 def _check_shape(got: tuple, expected: tuple, name: str, file: Path) -> None:
     if tuple(got) != tuple(expected):
-        raise ModelLoadError(f"{file}: tensor {name} has shape {list(got)}, expected {list(expected)} "
-                             "from config.json")
+        raise CheckpointError(f"{file}: tensor {name} has shape {list(got)}, expected {list(expected)} "
+                              "from config.json")
 
 
-def _hf_names(path: tuple, config: ModelConfig) -> str:
+def _hf_names(path: tuple) -> str:
     """The checkpoint tensor name(s) that fill a model-state path, for error messages."""
     if path == ("embed_tokens",):
         return "model.embed_tokens.weight"

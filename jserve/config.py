@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from checkpoints import CheckpointError
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights of config.json's shape (checkpoints/dummy.py)
@@ -15,8 +17,9 @@ LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights of config.json's shape
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "pallas", "pallas-interpret", "pallas-interpret-gpu")
 
 
-class ModelLoadError(ValueError):
-    """The model path or its files cannot be used; the message says which file and why."""
+# The model path or its files (config.json, the tokenizer, the weights) cannot be used; the message says which file
+# and why. One class with the checkpoints library's error, so `except ModelLoadError` catches what its loaders raise.
+ModelLoadError = CheckpointError
 
 
 @dataclass(frozen=True)
@@ -55,9 +58,9 @@ class ModelConfig:
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # Set by sharding.shard_model_config for tensor parallelism (1 = the checkpoint's own shape): the fused
-    # q|k|v and gate|up rows are stored as `fused_shards` blocks of whole heads, and each checkpoint KV head
-    # is repeated `kv_head_replicas` times (num_kv_heads counts the copies).
+    # Set by jserve.models.sharded_config.shard_model_config for tensor parallelism (1 = the checkpoint's own
+    # shape): the fused q|k|v and gate|up rows are stored as `fused_shards` blocks of whole heads, and each
+    # checkpoint KV head is repeated `kv_head_replicas` times (num_kv_heads counts the copies).
     fused_shards: int = 1
     kv_head_replicas: int = 1
 

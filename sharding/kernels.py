@@ -28,6 +28,6 @@ def shard_over_heads(attention: Callable, q: jax.Array, k_pages: jax.Array, v_pa
                      *metadata: jax.Array) -> jax.Array:
     """attention(q, k_pages, v_pages, *metadata) run per device on its q heads and its KV heads; metadata (page
     table, offsets, lengths) is replicated. The GQA grouping holds per device because both head counts split
-    evenly (sharding.shard_model_config)."""
+    evenly (sharding.kv_head_replicas)."""
     return jax.shard_map(attention, in_specs=(HEADS, KV_HEADS, KV_HEADS) + (P(),) * len(metadata),
                          out_specs=HEADS, check_vma=False)(q, k_pages, v_pages, *metadata)

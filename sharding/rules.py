@@ -13,13 +13,12 @@ from collections.abc import Mapping, Sequence
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jserve.config import ModelConfig
 from sharding.mesh import DATA_AXIS, MODEL_AXIS
 
 LOGICAL_AXIS_RULES: Mapping[str, str | None] = {
     "vocab": MODEL_AXIS,  # embedding rows and LM-head rows
     "embed": None,  # the residual stream stays whole on every device
-    "qkv": MODEL_AXIS,  # fused q|k|v rows, laid out per shard (see shard_model_config)
+    "qkv": MODEL_AXIS,  # fused q|k|v rows, laid out per shard (see kv_head_replicas)
     "heads": MODEL_AXIS,  # o_proj input columns
     "kv_heads": MODEL_AXIS,  # the KV cache: each device keeps only its own KV heads
     "mlp": MODEL_AXIS,  # gate|up rows (laid out per shard) and down_proj input columns
@@ -39,7 +38,7 @@ def logical_spec(logical_axes: Sequence[str | None], shape: Sequence[int] | None
     """The PartitionSpec for an array with these logical axes.
 
     With a mesh and shape, a dimension the mesh axis does not divide stays whole (replicated) rather than
-    padded: correctness first; shard_model_config rejects the cases where that would lose the memory saving
+    padded: correctness first; kv_head_replicas rejects the cases where that would lose the memory saving
     on the large weights.
     """
     spec, used = [], set()
@@ -62,30 +61,35 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def shard_model_config(config: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
-    """The model shape a tensor-parallel replica runs: what the checkpoint loader lays out, the model computes.
+def kv_head_replicas(num_heads: int, num_kv_heads: int, intermediate_size: int, tensor_parallel_size: int) -> int:
+    """How many copies of each checkpoint KV head a tensor-parallel replica keeps, after checking that the model
+    axis splits the model into whole heads and equal MLP slices (ValueError naming the fields it does not divide).
 
-    - Fused q|k|v and gate|up matrices are stored as `fused_shards` = TP row blocks, block i holding
-      [q | k | v] rows of device i's own heads (and [gate | up] of its own MLP columns). A plain row split over
-      `model` then gives each device whole heads, with no resharding inside the step. We reorder at load time
-      rather than unfuse because the fused matmul is the fast path on CPU (a fixed cost per dot) and costs
-      nothing on TPU; with TP = 1 the layout is exactly the unsharded one.
-    - When TP exceeds the KV heads, each KV head is repeated TP / num_kv_heads times (vLLM's replication): the
-      replica runs as a GQA model with TP KV heads whose copies hold the same weights, so every device keeps
-      exactly one KV head in its cache instead of all of them.
+    Fused q|k|v and gate|up matrices are then laid out in `tensor_parallel_size` row blocks, block i holding the
+    rows of device i's own heads and MLP columns, so a plain row split over `model` gives each device whole heads
+    with no resharding inside the step. When the model axis exceeds the KV heads, each KV head is repeated
+    tensor_parallel_size / num_kv_heads times (vLLM's replication): the replica runs as a GQA model whose KV-head
+    copies hold the same weights, and every device keeps exactly one KV head in its cache instead of all of them.
     """
-    tp = tensor_parallel_size
-    if tp == 1:
-        return config
-    kv = config.num_kv_heads
+    tp, kv = tensor_parallel_size, num_kv_heads
     problems = []
-    if config.num_heads % tp:
-        problems.append(f"num_attention_heads={config.num_heads}")
-    if config.intermediate_size % tp:
-        problems.append(f"intermediate_size={config.intermediate_size}")
+    if num_heads % tp:
+        problems.append(f"num_attention_heads={num_heads}")
+    if intermediate_size % tp:
+        problems.append(f"intermediate_size={intermediate_size}")
     if kv % tp and tp % kv:
         problems.append(f"num_key_value_heads={kv} (nor does it divide {tp})")
     if problems:
         raise ValueError(f"tensor_parallel_size={tp} does not divide {', '.join(problems)}")
-    replicas = max(1, tp // kv)
-    return dataclasses.replace(config, num_kv_heads=kv * replicas, kv_head_replicas=replicas, fused_shards=tp)
+    return max(1, tp // kv)
+
+
+def shard_model_config(config, tensor_parallel_size: int):  # being removed: jserve.models.sharded_config has it
+    """Transitional: jserve.models.sharded_config.shard_model_config, kept (without importing jserve) until its
+    last caller imports it from there."""
+    tp = tensor_parallel_size
+    if tp == 1:
+        return config
+    replicas = kv_head_replicas(config.num_heads, config.num_kv_heads, config.intermediate_size, tp)
+    return dataclasses.replace(config, num_kv_heads=config.num_kv_heads * replicas, kv_head_replicas=replicas,
+                               fused_shards=tp)

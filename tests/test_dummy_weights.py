@@ -105,8 +105,8 @@ def test_sharded_draw_follows_the_rules(config_only_dir):
 def test_engine_flag():
     import argparse
 
-    from jserve.cli import add_engine_args, engine_config_from_args
     from jserve.config import EngineConfig
+    from jserve.engine_args import add_engine_args, engine_config_from_args
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

@@ -435,8 +435,10 @@ def test_check_lowering_passes(platform):
     """The CI gate itself: every kernel exports for its platform at the 8B and benchmark shapes (~3 s each)."""
     import subprocess
     import sys
+    from pathlib import Path
 
-    result = subprocess.run([sys.executable, "-m", "pallas_kernels.check_lowering", "--platform", platform],
-                            capture_output=True, text=True, timeout=300)
+    repo = Path(__file__).resolve().parent.parent  # tools/ is not installed: it runs from the checkout
+    result = subprocess.run([sys.executable, "-m", "tools.check_lowering", "--platform", platform],
+                            capture_output=True, text=True, timeout=300, cwd=repo)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "0 failure(s)" in result.stdout and result.stdout.count("ok   ") >= 12

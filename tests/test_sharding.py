@@ -20,7 +20,8 @@ from tp_workload import ENGINE_ARGS, OUTPUT_LENGTHS, greedy_tokens
 
 from checkpoints.safetensors_loader import ParamSource, fused_row_map
 from jserve.config import ModelConfig
-from sharding import KV_CACHE_AXES, logical_spec, shard_model_config
+from jserve.models.sharded_config import shard_model_config
+from sharding import KV_CACHE_AXES, logical_spec
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = ModelConfig(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,

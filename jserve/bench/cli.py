@@ -9,6 +9,7 @@ import argparse
 
 from jserve.arg_types import integer, non_negative_float, output_file, positive_float, range_ratio
 from jserve.bench import DATASETS
+from jserve.engine_args import add_engine_args
 
 
 def add_dataset_args(parser: argparse.ArgumentParser, *, default_dataset: str, default_num_prompts: int,
@@ -38,8 +39,6 @@ def add_dataset_args(parser: argparse.ArgumentParser, *, default_dataset: str, d
 
 
 def add_throughput_parser(sub: argparse._SubParsersAction) -> None:
-    from jserve.cli import add_engine_args  # here, not at import: jserve.cli imports this module
-
     p = sub.add_parser("throughput", help="offline throughput of jserve or transformers on the same requests")
     p.add_argument("--backend", choices=("jserve", "hf"), default="jserve",
                    help="hf: transformers generate() with static batches, the baseline without a server")
@@ -53,8 +52,6 @@ def add_throughput_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def add_latency_parser(sub: argparse._SubParsersAction) -> None:
-    from jserve.cli import add_engine_args
-
     p = sub.add_parser("latency", help="batch-1 prefill and decode speed beside the memory-bandwidth roofline")
     p.add_argument("--input-len", type=integer(1), default=128, help="prompt tokens")
     p.add_argument("--output-len", type=integer(2), default=128, help="generated tokens")

@@ -56,7 +56,7 @@ def time_request(engine, request_id: str, prompt: list[int], output_len: int) ->
 
 
 def measure(args: Namespace) -> dict:
-    from jserve.cli import engine_config_from_args
+    from jserve.engine_args import engine_config_from_args
     from jserve.llm import LLM
 
     llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))

@@ -25,7 +25,7 @@ def model_dir(args: Namespace) -> Path:
 
 
 def run_jserve(args: Namespace, requests: list[SampleRequest]) -> dict:
-    from jserve.cli import engine_config_from_args
+    from jserve.engine_args import engine_config_from_args
     from jserve.llm import LLM
     from jserve.sampling_params import SamplingParams
 

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterator
 
 from jserve.arg_types import integer, non_negative_float
+from jserve.engine_args import add_engine_args, engine_config_from_args
 from jserve.server.settings import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -23,8 +24,6 @@ EXIT_LOAD_FAILED = 2
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
-    from jserve.cli import add_engine_args
-
     serve = sub.add_parser("serve", help="OpenAI-compatible streaming server (the demo model without --model)")
     group = serve.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
@@ -47,7 +46,6 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from jserve.cli import engine_config_from_args
     from jserve.server.app import build_app
 
     settings = ServerSettings(served_model_name=args.served_model_name, api_key=args.api_key,

@@ -1,7 +1,7 @@
 """Measure host memory while a checkpoint loads onto a mesh (the figures in docs/deploy-tpu-vm.md).
 
-    python -m sharding.load_memory --synthetic /tmp/ckpt    # writes a 0.5B-parameter bf16 Llama checkpoint once
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m sharding.load_memory /tmp/ckpt --tp 8
+    python -m tools.load_memory --synthetic /tmp/ckpt    # writes a 0.5B-parameter bf16 Llama checkpoint once
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tools.load_memory /tmp/ckpt --tp 8
 
 A thread samples the process's anonymous resident memory (RssAnon: heap and arrays, not the page cache behind
 the memory-mapped safetensors files) every millisecond. On CPU the "devices" live in host memory too, so the

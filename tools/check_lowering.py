@@ -1,5 +1,5 @@
 """Lower every kernel for a platform we may not have, at the shapes the engine uses: `python -m
-pallas_kernels.check_lowering --platform tpu|cuda`. Exits non-zero if any lowering fails.
+tools.check_lowering --platform tpu|cuda`. Exits non-zero if any lowering fails.
 
 `jax.export` runs the Pallas -> Mosaic (tpu) or Pallas -> Triton (cuda) lowering on any host, so a kernel that
 uses an op, layout or indexing the target's lowering rejects fails here without the hardware. What it cannot

@@ -1,6 +1,6 @@
 """Train the bundled demo checkpoint: a tiny Llama that completes Python, trained on the stdlib's own source.
 
-    python -m checkpoints.train_demo --out checkpoints/demo
+    python -m tools.train_demo --out checkpoints/demo
 
 Runs on one CPU thread in about a quarter of an hour and is deterministic given --seed. CI never runs it;
 the result is committed under checkpoints/demo/ (see checkpoints/README.md).
@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from checkpoints import DEMO_MODEL_DIR
 
 EOS = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -257,7 +259,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Path, TrainConfig]:
     """The output directory and the run's TrainConfig (defaults overridable from the command line)."""
     fmt = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=fmt)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "demo")
+    parser.add_argument("--out", type=Path, default=DEMO_MODEL_DIR)
     for name in ("steps", "seed", "batch_size", "micro_batch_size", "seq_len", "lr", "warmup_steps"):
         default = getattr(TrainConfig, name)
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)

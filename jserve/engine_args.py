@@ -1,0 +1,32 @@
+"""The engine flags every subcommand that runs a model shares (`generate`, `serve`, `bench throughput|latency`).
+
+A leaf of the CLI: the top-level `jserve.cli` and the subcommands' own `cli` modules import it, never the other
+way round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from jserve.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field, so the CLI, the server and the Python API share every knob."""
+    hints = typing.get_type_hints(EngineConfig)
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        kind = hints[f.name]
+        if kind is bool:
+            group.add_argument(flag, default=default, action=argparse.BooleanOptionalAction)
+        else:
+            base = int if "int" in str(kind) else float if "float" in str(kind) else str
+            group.add_argument(flag, default=default, type=base, metavar=f.name.upper())
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
