@@ -35,6 +35,8 @@ def main() -> None:
     args = parser.parse_args()
 
     import jserve.engine.engine as engine_module
+    import jserve.engine.scheduler as scheduler_module
+    import jserve.executors.xla as xla_module
     from jserve.llm import LLM
     from jserve.sampling_params import SamplingParams
 
@@ -61,13 +63,11 @@ def main() -> None:
         setattr(owner, name, timed)
 
     timed_functions = [
-        (engine.scheduler, "schedule", "schedule"), (engine.runner, "prepare", "build the batch"),
-        (engine.runner, "run", "dispatch forward"), (engine.runner, "run_burst", "dispatch forward + sample"),
-        (engine_module, "build_metadata", "sampling metadata"), (engine_module, "sample", "dispatch sample"),
-        (getattr(engine, "_metadata", None), "build", "sampling metadata"),
-        (engine_module, "sample_packed", "dispatch sample"),
-        (engine, "_append_token", "append and detokenize"), (engine, "_emit", "outputs"),
-        (engine.scheduler, "on_step_done", "mark computed")]
+        (engine.scheduler, "schedule", "schedule"), (engine.executor, "prepare", "build the batch"),
+        (engine.executor, "run", "dispatch forward"), (engine.executor, "execute_burst", "dispatch forward + sample"),
+        (engine._metadata, "build", "sampling metadata"), (xla_module, "sample_packed", "dispatch sample"),
+        (engine.outputs, "append", "append and detokenize"), (engine.outputs, "emit", "outputs"),
+        (engine.scheduler, "update", "mark computed")]
     for owner, name, label in timed_functions:
         wrap(owner, name, label)
     waited = [0.0]
@@ -104,7 +104,7 @@ def main() -> None:
             start, cpu_start = time.perf_counter(), time.thread_time()
             engine.step()
             cpu = time.thread_time() - cpu_start
-            decode_only = bool(plans) and all(engine_module._is_decode(c) for c in plans[-1].scheduled)
+            decode_only = bool(plans) and all(scheduler_module._is_decode(c) for c in plans[-1].scheduled)
             if decode_only and len(plans[-1].scheduled) == args.num_seqs:
                 steps.append((time.perf_counter() - start, waited[0] - waited_before,
                               {k: v - before.get(k, 0.0) for k, v in seconds.items()},

@@ -15,6 +15,7 @@ SUPPORTED_DTYPES = ("float32", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights of config.json's shape (checkpoints/dummy.py)
 # See pallas_kernels/interface.py (ENGINE_BACKENDS).
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "pallas", "pallas-interpret", "pallas-interpret-gpu")
+EXECUTORS = ("auto", "xla", "cpu-layers")  # what runs the model (jserve.executors)
 
 
 # The model path or its files (config.json, the tokenizer, the weights) cannot be used; the message says which file
@@ -198,8 +199,11 @@ class EngineConfig:
         about this long at most. Requests reported only when finished (LLM.generate, `jserve generate`) burst fully.
       compilation_cache_dir: JAX's persistent compilation cache; "" disables it.
       warmup: compile every step shape at start-up so serving never stalls on a compile.
-      attention_backend: "auto" (the Pallas kernel on TPU/GPU, the C++ kernels on CPU where they build, else the
-        reference) | "reference" (pure JAX) | "cpu" (cpu_kernels: C++ paged attention and matmuls) |
+      executor: what runs the model. "auto" (the CPU layer executor on one CPU device where the C++ kernels build
+        and the attention backend allows it, else XLA) | "xla" (the Flax model under XLA: what GPUs and TPUs run) |
+        "cpu-layers" (each step's decoder layers in one C++ kernel call; CPU only).
+      attention_backend: the XLA executor's attention. "auto" (the Pallas kernel on TPU/GPU, the C++ kernel on CPU
+        where it builds, else the reference) | "reference" (pure JAX) | "cpu" (cpu_kernels: C++ paged attention) |
         "pallas" (the kernel; needs a TPU or GPU) | "pallas-interpret" (the kernels interpreted, slow; for tests) |
         "pallas-interpret-gpu" (the GPU's Triton kernel interpreted: the engine as it runs on a GPU, on any host).
       load_format: "auto" (the checkpoint's safetensors) | "dummy" (random weights of config.json's shape, drawn on
@@ -228,6 +232,7 @@ class EngineConfig:
     decode_burst_ms: float = 100.0
     compilation_cache_dir: str = field(default_factory=lambda: os.path.expanduser("~/.cache/jserve/xla"))
     warmup: bool = True
+    executor: str = "auto"
     attention_backend: str = "auto"
     load_format: str = "auto"
     tokenizer: str | None = None
@@ -259,6 +264,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
 

@@ -10,8 +10,7 @@ from sharding.rules import (
     logical_sharding,
     logical_spec,
     replicated,
-    shard_model_config,  # being removed: jserve.models.sharded_config.shard_model_config
 )
 
 __all__ = ["DATA_AXIS", "KV_CACHE_AXES", "LOGICAL_AXIS_RULES", "MODEL_AXIS", "kv_head_replicas", "logical_sharding",
-           "logical_spec", "make_mesh", "replica_meshes", "replicated", "shard_model_config"]
+           "logical_spec", "make_mesh", "replica_meshes", "replicated"]

@@ -17,7 +17,7 @@ KV_HEADS = P(None, None, MODEL_AXIS, None)  # one layer's cache: [pages, page_sl
 
 def model_parallel_mesh() -> AbstractMesh | None:
     """The mesh being traced under, when its model axis splits heads and we are not already inside shard_map.
-    (ModelRunner traces the step under its mesh; with one device there is none.)"""
+    (the XLA executor traces the step under its mesh; with one device there is none.)"""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.shape.get(MODEL_AXIS, 1) == 1 or MODEL_AXIS in mesh.manual_axes:
         return None

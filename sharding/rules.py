@@ -8,7 +8,6 @@ split too (embedding lookup: masked gather + all-reduce; LM head: each device co
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -82,14 +81,3 @@ def kv_head_replicas(num_heads: int, num_kv_heads: int, intermediate_size: int, 
     if problems:
         raise ValueError(f"tensor_parallel_size={tp} does not divide {', '.join(problems)}")
     return max(1, tp // kv)
-
-
-def shard_model_config(config, tensor_parallel_size: int):  # being removed: jserve.models.sharded_config has it
-    """Transitional: jserve.models.sharded_config.shard_model_config, kept (without importing jserve) until its
-    last caller imports it from there."""
-    tp = tensor_parallel_size
-    if tp == 1:
-        return config
-    replicas = kv_head_replicas(config.num_heads, config.num_kv_heads, config.intermediate_size, tp)
-    return dataclasses.replace(config, num_kv_heads=config.num_kv_heads * replicas, kv_head_replicas=replicas,
-                               fused_shards=tp)

@@ -27,7 +27,7 @@ def main(model_dir: str, port: int, process_id: int, mode: str) -> None:
     config = EngineConfig(model=model_dir, tensor_parallel_size=4, coordinator_address=f"127.0.0.1:{port}",
                           num_processes=2, process_id=process_id, **ENGINE_ARGS)
     if process_id > 0:
-        from sharding.distributed import run_follower
+        from jserve.engine.engine import run_follower
 
         run_follower(config)
         return

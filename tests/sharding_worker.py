@@ -19,11 +19,11 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from tp_workload import ENGINE_ARGS, greedy_tokens  # noqa: E402
 
-from checkpoints.loading import load_model  # noqa: E402
 from jserve import LLM  # noqa: E402
 from jserve.engine.packing import pack  # noqa: E402
-from jserve.engine.runner import ModelRunner, ScheduledChunk  # noqa: E402
-from jserve.engine.sequence import Sequence  # noqa: E402
+from jserve.engine.sequence import ScheduledSeq, Sequence  # noqa: E402
+from jserve.executors import CpuLayerExecutor, XlaExecutor  # noqa: E402
+from jserve.loading import load_model  # noqa: E402
 from jserve.sampling_params import SamplingParams  # noqa: E402
 from sharding import KV_CACHE_AXES, MODEL_AXIS, logical_spec, make_mesh  # noqa: E402
 
@@ -31,9 +31,10 @@ from sharding import KV_CACHE_AXES, MODEL_AXIS, logical_spec, make_mesh  # noqa:
 def two_step_logits(model_dir: str, tp: int, backend: str = "reference") -> np.ndarray:
     """All-token float32 logits of a ragged batch run as two chunks per prompt (the second reads cached KV)."""
     mesh = make_mesh(tp) if tp > 1 else None
-    runner = ModelRunner(load_model(model_dir, "float32", backend, mesh=mesh), dtype="float32",
-                         num_blocks=32, block_size=16, max_num_batched_tokens=128, max_num_seqs=8,
-                         max_model_len=256, mesh=mesh)
+    executor = CpuLayerExecutor if backend == "cpu" else XlaExecutor
+    runner = executor(executor.load(model_dir, dtype="float32", attention_backend=backend, mesh=mesh),
+                      dtype="float32", num_blocks=32, block_size=16, max_num_batched_tokens=128, max_num_seqs=8,
+                      max_model_len=256, mesh=mesh)
     rng = np.random.default_rng(0)
     seqs, next_block = [], 0
     for n in (5, 37, 20, 1):
@@ -48,7 +49,7 @@ def two_step_logits(model_dir: str, tp: int, backend: str = "reference") -> np.n
             half = (seq.num_prompt_tokens + 1) // 2
             n = half if first else seq.num_prompt_tokens - half
             if n:
-                chunks.append(ScheduledChunk(seq, n, True))
+                chunks.append(ScheduledSeq(seq, n, True))
         batch = runner.prepare(chunks, all_logits=True)
         num_tokens = sum(c.num_new_tokens for c in chunks)
         out.append(np.asarray(runner.run(batch), np.float32)[:num_tokens])
@@ -79,7 +80,7 @@ def sharding_report(model_dir: str, tp: int) -> dict:
             sharded_total += array.nbytes
             for shard in array.addressable_shards:
                 per_device[shard.device.id] += shard.data.nbytes
-    runner = ModelRunner(model, dtype="float32", num_blocks=8, block_size=16, max_num_batched_tokens=64,
+    runner = XlaExecutor(model, dtype="float32", num_blocks=8, block_size=16, max_num_batched_tokens=64,
                          max_num_seqs=8, max_model_len=128, mesh=mesh)
     cache = runner.kv_cache.k[0]
     kv_fraction = [s.data.nbytes / cache.nbytes for s in cache.addressable_shards]
@@ -94,11 +95,11 @@ def tpu_export(model_dir: str, tp: int) -> dict:
     from pallas_kernels import interface
 
     mesh = make_mesh(tp)
-    runner = ModelRunner(load_model(model_dir, "bfloat16", "pallas", mesh=mesh), dtype="bfloat16", num_blocks=8,
+    runner = XlaExecutor(load_model(model_dir, "bfloat16", "pallas", mesh=mesh), dtype="bfloat16", num_blocks=8,
                          block_size=16, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64, mesh=mesh)
     seq = Sequence("tp", [5, 6, 7], SamplingParams())
     seq.block_table = [1]
-    batch = runner.prepare([ScheduledChunk(seq, 3, True)])
+    batch = runner.prepare([ScheduledSeq(seq, 3, True)])
     platform = interface.jax.default_backend
     interface.jax.default_backend = lambda: "tpu"  # "pallas" picks the kernel of the platform it believes it is on
     try:

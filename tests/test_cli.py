@@ -13,9 +13,9 @@ import pytest
 from hf_models import load_hf
 from safetensors.torch import load_file, save_file
 
-from checkpoints.loading import load_model
 from jserve.cli import main
 from jserve.config import ModelLoadError
+from jserve.loading import load_model
 from jserve.sampling_params import SamplingParams
 
 ENGINE_FLAGS = ["--no-warmup", "--compilation-cache-dir", "", "--max-model-len", "512",

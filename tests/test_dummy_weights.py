@@ -16,8 +16,8 @@ import pytest
 from flax import nnx
 
 from checkpoints.dummy import DUMMY_STD
-from checkpoints.loading import load_model
 from jserve import LLM, SamplingParams
+from jserve.loading import load_model
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -75,7 +75,7 @@ def test_sharded_draw_follows_the_rules(config_only_dir):
     script = textwrap.dedent(f"""
         import jax, numpy as np
         from flax import nnx
-        from checkpoints.loading import load_model
+        from jserve.loading import load_model
         from jserve import LLM, SamplingParams
         from sharding import logical_sharding, make_mesh
         mesh = make_mesh(2, 1)

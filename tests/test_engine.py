@@ -1,9 +1,9 @@
 """The engine end to end: continuous batching, preemption, prefix caching and chunked prefill all give exactly
 the tokens a request gets alone, and the tokens transformers gives for the same weights.
 
-The tests that compare with transformers run on both executors (the `executor` fixture): "auto" (on CPU the C++
-layer kernels) and "reference", the XLA path a GPU or TPU runs (the Flax layers, the jitted sampler and bursts)
-with the pure-JAX attention in place of the Pallas kernel."""
+The tests that compare with transformers run on both executors (the `executor` fixture, an attention_backend):
+"auto" (on CPU the CPU layer executor) and "reference", the XLA executor a GPU or TPU runs (the Flax layers, the
+jitted sampler and bursts) with the pure-JAX attention in place of the Pallas kernel."""
 
 from __future__ import annotations
 
@@ -159,8 +159,9 @@ def test_decode_bursts_give_the_tokens_and_text_of_single_steps(hf_model_dir, ll
     rng = np.random.default_rng(21)
     prompts = [{"prompt_token_ids": rng.integers(3, 500, int(n)).tolist()} for n in rng.integers(1, 120, 6)]
     single = llm_factory(hf_model_dir("llama"), decode_burst=8, decode_burst_ms=1e-3)
-    monkeypatch.setattr(single.engine, "_bursts_possible", False)
-    monkeypatch.setattr(single.engine.runner, "run_burst", lambda *args: pytest.fail("a burst in the reference"))
+    monkeypatch.setattr(single.engine.scheduler, "burst_buckets", None)
+    monkeypatch.setattr(single.engine.executor, "execute_burst",
+                        lambda *args: pytest.fail("a burst in the reference"))
     free = single.generate(prompts[0], greedy(40), use_tqdm=False)[0].outputs[0]
     params = [greedy(37), SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=50, ignore_eos=True),
               SamplingParams(temperature=0.7, seed=8, n=2, max_tokens=45, ignore_eos=True),
@@ -172,10 +173,10 @@ def test_decode_bursts_give_the_tokens_and_text_of_single_steps(hf_model_dir, ll
     expected = single.generate(prompts, params, use_tqdm=False)
 
     bursts = llm_factory(hf_model_dir("llama"), decode_burst=8, decode_burst_ms=float("inf"))
-    runner, calls = bursts.engine.runner, []
-    run_burst = runner.run_burst
-    monkeypatch.setattr(runner, "run_burst", lambda *args: calls.append(args[2]) or run_burst(*args))
-    layer_kernel = runner.layer_stack is not None
+    executor, calls = bursts.engine.executor, []
+    run_burst = executor.execute_burst
+    monkeypatch.setattr(executor, "execute_burst", lambda *args: calls.append(args[2]) or run_burst(*args))
+    layer_kernel = getattr(executor, "layer_stack", None) is not None
     kept = cpu_kernels.cached_layer_calls() if layer_kernel else 0
     for together in (True, False):  # all at once, and each alone (a batch of one bursts the most)
         got = bursts.generate(prompts, params, use_tqdm=False) if together else \
@@ -198,7 +199,7 @@ def test_a_burst_ends_on_the_device_once_every_sequence_has_stopped(hf_model_dir
     of single steps (the plain forward, then the sampler)."""
     prompt = {"prompt_token_ids": np.random.default_rng(3).integers(3, 500, 20).tolist()}
     single = llm_factory(hf_model_dir("llama"), decode_burst=8, decode_burst_ms=1e-3)
-    monkeypatch.setattr(single.engine, "_bursts_possible", False)
+    monkeypatch.setattr(single.engine.scheduler, "burst_buckets", None)
     free = single.generate(prompt, greedy(24), use_tqdm=False)[0].outputs[0].token_ids
     # A token first sampled inside the second burst (tokens 10-17: the prompt step gives token 1).
     end = next(i for i in range(10, 16) if free[i] not in free[:i])
@@ -228,15 +229,15 @@ def test_a_burst_shrinks_until_the_free_blocks_hold_its_slots(hf_model_dir, llm_
 
     prompt = {"prompt_token_ids": np.random.default_rng(8).integers(3, 500, 14).tolist()}
     single = llm_factory(hf_model_dir("llama"), decode_burst=8, decode_burst_ms=1e-3)
-    monkeypatch.setattr(single.engine, "_bursts_possible", False)
+    monkeypatch.setattr(single.engine.scheduler, "burst_buckets", None)
     expected = single.generate(prompt, greedy(12), use_tqdm=False)[0].outputs[0].token_ids
     llm = llm_factory(hf_model_dir("llama"), decode_burst=8, decode_burst_ms=float("inf"))
-    bm, runner, calls = llm.engine.block_manager, llm.engine.runner, []
+    bm, executor, calls = llm.engine.block_manager, llm.engine.executor, []
     # All free blocks but the prompt's one are held, until the first burst has run: the prompt step fills positions
     # 0-13, so a first burst of 8 (positions 14-21) would need a second block; 2 steps fit in the first.
     hog = Sequence("hog", [0], greedy(1))
     assert bm.allocate_slots(hog, (bm.num_free_blocks - 1) * bm.block_size)
-    run_burst = runner.run_burst
+    run_burst = executor.execute_burst
 
     def burst_then_release(*args):
         calls.append(args[2])
@@ -244,7 +245,7 @@ def test_a_burst_shrinks_until_the_free_blocks_hold_its_slots(hf_model_dir, llm_
             bm.free(hog)
         return run_burst(*args)
 
-    monkeypatch.setattr(runner, "run_burst", burst_then_release)
+    monkeypatch.setattr(executor, "execute_burst", burst_then_release)
     assert llm.generate(prompt, greedy(12), use_tqdm=False)[0].outputs[0].token_ids == expected
     assert calls == [2, 8, 1]  # then the full burst, and the last token's step
     assert bm.num_free_blocks == bm.num_blocks
@@ -259,10 +260,10 @@ def test_a_burst_over_a_growing_long_context_gives_the_tokens_of_single_steps(hf
     prompt = {"prompt_token_ids": np.random.default_rng(5).integers(3, 500, 250).tolist()}
     params = greedy(40)
     single = llm_factory(hf_model_dir("llama"), decode_burst=8, decode_burst_ms=1e-3)
-    monkeypatch.setattr(single.engine, "_bursts_possible", False)
+    monkeypatch.setattr(single.engine.scheduler, "burst_buckets", None)
     expected = single.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     bursts = llm_factory(hf_model_dir("llama"), decode_burst=8, decode_burst_ms=float("inf"))
-    layer_kernel = bursts.engine.runner.layer_stack is not None
+    layer_kernel = getattr(bursts.engine.executor, "layer_stack", None) is not None
     kept = cpu_kernels.cached_layer_calls() if layer_kernel else 0
     assert bursts.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == expected
     if layer_kernel:
@@ -317,8 +318,8 @@ def test_only_streaming_requests_hold_bursts_to_the_time_budget(hf_model_dir, ll
     (LLM.generate) burst the full decode_burst, with the tokens streaming requests get."""
     llm = llm_factory(hf_model_dir("llama"), decode_burst=8, decode_burst_ms=1e-3)
     engine, calls = llm.engine, []
-    run_burst = engine.runner.run_burst
-    monkeypatch.setattr(engine.runner, "run_burst", lambda *args: calls.append(args[2]) or run_burst(*args))
+    run_burst = engine.executor.execute_burst
+    monkeypatch.setattr(engine.executor, "execute_burst", lambda *args: calls.append(args[2]) or run_burst(*args))
     prompts = [np.random.default_rng(5).integers(3, 500, n).tolist() for n in (9, 30)]
     params = SamplingParams(temperature=0.8, seed=11, max_tokens=30, ignore_eos=True)
     for i, prompt in enumerate(prompts):
@@ -429,9 +430,9 @@ def test_no_recompilation_after_warmup(hf_model_dir, executor):
               max_num_batched_tokens=128, max_num_seqs=16, warmup=True, compilation_cache_dir="",
               attention_backend=executor)
     engine, rng = llm.engine, np.random.default_rng(0)
-    runner, stats = engine.runner, engine.stats
-    assert stats.warmup_step_shapes == len(runner.token_buckets) * len(runner.page_buckets) and stats.warmup_seconds > 0
-    assert stats.warmup_burst_shapes > 0 and runner.supports_burst and len(runner.page_buckets) == 1
+    ex, stats = engine.executor, engine.stats
+    assert stats.warmup_step_shapes == len(ex.token_buckets) * len(ex.page_buckets) and stats.warmup_seconds > 0
+    assert stats.warmup_burst_shapes > 0 and ex.supports_burst and len(ex.page_buckets) == 1
     compiles = []
     listener = lambda event, duration, **kw: compiles.append(event) if event == dispatch.BACKEND_COMPILE_EVENT \
         else None
@@ -449,8 +450,8 @@ def test_no_recompilation_after_warmup(hf_model_dir, executor):
                     params = SamplingParams(max_tokens=int(rng.integers(1, 256 - len(prompt))),
                                             **choices[i % len(choices)])
                     engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
-            if engine.requests and rng.random() < 0.1:
-                engine.abort_request(str(rng.choice(sorted(engine.requests))))
+            if engine.outputs.requests and rng.random() < 0.1:
+                engine.abort_request(str(rng.choice(sorted(engine.outputs.requests))))
             engine.step()
     finally:
         jax.monitoring.clear_event_listeners()
@@ -483,10 +484,10 @@ def test_a_bfloat16_decode_burst_reads_no_weight_outside_its_steps(hf_model_dir,
     from jserve.engine.sampler import warmup_metadata
 
     llm = llm_factory(hf_model_dir("llama"), dtype="bfloat16", decode_burst=4)
-    runner = llm.engine.runner
-    batch = next(runner.burst_batches())
+    executor = llm.engine.executor
+    batch = next(executor.burst_batches())
     meta = warmup_metadata(len(batch.seq_lens))[0]
-    hlo = runner.lower_burst(batch, meta, 4)[1].compile().as_text()
+    hlo = executor.lower_burst(batch, meta, 4)[1].compile().as_text()
     entry = hlo[hlo.index("\nENTRY"):].splitlines()[1:]
     outside = [line.strip() for line in entry
                if "%params_" in line and " tuple(" not in line and " parameter(" not in line]
@@ -496,7 +497,7 @@ def test_a_bfloat16_decode_burst_reads_no_weight_outside_its_steps(hf_model_dir,
 
 @pytest.mark.parametrize("kwargs", [dict(kv_cache_memory_bytes=-1), dict(kv_cache_memory_bytes=0),
                                     dict(max_model_len=0), dict(block_size=0), dict(decode_burst_ms=0),
-                                    dict(kv_cache_fraction=2.0), dict(max_num_seqs=True)])
+                                    dict(kv_cache_fraction=2.0), dict(max_num_seqs=True), dict(executor="gpu")])
 def test_engine_settings_are_checked_when_made(kwargs):
     (name, value), = kwargs.items()
     with pytest.raises(ValueError, match=f"{name} must be"):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import cpu_kernels
-from checkpoints.host_arena import HugePageArena, LayerStacks
+from jserve.executors.host_arena import HugePageArena, LayerStacks
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
                                 reason="no transparent huge pages (Linux only) on this host")
@@ -59,10 +59,10 @@ def test_small_arrays_go_through_device_put():
 def test_cpu_models_load_into_the_arena(hf_model_dir):
     import jax
 
-    from checkpoints.loading import load_model
+    from jserve.executors import CpuLayerExecutor
 
     for dtype in ("float32", "bfloat16"):
-        model = load_model(hf_model_dir("llama"), dtype, "cpu")
+        model = CpuLayerExecutor.load(hf_model_dir("llama"), dtype=dtype)
         large = [leaf for leaf in jax.tree.leaves(model.state) if leaf.nbytes >= 64 << 10]
         assert large and all("hg" in _vm_flags(leaf.unsafe_buffer_pointer()) for leaf in large)
         assert any(leaf.dtype == jnp.dtype(dtype) for leaf in large)
@@ -78,7 +78,7 @@ def test_cpu_models_load_into_the_arena(hf_model_dir):
             assert stack.matrix_parts.shape[:2] == (cpu_kernels.kernel_threads(), len(layers))
             assert all(layer["mlp"]["down_proj"]["weight"][...].size == 0 for layer in layers.values())
         # Without parts, the matrices are stacked like the rest, each layer's a view of its slice.
-        flat = load_model(hf_model_dir("llama"), dtype, "cpu", weight_parts=0)
+        flat = CpuLayerExecutor.load(hf_model_dir("llama"), dtype=dtype, weight_parts=0)
         for i, layer in flat.state["layers"].items():
             qkv = layer["self_attn"]["qkv_proj"]["weight"][...]
             assert qkv.unsafe_buffer_pointer() == flat.layer_stack.qkv.unsafe_buffer_pointer() + i * qkv.nbytes

@@ -246,8 +246,8 @@ def test_engine_pallas_interpret_matches_reference(hf_model_dir, llm_factory):
         # The Triton kernel (the GPU's configuration) and the pure-JAX attention read only the pages their sequences
         # reach, so one full-width page table serves every step and decodes run in bursts; the TPU kernel, not yet
         # measured for it, buckets the width.
-        runner = llm.engine.runner
-        assert (len(runner.page_buckets) == 1) == runner.supports_burst == (backend != "pallas-interpret")
+        executor = llm.engine.executor
+        assert (len(executor.page_buckets) == 1) == executor.supports_burst == (backend != "pallas-interpret")
     for backend in kernels:
         assert sum(out.num_cached_tokens for out in results[backend][1:]) >= 64  # prefix-cache hits
         for ref, got in zip(results["reference"], results[backend], strict=True):
@@ -261,20 +261,20 @@ def test_engine_pallas_interpret_matches_reference(hf_model_dir, llm_factory):
 def test_model_step_logits_match_reference(hf_model_dir, backend, dtype, atol):
     """One mixed step through the whole model (mistral: GQA 2 + sliding window) with each kernel; in bfloat16
     the CPU cache holds uint16 bits (reference.kv_storage_dtype), which the kernels must read as bfloat16."""
-    from checkpoints.loading import load_model
-    from jserve.engine.runner import ModelRunner, ScheduledChunk
-    from jserve.engine.sequence import Sequence
+    from jserve.engine.sequence import ScheduledSeq, Sequence
+    from jserve.executors import CpuLayerExecutor, XlaExecutor
     from jserve.sampling_params import SamplingParams
 
     def step_logits(attention_backend: str) -> np.ndarray:
-        model = load_model(hf_model_dir("mistral"), dtype, attention_backend)
-        runner = ModelRunner(model, dtype=dtype, num_blocks=16, block_size=16, max_num_batched_tokens=64,
-                             max_num_seqs=4, max_model_len=128)
+        executor = CpuLayerExecutor if attention_backend == "cpu" else XlaExecutor
+        model = executor.load(hf_model_dir("mistral"), dtype=dtype, attention_backend=attention_backend)
+        runner = executor(model, dtype=dtype, num_blocks=16, block_size=16, max_num_batched_tokens=64,
+                          max_num_seqs=4, max_model_len=128)
         chunks = []
         for i, n in enumerate((29, 1, 17)):
             seq = Sequence(f"r{i}", list(range(3 + i, 3 + i + n)), SamplingParams())
             seq.block_table = [15 - 2 * i, 4 + i]  # shuffled pages
-            chunks.append(ScheduledChunk(seq, n, True))
+            chunks.append(ScheduledSeq(seq, n, True))
         return np.asarray(runner.run(runner.prepare(chunks)))[:3]
 
     np.testing.assert_allclose(step_logits(backend), step_logits("reference"), atol=atol, rtol=0)
@@ -284,48 +284,49 @@ def test_model_step_logits_match_reference(hf_model_dir, backend, dtype, atol):
 def test_long_decode_through_the_layer_kernel_matches_reference(hf_model_dir, dtype, atol):
     """A decode over 300 tokens of context (19 pages: the CPU layer kernel splits it into parts and merges them)
     after a 299-token prefill, against the reference backend's logits."""
-    from checkpoints.loading import load_model
-    from jserve.engine.runner import ModelRunner, ScheduledChunk
-    from jserve.engine.sequence import Sequence
+    from jserve.engine.sequence import ScheduledSeq, Sequence
+    from jserve.executors import CpuLayerExecutor, XlaExecutor
     from jserve.sampling_params import SamplingParams
 
     def decode_logits(attention_backend: str) -> np.ndarray:
-        model = load_model(hf_model_dir("llama"), dtype, attention_backend)
-        runner = ModelRunner(model, dtype=dtype, num_blocks=24, block_size=16, max_num_batched_tokens=512,
-                             max_num_seqs=2, max_model_len=512)
+        executor = CpuLayerExecutor if attention_backend == "cpu" else XlaExecutor
+        model = executor.load(hf_model_dir("llama"), dtype=dtype, attention_backend=attention_backend)
+        runner = executor(model, dtype=dtype, num_blocks=24, block_size=16, max_num_batched_tokens=512,
+                          max_num_seqs=2, max_model_len=512)
         seq = Sequence("long", [3 + (7 * i) % 380 for i in range(300)], SamplingParams())
         seq.block_table = list(range(23, 4, -1))  # 19 pages, in reverse order
-        runner.run(runner.prepare([ScheduledChunk(seq, 299, False)]))
+        runner.run(runner.prepare([ScheduledSeq(seq, 299, False)]))
         seq.num_computed_tokens = 299
-        return np.asarray(runner.run(runner.prepare([ScheduledChunk(seq, 1, True)])))[:1]
+        return np.asarray(runner.run(runner.prepare([ScheduledSeq(seq, 1, True)])))[:1]
 
     np.testing.assert_allclose(decode_logits("cpu"), decode_logits("reference"), atol=atol, rtol=0)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "reference"])
-def test_stacked_cache_and_weights_give_the_per_layer_results(hf_model_dir, backend):
-    """The CPU runner keeps K and V as one [L, ...] array each and takes the loader's stacked layer weights (~14
-    arrays to dispatch, not ~14 a layer). A prefill and then a decode give the logits and cache contents of per-layer
-    weights and caches: through the layer kernel (either form of each), and through the per-op layers (which split a
-    stacked cache and stack it again). So do the matrices laid out in per-thread parts (the loader's default on the
-    cpu backend): one part a kernel thread (each thread reads its own) and three (shared out block by block)."""
+def test_stacked_cache_and_weights_give_the_per_layer_results(hf_model_dir):
+    """The CPU layer executor keeps K and V as one [L, ...] array each and takes the loader's stacked layer weights
+    (~14 arrays to dispatch, not ~14 a layer). A prefill and then a decode give the logits and cache contents of
+    per-layer weights and caches through the layer kernel (either form of each), and the logits and cache of the XLA
+    executor. So do the matrices laid out in per-thread parts (the loader's default): one part a kernel thread (each
+    thread reads its own) and three (shared out block by block)."""
     import dataclasses
 
-    from checkpoints.loading import load_model
-    from jserve.engine.runner import ModelRunner, ScheduledChunk
-    from jserve.engine.sequence import Sequence
+    from jserve.engine.sequence import ScheduledSeq, Sequence
+    from jserve.executors import CpuLayerExecutor, XlaExecutor
     from jserve.models.batch import KVCache
     from jserve.sampling_params import SamplingParams
 
-    model = load_model(hf_model_dir("llama"), "float32", backend, weight_parts=0)
-    assert (model.layer_stack is not None) == (backend == "cpu")
+    load = functools.partial(CpuLayerExecutor.load, hf_model_dir("llama"), dtype="float32")
+    model = load(weight_parts=0)
+    assert model.layer_stack is not None
+    settings = dict(dtype="float32", num_blocks=12, block_size=16, max_num_batched_tokens=64, max_num_seqs=2,
+                    max_model_len=128)
 
-    def prefill_and_decode(stacked_cache: bool, stacked_weights: bool, model=model) -> tuple[np.ndarray, ...]:
-        loaded = model if stacked_weights else dataclasses.replace(model, layer_stack=None)
-        runner = ModelRunner(loaded, dtype="float32", num_blocks=12, block_size=16, max_num_batched_tokens=64,
-                             max_num_seqs=2, max_model_len=128)
-        assert runner.stacked_cache == (backend == "cpu")
-        assert (runner.layer_stack is not None) == stacked_weights
+    def prefill_and_decode(stacked_cache: bool, stacked_weights: bool, model=model,
+                           executor=CpuLayerExecutor) -> tuple[np.ndarray, ...]:
+        loaded = model if stacked_weights or executor is XlaExecutor else dataclasses.replace(model, layer_stack=None)
+        runner = executor(loaded, **settings)
+        assert runner.kv_cache.stacked == (executor is CpuLayerExecutor)
+        assert (getattr(runner, "layer_stack", None) is not None) == stacked_weights
         cache = runner.kv_cache
         if stacked_cache != cache.stacked:
             runner.kv_cache = KVCache(k=jnp.stack(cache.k), v=jnp.stack(cache.v)) if stacked_cache else \
@@ -333,24 +334,27 @@ def test_stacked_cache_and_weights_give_the_per_layer_results(hf_model_dir, back
         seqs = [Sequence(f"r{i}", [3 + (5 * j + i) % 380 for j in range(n)], SamplingParams())
                 for i, n in enumerate((40, 9))]
         seqs[0].block_table, seqs[1].block_table = [9, 2, 11], [5]
-        runner.run(runner.prepare([ScheduledChunk(s, s.num_tokens - 1, False) for s in seqs]))
+        runner.run(runner.prepare([ScheduledSeq(s, s.num_tokens - 1, False) for s in seqs]))
         for s in seqs:
             s.num_computed_tokens = s.num_tokens - 1
-        logits = np.asarray(runner.run(runner.prepare([ScheduledChunk(s, 1, True) for s in seqs])))[:2]
+        logits = np.asarray(runner.run(runner.prepare([ScheduledSeq(s, 1, True) for s in seqs])))[:2]
         assert runner.kv_cache.stacked == stacked_cache
         k, v = runner.kv_cache.k, runner.kv_cache.v
         return logits, np.asarray(k) if stacked_cache else np.stack(k), np.asarray(v) if stacked_cache else np.stack(v)
 
     per_layer = prefill_and_decode(False, False)
     assert np.abs(per_layer[1]).max() > 0  # the steps wrote K/V
-    variants = [(True, True), (True, False), (False, True)] if backend == "cpu" else [(True, False)]
-    for stacked_cache, stacked_weights in variants:
+    xla = prefill_and_decode(False, False, XlaExecutor.load(hf_model_dir("llama"), dtype="float32",
+                                                            attention_backend="reference"), XlaExecutor)
+    for stacked_cache, stacked_weights in [(True, True), (True, False), (False, True)]:
         for got, want in zip(prefill_and_decode(stacked_cache, stacked_weights), per_layer, strict=True):
             np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
-    if backend != "cpu" or not cpu_kernels.packs_weights("float32"):
+    for got, want in zip(xla, per_layer, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    if not cpu_kernels.packs_weights("float32"):
         return
     for parts in (None, 3):
-        in_parts = load_model(hf_model_dir("llama"), "float32", backend, weight_parts=parts)
+        in_parts = load(weight_parts=parts)
         assert in_parts.layer_stack.qkv is None
         assert in_parts.layer_stack.matrix_parts.shape[0] == (parts or cpu_kernels.kernel_threads())
         for got, want in zip(prefill_and_decode(True, True, in_parts), per_layer, strict=True):
@@ -362,12 +366,12 @@ def test_stacked_cache_and_weights_give_the_per_layer_results(hf_model_dir, back
 def test_layer_kernel_rejects_weight_parts_that_disagree_with_the_layer(hf_model_dir):
     """Per-thread parts of the wrong size, or without the intermediate size they are laid out by, are refused with a
     clear error (not read out of bounds)."""
-    from checkpoints.loading import load_model
+    from jserve.executors import CpuLayerExecutor
     from jserve.models.layers import rope_inv_freq
 
     if not cpu_kernels.packs_weights("float32"):
         pytest.skip("the CPU kernels do not pack weights here")
-    model = load_model(hf_model_dir("llama"), "float32", "cpu", weight_parts=2)
+    model = CpuLayerExecutor.load(hf_model_dir("llama"), dtype="float32", weight_parts=2)
     cfg, stack = model.config, model.layer_stack
 
     def call(weights, **kwargs):
@@ -392,10 +396,10 @@ def test_layer_kernel_rejects_weight_parts_that_disagree_with_the_layer(hf_model
 def test_the_phase_profile_times_each_step_of_a_layer_kernel_call(hf_model_dir):
     """With the profile on, one batch-1 decode call of the layer kernel is counted once, within the time the caller
     saw it take, with time running each step of a layer; with it off, nothing is counted."""
-    from checkpoints.loading import load_model
+    from jserve.executors import CpuLayerExecutor
     from jserve.models.layers import rope_inv_freq
 
-    model = load_model(hf_model_dir("llama"), "float32", "cpu")
+    model = CpuLayerExecutor.load(hf_model_dir("llama"), dtype="float32")
     cfg = model.config
     pages = (cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim)
 

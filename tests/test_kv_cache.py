@@ -209,13 +209,24 @@ def test_prefix_caching_disabled_never_matches():
     assert not bm.hash_to_block
 
 
-def test_data_parallel_metrics_view_pools_the_replicas():
-    from jserve.engine.data_parallel import PooledView
+def test_data_parallel_snapshot_adds_up_the_replicas():
+    from jserve.engine.data_parallel import DataParallelEngine
+    from jserve.engine.engine import EngineSnapshot
+
+    class Replica:  # what the front reads of an engine: its snapshot
+        def __init__(self, bm: BlockManager):
+            self.bm = bm
+
+        def snapshot(self) -> EngineSnapshot:
+            return EngineSnapshot(num_blocks=self.bm.num_blocks, num_free_blocks=self.bm.num_free_blocks,
+                                  prefix_cache_queries=self.bm.prefix_cache_queries)
 
     first, second = BlockManager(num_blocks=8, block_size=4), BlockManager(num_blocks=4, block_size=4)
     run_prefill(first, make_seq(range(10)))  # 3 blocks
     run_prefill(second, make_seq(range(100, 104), "s"))  # 1 block
-    pooled = PooledView([first, second])
+    front = DataParallelEngine.__new__(DataParallelEngine)
+    front.replicas = [Replica(first), Replica(second)]
+    pooled = front.snapshot()
     assert (pooled.num_blocks, pooled.num_free_blocks) == (12, 8)
-    assert pooled.usage == pytest.approx(4 / 12)
+    assert pooled.kv_cache_usage == pytest.approx(4 / 12)
     assert pooled.prefix_cache_queries == 14

@@ -7,9 +7,8 @@ import pytest
 import torch
 from hf_models import VARIANTS, load_hf
 
-from checkpoints.loading import load_model
-from jserve.engine.runner import ModelRunner, ScheduledChunk
-from jserve.engine.sequence import Sequence
+from jserve.engine.sequence import ScheduledSeq, Sequence
+from jserve.executors import CpuLayerExecutor, XlaExecutor
 from jserve.sampling_params import SamplingParams
 
 PROMPT_LENS = (5, 37, 20, 1)
@@ -26,15 +25,16 @@ def _prompts(seed: int = 0) -> list[list[int]]:
 def jserve_logits(model_dir, prompts: list[list[int]], dtype: str,
                   attention_backend: str = "reference") -> list[np.ndarray]:
     """All-position logits of every prompt, computed in one ragged step over a paged cache."""
-    runner = ModelRunner(load_model(model_dir, dtype, attention_backend), dtype=dtype, num_blocks=32, block_size=16,
-                         max_num_batched_tokens=128, max_num_seqs=8, max_model_len=256)
+    executor = CpuLayerExecutor if attention_backend == "cpu" else XlaExecutor
+    runner = executor(executor.load(model_dir, dtype=dtype, attention_backend=attention_backend), dtype=dtype,
+                      num_blocks=32, block_size=16, max_num_batched_tokens=128, max_num_seqs=8, max_model_len=256)
     chunks, next_block = [], 0
     for p in prompts:
         seq = Sequence("parity", p, SamplingParams())
         needed = -(-len(p) // 16)
         seq.block_table = list(range(next_block, next_block + needed))[::-1]  # pages out of order on purpose
         next_block += needed
-        chunks.append(ScheduledChunk(seq, len(p), True))
+        chunks.append(ScheduledSeq(seq, len(p), True))
     batch = runner.prepare(chunks)
     batch.logits_indices = np.arange(len(batch.token_ids), dtype=np.int32)
     logits = np.asarray(runner.run(batch), dtype=np.float32)

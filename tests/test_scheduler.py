@@ -50,7 +50,7 @@ class Sim:
         return out
 
     def finish_step(self, out: SchedulerOutput) -> None:
-        self.sched.on_step_done(out)
+        self.sched.update(out, [int(item.sample) for item in out.scheduled], [])
         for item in out.scheduled:
             seq = item.seq
             if seq.is_finished:

@@ -74,9 +74,9 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
 
 def drained(server) -> bool:
     engine = server.state.engine.engine
-    bm = engine.block_manager
-    return (engine.scheduler.num_running == 0 and engine.scheduler.num_waiting == 0
-            and not engine.has_unfinished_requests() and bm.num_free_blocks == bm.num_blocks)
+    s = engine.snapshot()
+    return (s.num_running == 0 and s.num_waiting == 0 and not engine.has_unfinished_requests()
+            and s.num_free_blocks == s.num_blocks)
 
 
 def check_completion_chunks(chunks) -> dict[int, str]:

@@ -67,8 +67,8 @@ def write_synthetic(out: Path, hidden: int = 2048, layers: int = 8, heads: int =
 def measure(model_dir: str, tp: int, dtype: str) -> dict:
     import jax
 
-    from checkpoints import loading
     from checkpoints.safetensors_loader import checkpoint_files, iter_tensors, load_state
+    from jserve import loading
     from sharding import make_mesh
 
     largest = max(t.nbytes for f in checkpoint_files(model_dir) for _, t in iter_tensors(f))

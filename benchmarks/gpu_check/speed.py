@@ -24,7 +24,7 @@ def param_bytes(engine) -> tuple[int, int]:
     """(bytes of every parameter, bytes of the embedding table)."""
     import jax
 
-    total = sum(leaf.nbytes for leaf in jax.tree.leaves(engine.runner.params))
+    total = sum(leaf.nbytes for leaf in jax.tree.leaves(engine.executor.params))
     cfg = engine.model_config
     embed = cfg.vocab_size * cfg.hidden_size * (2 if engine.config.dtype == "bfloat16" else 4)
     return total, embed
@@ -59,12 +59,12 @@ def main() -> None:
     start = time.perf_counter()
     llm = LLM(str(path), warmup=False, **settings)
     engine = llm.engine
-    jax.block_until_ready(engine.runner.params)
+    jax.block_until_ready(engine.executor.params)
     results.record("load_seconds", time.perf_counter() - start)
     if args.get("full_warmup"):  # the warmup section: every step shape compiled up front, as `jserve serve` does
         start = time.perf_counter()
         engine.warmup()
-        runner = engine.runner
+        runner = engine.executor
         results.record("warmup", {"seconds": time.perf_counter() - start, "step_shapes": len(runner._compiled),
                                   "burst_shapes": len(runner._compiled_bursts),
                                   "token_buckets": runner.token_buckets, "page_buckets": runner.page_buckets})

@@ -19,7 +19,7 @@ from jserve.bench.datasets import SampleRequest, build_requests
 
 def model_dir(args: Namespace) -> Path:
     from checkpoints import DEMO_MODEL_DIR
-    from checkpoints.loading import resolve_model_path
+    from jserve.loading import resolve_model_path
 
     return resolve_model_path(args.model) if args.model else DEMO_MODEL_DIR
 

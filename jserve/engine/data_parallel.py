@@ -11,7 +11,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from jserve.config import EngineConfig
-from jserve.engine.engine import EngineStats, LLMEngine
+from jserve.engine.engine import EngineSnapshot, EngineStats, LLMEngine
 from jserve.outputs import RequestOutput
 from sharding import make_mesh, replica_meshes
 
@@ -38,17 +38,14 @@ class DataParallelEngine:
         self._owner: dict[str, LLMEngine] = {}
         self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="jserve-dp")
 
-    @property
-    def block_manager(self) -> PooledView:
-        return PooledView([e.block_manager for e in self.replicas])
+    def snapshot(self) -> EngineSnapshot:
+        """The replicas' snapshots added up."""
+        parts = [vars(e.snapshot()) for e in self.replicas]
+        return EngineSnapshot(**{name: sum(p[name] for p in parts) for name in parts[0]})
 
-    @property
-    def scheduler(self) -> PooledView:
-        return PooledView([e.scheduler for e in self.replicas])
-
-    @property
-    def requests(self) -> dict:
-        return {rid: state for engine in self.replicas for rid, state in engine.requests.items()}
+    def request_started(self, request_id: str) -> bool:
+        engine = self._owner.get(request_id)
+        return engine is None or engine.request_started(request_id)
 
     @property
     def stats(self) -> EngineStats:
@@ -61,7 +58,7 @@ class DataParallelEngine:
     def add_request(self, request_id: str, prompt, params=None, **kwargs) -> None:
         if request_id in self._owner:
             raise ValueError(f"request id {request_id!r} is already in use")
-        engine = min(self.replicas, key=lambda e: len(e.requests))  # first of the least loaded
+        engine = min(self.replicas, key=lambda e: e.snapshot().num_unfinished_requests)  # first of the least loaded
         engine.add_request(request_id, prompt, params, **kwargs)
         self._owner[request_id] = engine
 
@@ -85,17 +82,3 @@ class DataParallelEngine:
 
     def warmup(self) -> None:
         list(self._pool.map(LLMEngine.warmup, self.replicas))
-
-
-class PooledView:
-    """The replicas' block managers or schedulers seen as one, for metrics: counters add up."""
-
-    def __init__(self, parts: list):
-        self._parts = parts
-
-    def __getattr__(self, name: str):
-        return sum(getattr(part, name) for part in self._parts)
-
-    @property
-    def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks

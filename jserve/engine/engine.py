@@ -1,7 +1,9 @@
-"""EngineCore: schedule -> run -> sample -> emit, one step at a time.
+"""LLMEngine: schedule -> execute -> update -> emit, one step at a time.
 
-The engine validates requests, turns them into sequences, and after each step appends the sampled tokens,
-detokenizes them incrementally, applies the stop conditions and reports every request that changed.
+The engine validates requests and turns them into sequences; each step the scheduler picks the work (and allocates
+its KV blocks), the executor runs it and returns sampled tokens, the output processor appends them and applies the
+stop conditions, the scheduler advances what is computed and retires what ended, and every request that changed is
+reported.
 """
 
 from __future__ import annotations
@@ -13,77 +15,31 @@ import math
 import os
 import random
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from checkpoints import DEMO_MODEL_DIR
-from checkpoints.loading import load_model, resolve_model_path
 from jserve.config import EngineConfig, ModelLoadError
+from jserve.distributed import MultiHostExecutor
 from jserve.engine.kv_cache import BlockManager
-from jserve.engine.packing import pack
-from jserve.engine.runner import STOP_IDS_WIDTH, ModelRunner, kv_bytes_per_block, no_stop_ids, pick_bucket
-from jserve.engine.sampler import (
-    MetadataCache,
-    for_burst,
-    has_penalty,
-    sample_packed,
-    token_logprobs,
-    warmup_metadata,
-)
+from jserve.engine.output_processor import OutputProcessor
+from jserve.engine.sampler import MetadataCache, for_burst
 from jserve.engine.scheduler import Scheduler, SchedulerOutput
-from jserve.engine.sequence import Sequence, SequenceStatus
-from jserve.outputs import CompletionOutput, RequestOutput
-from jserve.sampling_params import InvalidParameterError, RequestOutputKind, SamplingParams
-from jserve.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer, load_tokenizer
-from pallas_kernels import resolve_backend
+from jserve.engine.sequence import Sequence
+from jserve.executors import choose_executor
+from jserve.executors.base import STOP_IDS_WIDTH, no_stop_ids
+from jserve.executors.xla import kv_bytes_per_block
+from jserve.loading import resolve_model_path
+from jserve.outputs import RequestOutput
+from jserve.sampling_params import InvalidParameterError, SamplingParams
+from jserve.tokenizer import Tokenizer, load_tokenizer
 from sharding import distributed, make_mesh
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
-
-
-@dataclass
-class SeqStream:
-    """The text side of one sequence: incremental detokenization and stop-string matching."""
-
-    seq: Sequence
-    detokenizer: IncrementalDetokenizer
-    stop_matcher: StopStringMatcher
-    text: str = ""
-    logprobs: list[dict[int, float]] | None = None
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-
-
-@dataclass
-class RequestState:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    streams: list[SeqStream]
-    arrival_time: float
-    final_only: bool = False  # reported once, when it finishes (RequestOutputKind.FINAL_ONLY)
-    first_token_time: float | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def finished(self) -> bool:
-        return all([s.seq.status is SequenceStatus.FINISHED for s in self.streams])  # read per request per step
-
-    def output(self) -> RequestOutput:
-        outputs = [CompletionOutput(index=s.seq.index, text=s.text, token_ids=list(s.seq.output_token_ids),
-                                    finish_reason=s.seq.finish_reason, stop_reason=s.seq.stop_reason,
-                                    logprobs=None if s.logprobs is None else list(s.logprobs))
-                   for s in self.streams]
-        prompt_logprobs = self.streams[0].prompt_logprobs
-        return RequestOutput(request_id=self.request_id, prompt=self.prompt,
-                             prompt_token_ids=self.prompt_token_ids, outputs=outputs, finished=self.finished,
-                             num_cached_tokens=self.streams[0].seq.num_cached_tokens, metrics=dict(self.metrics),
-                             prompt_logprobs=None if prompt_logprobs is None else list(prompt_logprobs))
 
 
 @dataclass
@@ -97,6 +53,27 @@ class EngineStats:
     warmup_seconds: float = 0.0  # LLMEngine.warmup: compiling every step shape up front
     warmup_step_shapes: int = 0
     warmup_burst_shapes: int = 0
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What the server and the data-parallel front read of an engine between steps (replaced whole, so a reader on
+    another thread sees one step); all zeros before the engine exists."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_unfinished_requests: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0  # computed so far
+    generation_tokens: int = 0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
 
 
 @contextlib.contextmanager
@@ -125,7 +102,7 @@ class LLMEngine:
             raise ValueError("data_parallel_size > 1 needs jserve.engine.data_parallel.create_engine (one LLMEngine "
                              "per replica)")
         self.config = config
-        distributed.initialize(config)  # multi-host: join the other processes before touching a device
+        distributed.initialize(config.coordinator_address, config.num_processes, config.process_id)
         _enable_compilation_cache(config.compilation_cache_dir)
         model_dir = resolve_model_path(config.model) if config.model else DEMO_MODEL_DIR
         self.model_dir = model_dir
@@ -135,26 +112,31 @@ class LLMEngine:
         if config.num_processes > 1 and self.mesh.size != jax.device_count():
             raise ValueError(f"multi-host: tensor_parallel_size must cover every process's devices "
                              f"({jax.device_count()} in all), got {config.tensor_parallel_size}")
-        model = load_model(model_dir, config.dtype, resolve_backend(config.attention_backend), mesh=self.mesh,
-                           load_format=config.load_format)
+        executor_class, attention, why = choose_executor(config.executor, config.attention_backend,
+                                                         sharded=self.mesh is not None)
+        if config.num_processes > 1:  # every process runs the leader's steps
+            if executor_class.name != "xla":
+                raise ValueError("multi-host serving runs the XLA executor (executor 'xla' or 'auto')")
+            executor_class = MultiHostExecutor
+        logger.info("executor %s (%s), attention %s", executor_class.name, why, attention)
+        model = executor_class.load(model_dir, dtype=config.dtype, attention_backend=attention, mesh=self.mesh,
+                                    load_format=config.load_format)
         self.model_config = model.config
         self.max_model_len = self._max_model_len()
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
-        runner_class = ModelRunner if config.num_processes == 1 else distributed.MultiHostRunner
-        self.runner = runner_class(model, dtype=config.dtype, num_blocks=num_blocks, block_size=config.block_size,
-                                  max_num_batched_tokens=config.max_num_batched_tokens,
-                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                                  mesh=self.mesh)
+        self.executor = executor_class(model, dtype=config.dtype, num_blocks=num_blocks, block_size=config.block_size,
+                                       max_num_batched_tokens=config.max_num_batched_tokens,
+                                       max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+                                       mesh=self.mesh)
+        # Decode-only steps run forward and sample in one device call (a burst of 1 or more steps) where the
+        # executor can: one dispatch instead of two, and the logits never leave the device.
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
+                                   burst_buckets=self.executor.token_buckets if self.executor.supports_burst else None)
         self.eos_token_ids = self._eos_token_ids()
-        self.requests: dict[str, RequestState] = {}
+        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.stats = EngineStats()
         self._rng = random.Random(config.seed)
-        # Decode-only steps run forward and sample in one device call (a burst of 1 or more steps) where the runner
-        # can: one dispatch instead of two, and the logits never leave the device.
-        self._bursts_possible = self.runner.supports_burst
-        self._decode_step_seconds: dict[int, float] = {}  # the last decode step's time, by batch bucket (bursts)
         self._metadata = MetadataCache()
         if config.warmup:
             self.warmup()
@@ -193,63 +175,33 @@ class LLMEngine:
     def warmup(self) -> None:
         """Compile every step shape now, so serving never waits on the compiler."""
         start = time.perf_counter()
-        batches = list(self.runner.warmup_batches())
-        bursts = [(b, for_burst(warmup_metadata(len(b.seq_lens))[0]), self.config.decode_burst)
-                  for b in self.runner.burst_batches()]
-        placement = self.runner.devices_of_logits()
-        if self.runner.mesh is None:
-            # The sampler's variants compile on a thread of their own while the steps compile (XLA releases the
-            # GIL): its logits are (rows, vocab) for each token bucket's rows.
-            vocab = self.model_config.vocab_size
-            rows = sorted({len(b.seq_lens) for b in batches})
-            with ThreadPoolExecutor(1, thread_name_prefix="jserve-sampler") as pool:
-                sampler = pool.submit(lambda: [self._warm_sampler((n, vocab), placement) for n in rows])
-                logits_shapes = set(self.runner.compile_ahead(batches, bursts))
-                sampler.result()
-            assert logits_shapes == {(n, vocab) for n in rows}, logits_shapes
-        else:  # a sharded (or multi-process) step compiles on its first run, in lockstep on every process
-            logits_shapes = {tuple(self.runner.run(batch).shape) for batch in batches}
-            for shape in sorted(logits_shapes):
-                self._warm_sampler(shape, placement)
+        report = self.executor.warmup(self.config.decode_burst)
         stats = self.stats
         stats.warmup_seconds = time.perf_counter() - start
-        stats.warmup_step_shapes, stats.warmup_burst_shapes = len(batches), len(bursts)
-        logger.info("warm-up compiled %d step shapes and %d decode bursts in %.1f s", len(batches), len(bursts),
-                    stats.warmup_seconds)
-
-    @staticmethod
-    def _warm_sampler(shape: tuple[int, int], placement: jax.sharding.Sharding) -> None:
-        # Committed to the step's device(s) as a step's logits are: jit keys its cache on committedness, so
-        # uncommitted warm-up logits would leave the first real step of each shape to compile the sampler again.
-        logits = jax.device_put(jnp.zeros(shape, jnp.float32), placement)
-        for meta in warmup_metadata(shape[0]):
-            jax.block_until_ready(sample_packed(logits, *pack(meta)))
+        stats.warmup_step_shapes, stats.warmup_burst_shapes = report.step_shapes, report.burst_shapes
+        logger.info("warm-up compiled %d step shapes and %d decode bursts in %.1f s", report.step_shapes,
+                    report.burst_shapes, stats.warmup_seconds)
 
     # ----- requests -----
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                     *, priority: int = 0, arrival_time: float | None = None) -> None:
         params = params or SamplingParams()
-        if request_id in self.requests:
+        if request_id in self.outputs.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, prompt_ids = self._tokenize_prompt(prompt)
         params = self._resolve_params(params, len(prompt_ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        final_only = params.output_kind is RequestOutputKind.FINAL_ONLY
-        streams = []
+        seqs = []
         for index in range(params.n):
             seq = Sequence(request_id, prompt_ids, params, index=index, priority=priority, arrival_time=arrival)
             seq.sampling_seed = self._sampling_seed(params.seed, index)
-            # Text nobody reads until the end is decoded once, at the end, unless stop strings must watch it.
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
-                                           streaming=not final_only or bool(params.stop))
-            streams.append(SeqStream(seq, detok, StopStringMatcher(params.stop, params.include_stop_str_in_output),
-                                     logprobs=[] if params.logprobs is not None else None))
-        for stream in streams:  # raises before anything is registered if the request could never run
-            self.scheduler.check_fits(stream.seq)
-        self.requests[request_id] = RequestState(request_id, prompt_text, prompt_ids, streams, arrival, final_only)
-        for stream in streams:
-            self.scheduler.add(stream.seq)
+            seqs.append(seq)
+        for seq in seqs:  # raises before anything is registered if the request could never run
+            self.scheduler.check_fits(seq)
+        self.outputs.add_request(request_id, prompt_text, prompt_ids, seqs, params, arrival)
+        for seq in seqs:
+            self.scheduler.add(seq)
 
     def _tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -298,17 +250,27 @@ class LLMEngine:
         return self._rng.getrandbits(32) if seed is None else seed + index
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        state = self.requests.pop(request_id, None)
+        state = self.outputs.abort(request_id)
         if state is None:
             return None
         self.scheduler.abort(request_id)
-        for stream in state.streams:
-            if not stream.detokenizer.streaming:
-                stream.text += stream.detokenizer.finish()  # the text of the tokens it got ("" if it finished)
         return state.output()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.outputs.requests)
+
+    def request_started(self, request_id: str) -> bool:
+        """Whether the request has left the queue (some of its tokens computed or running), or is gone."""
+        return self.outputs.started(request_id)
+
+    def snapshot(self) -> EngineSnapshot:
+        bm, sched = self.block_manager, self.scheduler
+        return EngineSnapshot(num_running=sched.num_running, num_waiting=sched.num_waiting,
+                              num_unfinished_requests=len(self.outputs.requests), num_blocks=bm.num_blocks,
+                              num_free_blocks=bm.num_free_blocks, prefix_cache_queries=bm.prefix_cache_queries,
+                              prefix_cache_hits=bm.prefix_cache_hits, num_preemptions=sched.num_preemptions,
+                              prompt_tokens=self.stats.num_computed_prompt_tokens,
+                              generation_tokens=self.stats.num_generated_tokens)
 
     # ----- the step -----
 
@@ -319,11 +281,39 @@ class LLMEngine:
         plan: SchedulerOutput = self.scheduler.schedule()
         if not plan.scheduled:
             return []
-        burst = self._burst_length(plan)
-        outputs = self._step_burst(plan, burst) if burst else self._step_single(plan)
+        tokens, logprobs, step_seconds = self._execute(plan)
+        appended, finished, changed = self.outputs.append(plan.scheduled, tokens, logprobs)
+        self.scheduler.update(plan, appended, [(f.seq, f.reason) for f in finished], step_seconds)
+        self.stats.num_generated_tokens += sum(appended)
         self.stats.num_engine_steps += 1
         self.stats.step_seconds += time.perf_counter() - start
-        return outputs
+        return self.outputs.emit(changed)
+
+    def _execute(self, plan: SchedulerOutput) -> tuple[list[list[int]], list | None, float | None]:
+        """Run the plan on the executor -> (each chunk's sampled tokens, their logprobs or None, a burst's time a
+        step or None)."""
+        self._count_prompt_tokens(plan)
+        seqs = [c.seq for c in plan.scheduled]
+        if plan.burst:
+            batch = self.executor.prepare(plan.scheduled, lookahead=plan.burst - 1)
+            meta = for_burst(self._metadata.build(seqs, self.executor.seq_rows_for(len(batch.token_ids))))
+            start = time.perf_counter()
+            tokens = self._fetch(self.executor.execute_burst(batch, meta, plan.burst, self.config.decode_burst,
+                                                             _burst_stop_ids(seqs, len(batch.seq_lens))))
+            steps = int(np.count_nonzero(tokens[:, 0] >= 0))  # fewer than the burst once every sequence stopped
+            self.stats.num_steps += steps
+            return tokens[:steps].T.tolist()[:len(seqs)], None, (time.perf_counter() - start) / steps
+        wanted = [_wants_prompt_logprobs(c) for c in plan.scheduled]
+        batch = self.executor.prepare(plan.scheduled, all_logits=any(wanted))
+        next_ids = _prompt_next_ids(plan, wanted, batch.query_start, len(batch.token_ids)) if any(wanted) else None
+        meta = self._metadata.build(seqs, pad_to=self.executor.seq_rows_for(len(batch.token_ids)))
+        out = self.executor.execute(batch, meta, next_ids)
+        token_ids = self._fetch(out.sampled.token_ids)
+        if out.prompt_logprobs is not None:
+            self.outputs.record_prompt_logprobs(plan.scheduled, wanted, batch.query_start, *out.prompt_logprobs)
+        self.stats.num_steps += 1
+        logprobs = _logprob_rows(out.sampled) if any(s.params.logprobs is not None for s in seqs) else None
+        return [[t] for t in token_ids[:len(seqs)].tolist()], logprobs, None
 
     def _fetch(self, array: jax.Array) -> np.ndarray:
         """The step's results on the host: the one round-trip per step, timed as the device's share of the step."""
@@ -332,178 +322,35 @@ class LLMEngine:
         self.stats.device_wait_seconds += time.perf_counter() - start
         return host
 
-    def _step_single(self, plan: SchedulerOutput) -> list[RequestOutput]:
-        """One step through the plain forward, then the sampler: prompt chunks, and decodes a burst cannot take.
-        (Burst budgets are timed on fused steps only: this step runs other executables.)"""
-        wants_prompt_logprobs = [self._wants_prompt_logprobs(c) for c in plan.scheduled]
-        batch = self.runner.prepare(plan.scheduled, all_logits=any(wants_prompt_logprobs))
-        logits = self.runner.run(batch)
-        if any(wants_prompt_logprobs):
-            self._record_prompt_logprobs(plan, wants_prompt_logprobs, batch, logits)
-            last_rows = np.zeros(self.runner.seq_rows_for(len(batch.token_ids)), np.int32)
-            last_rows[:len(plan.scheduled)] = batch.query_start[1:len(plan.scheduled) + 1] - 1
-            logits = logits[last_rows]
-        meta = self._metadata.build([c.seq for c in plan.scheduled], pad_to=logits.shape[0])
-        sampled = sample_packed(logits, *pack(meta))
-        token_ids = self._fetch(sampled.token_ids)
-        self._count_prompt_tokens(plan)
-        self.scheduler.on_step_done(plan)
-        self.stats.num_steps += 1
-        changed: dict[str, RequestState] = {}
-        logprob_rows = _logprob_rows(sampled) if any(c.seq.params.logprobs is not None
-                                                     for c in plan.scheduled) else None
-        now = time.monotonic()
-        for row, chunk in enumerate(plan.scheduled):
-            if not chunk.sample or chunk.seq.is_finished:
-                continue
-            state = self.requests[chunk.seq.request_id]
-            stream = state.streams[chunk.seq.index]
-            self._append_token(stream, int(token_ids[row]), None if logprob_rows is None else logprob_rows[row])
-            state.first_token_time = state.first_token_time or now
-            changed[state.request_id] = state
-        return self._emit_changed(changed)
-
-    def _burst_length(self, plan: SchedulerOutput) -> int:
-        """How many decode steps to run in one fused forward-and-sample device call; 0: this step needs the plain
-        forward and sampler (a prompt chunk; logprobs, which are per step; penalties and a pending min_tokens, which
-        change the sampling metadata every step; a runner that cannot burst).
-
-        Up to config.decode_burst steps when no request waits, nor past any sequence's max_tokens or max_model_len,
-        halved until the free blocks hold their slots; while any request streams (not FINAL_ONLY), no more than fit
-        in config.decode_burst_ms at the last measured step time for this batch size."""
-        if not self._bursts_possible:
-            return 0
-        length, streaming = self.config.decode_burst, False
-        for chunk in plan.scheduled:
-            seq, params = chunk.seq, chunk.seq.params
-            if not _is_decode(chunk):
-                return 0  # a prompt token (a one-token prompt's only step): not a decode
-            if params.logprobs is not None or has_penalty(params) or seq.num_output_tokens < params.min_tokens:
-                return 0
-            length = min(length, params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
-            streaming = streaming or params.output_kind is not RequestOutputKind.FINAL_ONLY
-        if self.scheduler.num_waiting:
-            return 1
-        if streaming:  # the time budget bounds how long a burst holds back streamed tokens
-            step_seconds = self._decode_step_seconds.get(self._decode_bucket(plan))
-            if step_seconds is None:
-                return 1  # this batch size's first decode step runs alone, and is timed
-            fits = self.config.decode_burst_ms / 1e3 / max(step_seconds, 1e-9)  # inf: no time limit
-            length = length if fits >= length else max(1, int(fits))
-        bm = self.block_manager
-        while length > 1 and sum(bm.num_new_blocks(chunk.seq, length) for chunk in plan.scheduled) > \
-                bm.num_free_blocks:
-            length //= 2  # a shorter burst whose slots fit the free blocks
-        return max(length, 1)
-
-    def _decode_bucket(self, plan: SchedulerOutput) -> int:
-        """The padded batch size a decode-only step of this plan runs at (one token per sequence)."""
-        return pick_bucket(self.runner.token_buckets, len(plan.scheduled))
-
-    def _step_burst(self, plan: SchedulerOutput, length: int) -> list[RequestOutput]:
-        """`length` decode steps in one device call; tokens after a sequence stops are computed but dropped."""
-        for chunk in plan.scheduled if length > 1 else ():  # the scheduler gave each the first step's slot
-            allocated = self.block_manager.allocate_slots(chunk.seq, length)
-            assert allocated, "_burst_length checked the free blocks"
-        batch = self.runner.prepare(plan.scheduled, lookahead=length - 1)
-        seqs = [c.seq for c in plan.scheduled]
-        meta = for_burst(self._metadata.build(seqs, self.runner.seq_rows_for(len(batch.token_ids))))
-        start = time.perf_counter()
-        tokens = self._fetch(self.runner.run_burst(batch, meta, length, self.config.decode_burst,
-                                                   _burst_stop_ids(seqs, len(batch.seq_lens))))
-        steps = int(np.count_nonzero(tokens[:, 0] >= 0))  # fewer than length once every sequence stopped
-        self._decode_step_seconds[self._decode_bucket(plan)] = (time.perf_counter() - start) / steps
-        self.stats.num_steps += steps
-        changed: dict[str, RequestState] = {}
-        for chunk, row_tokens in zip(plan.scheduled, tokens[:steps].T.tolist(), strict=False):  # padding unused
-            seq = chunk.seq
-            state = self.requests[seq.request_id]
-            for token in row_tokens:
-                if seq.is_finished:  # stopped on EOS, a stop token or a stop string inside the burst
-                    break
-                self.block_manager.mark_computed(seq, 1)  # the token fed at this step of the burst
-                self._append_token(state.streams[seq.index], token, None)
-            changed[state.request_id] = state
-        return self._emit_changed(changed)
-
-    @staticmethod
-    def _wants_prompt_logprobs(chunk) -> bool:
-        seq = chunk.seq
-        return seq.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens - 1
-
-    def _record_prompt_logprobs(self, plan: SchedulerOutput, wanted: list[bool], batch, logits) -> None:
-        """Logprobs of each prompt token given the tokens before it, from this step's all-token logits."""
-        next_ids = np.zeros(len(batch.token_ids), np.int32)
-        for row, chunk in enumerate(plan.scheduled):
-            if wanted[row]:
-                start, seq = batch.query_start[row], chunk.seq
-                tokens = seq.token_ids[seq.num_computed_tokens + 1: seq.num_computed_tokens + chunk.num_new_tokens + 1]
-                next_ids[start: start + len(tokens)] = tokens
-        chosen, top_ids, top_lps = (np.asarray(a) for a in token_logprobs(logits, next_ids))
-        for row, chunk in enumerate(plan.scheduled):
-            if not wanted[row]:
-                continue
-            seq, k = chunk.seq, chunk.seq.params.prompt_logprobs
-            stream = self.requests[seq.request_id].streams[seq.index]
-            if stream.prompt_logprobs is None:
-                stream.prompt_logprobs = [None] * seq.num_prompt_tokens  # the first token has no context
-            for i in range(chunk.num_new_tokens):
-                position = seq.num_computed_tokens + i + 1  # the prompt token this row's logits predict
-                if position >= seq.num_prompt_tokens:
-                    break
-                r = batch.query_start[row] + i
-                stream.prompt_logprobs[position] = {seq.token_ids[position]: float(chosen[r]),
-                                                    **dict(zip(top_ids[r, :k].tolist(), top_lps[r, :k].tolist(),
-                                                               strict=True))}
-
     def _count_prompt_tokens(self, plan: SchedulerOutput) -> None:
         for chunk in plan.scheduled:
             seq = chunk.seq
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + chunk.num_new_tokens
             self.stats.num_computed_prompt_tokens += max(0, min(end, seq.num_prompt_tokens) - start)
 
-    def _append_token(self, stream: SeqStream, token: int, logprobs: tuple | None) -> None:
-        seq, params = stream.seq, stream.seq.params
-        seq.append_token(token)
-        self.stats.num_generated_tokens += 1
-        if stream.logprobs is not None and logprobs is not None:
-            chosen, top_ids, top_lps = logprobs
-            top = dict(zip(top_ids[: params.logprobs], top_lps[: params.logprobs], strict=True))
-            stream.logprobs.append({token: chosen, **top})
-        reason, stop_reason = None, None
-        ends_on_eos = not params.ignore_eos and token in self.eos_token_ids
-        if (ends_on_eos or token in params.stop_token_ids) and seq.num_output_tokens > params.min_tokens:
-            # The stop token's own text is not output; text held back before it (half a character) is.
-            reason, stop_reason = "stop", token
-            delta = stream.detokenizer.finish()
-        else:
-            delta = stream.detokenizer.add(token)
-            if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-                reason = "length"
-                delta += stream.detokenizer.finish()
-        if params.stop:
-            emit, matched = stream.stop_matcher.feed(delta)
-            if matched is not None:
-                reason, stop_reason = "stop", matched
-            elif reason is not None:
-                emit += stream.stop_matcher.flush()
-            delta = emit
-        stream.text += delta
-        if reason is not None:
-            seq.stop_reason = stop_reason
-            self.scheduler.finish(seq, reason)
 
-    def _emit_changed(self, changed: dict[str, RequestState]) -> list[RequestOutput]:
-        return [self._emit(state) for state in changed.values() if not state.final_only or state.finished]
+def run_follower(config: EngineConfig) -> None:
+    """What `jserve serve` runs on processes other than 0: no HTTP server, no scheduler, just the leader's steps
+    (jserve.distributed)."""
+    engine = LLMEngine(config.replace(warmup=False))  # warm-up batches arrive from the leader like any other
+    engine.executor.follow()
 
-    def _emit(self, state: RequestState) -> RequestOutput:
-        output = state.output()
-        if state.finished:
-            state.metrics.update(arrival_time=state.arrival_time, first_token_time=state.first_token_time or 0.0,
-                                 finished_time=time.monotonic())
-            output.metrics = dict(state.metrics)
-            self.requests.pop(state.request_id, None)
-        return output
+
+def _wants_prompt_logprobs(chunk) -> bool:
+    seq = chunk.seq
+    return seq.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens - 1
+
+
+def _prompt_next_ids(plan: SchedulerOutput, wanted: list[bool], query_start: np.ndarray,
+                     num_tokens: int) -> np.ndarray:
+    """i32[T]: the token after each batch token in its sequence, for the chunks that want prompt logprobs."""
+    next_ids = np.zeros(num_tokens, np.int32)
+    for row, chunk in enumerate(plan.scheduled):
+        if wanted[row]:
+            start, seq = query_start[row], chunk.seq
+            tokens = seq.token_ids[seq.num_computed_tokens + 1: seq.num_computed_tokens + chunk.num_new_tokens + 1]
+            next_ids[start: start + len(tokens)] = tokens
+    return next_ids
 
 
 def _burst_stop_ids(seqs: list[Sequence], rows: int) -> np.ndarray:
@@ -518,12 +365,6 @@ def _burst_stop_ids(seqs: list[Sequence], rows: int) -> np.ndarray:
             ids = seq.burst_stop_ids = ids[:STOP_IDS_WIDTH]
         stop_ids[row, :len(ids)] = ids
     return stop_ids
-
-
-def _is_decode(chunk) -> bool:
-    """Whether a scheduled chunk is one sampled token after the whole prompt (a decode step)."""
-    seq = chunk.seq
-    return chunk.num_new_tokens == 1 and chunk.sample and seq.num_computed_tokens >= seq.num_prompt_tokens
 
 
 def _logprob_rows(sampled) -> list[tuple[float, list[int], list[float]]]:

@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import cpu_kernels
 from jserve.engine.packing import PackedLayout, unpack
 from jserve.engine.sequence import Sequence
 from jserve.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -251,14 +250,20 @@ def _bias(biased: list[tuple[int, Sequence]], pad_to: int) -> tuple[np.ndarray, 
 # ---------------------------------------------------------------------------------------------- device side
 
 
-@jax.jit
-def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
+def greedy_argmax(x: jax.Array) -> jax.Array:
+    """jnp.argmax over the vocabulary of f32[S, V] -> i32[S] (an executor may bring a faster one: same answer)."""
+    return jnp.argmax(x, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def sample(logits: jax.Array, meta: SamplingMetadata,
+           argmax: Callable[[jax.Array], jax.Array] = greedy_argmax) -> SamplerOutput:
     """Pick one token per row of logits f32[S, V]; the static flags in meta choose which work is compiled."""
     logits = logits.astype(jnp.float32)
     x = _apply_bias(logits, meta.bias_ids, meta.bias_values)
     if meta.needs_penalties:
         x = _apply_penalties(x, meta)
-    token_ids = _argmax(x)
+    token_ids = argmax(x)
     if not meta.all_greedy:  # a batch of greedy rows skips the draw at run time (see for_burst)
         greedy = meta.temperature == 0
         token_ids = jax.lax.cond(jnp.all(greedy), lambda: token_ids,
@@ -271,13 +276,6 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
     chosen = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0] - lse
     top_ids, top_logprobs = _top_logprobs(logits, lse, meta.num_logprobs)
     return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)
-
-
-def _argmax(x: jax.Array) -> jax.Array:
-    """jnp.argmax over the vocabulary; on CPU the C++ kernel (XLA CPU's argmax is ~20x slower; same answer)."""
-    if jax.default_backend() == "cpu" and cpu_kernels.available():
-        return cpu_kernels.argmax(x)
-    return jnp.argmax(x, axis=-1).astype(jnp.int32)
 
 
 def _drop_padding(ids: jax.Array, vocab: int) -> jax.Array:
@@ -356,10 +354,11 @@ def _top_logprobs(logits: jax.Array, lse: jax.Array, k: int) -> tuple[jax.Array,
     return ids.astype(jnp.int32), values - lse[:, None]
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def sample_packed(logits: jax.Array, packed: jax.Array, layout: PackedLayout) -> SamplerOutput:
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def sample_packed(logits: jax.Array, packed: jax.Array, layout: PackedLayout,
+                  argmax: Callable[[jax.Array], jax.Array] = greedy_argmax) -> SamplerOutput:
     """sample() with the metadata packed by jserve.engine.packing.pack: one transfer instead of 13 arrays."""
-    return sample(logits, unpack(packed, layout))
+    return sample(logits, unpack(packed, layout), argmax)
 
 
 @jax.jit

@@ -4,7 +4,8 @@ Like vLLM v1 there is no separate prefill or decode phase: a sequence simply has
 yet (a whole prompt, a prompt chunk, one decoded token, or everything again after a preemption) and the
 scheduler hands out a token budget. Running sequences are served first, in precedence order, so decodes are
 never starved by new prompts; waiting sequences are then admitted in order while tokens, seats and
-blocks last.
+blocks last. When every scheduled sequence is decoding, it also decides how many decode steps the executor runs in
+one device call (a burst), and allocates their slots. It alone allocates blocks and advances what is computed.
 """
 
 from __future__ import annotations
@@ -14,16 +15,9 @@ from dataclasses import dataclass, field
 
 from jserve.config import EngineConfig
 from jserve.engine.kv_cache import BlockManager
-from jserve.engine.sequence import Sequence, SequenceStatus
-
-
-@dataclass
-class ScheduledSeq:
-    """Compute `seq.token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens]` this step."""
-
-    seq: Sequence
-    num_new_tokens: int
-    sample: bool  # the chunk reaches the last known token, so its logits yield the next token
+from jserve.engine.sampler import has_penalty
+from jserve.engine.sequence import ScheduledSeq, Sequence, SequenceStatus
+from jserve.sampling_params import RequestOutputKind
 
 
 @dataclass
@@ -31,6 +25,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
+    burst: int = 0  # decode steps in one device call (every scheduled chunk a decode); 0: one plain step
+    burst_bucket: int = 0  # the padded batch size the burst runs at (its step time is recorded by it)
 
     @property
     def is_empty(self) -> bool:
@@ -43,14 +39,19 @@ def precedence(seq: Sequence) -> tuple[int, float, int]:
 
 
 class Scheduler:
-    """Owns the waiting and running queues. Each step: schedule(), run the model, on_step_done()."""
+    """Owns the waiting and running queues. Each step: schedule(), run the model, update()."""
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
+                 burst_buckets: list[int] | None = None):
+        """burst_buckets: the padded batch sizes the executor's decode bursts run at (None: no bursts)."""
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.decode_burst, self.decode_burst_ms = config.decode_burst, config.decode_burst_ms
+        self.burst_buckets = burst_buckets
+        self.decode_step_seconds: dict[int, float] = {}  # the last burst's time a step, by batch bucket
         # Both queues stay sorted by precedence, so the preemption victim is always running[-1].
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -122,7 +123,46 @@ class Scheduler:
             raise RuntimeError(
                 f"no sequence fits in the KV cache ({self.block_manager.num_blocks} blocks of "
                 f"{self.block_manager.block_size} tokens): {self.running or self.waiting[:1]}")
+        if out.scheduled and self.burst_buckets is not None:
+            out.burst = self._burst_length(out)
+            if out.burst:
+                out.burst_bucket = next(b for b in self.burst_buckets if b >= len(out.scheduled))
+            for chunk in out.scheduled if out.burst > 1 else ():  # each holds the first step's slot already
+                allocated = self.block_manager.allocate_slots(chunk.seq, out.burst)
+                assert allocated, "_burst_length checked the free blocks"
         return out
+
+    def _burst_length(self, out: SchedulerOutput) -> int:
+        """How many decode steps to run in one fused forward-and-sample device call; 0: this step needs the plain
+        forward and sampler (a prompt chunk; logprobs, which are per step; penalties and a pending min_tokens, which
+        change the sampling metadata every step).
+
+        Up to decode_burst steps when no request waits, nor past any sequence's max_tokens or max_model_len,
+        halved until the free blocks hold their slots; while any request streams (not FINAL_ONLY), no more than fit
+        in decode_burst_ms at the last measured step time for this batch size."""
+        length, streaming = self.decode_burst, False
+        for chunk in out.scheduled:
+            seq, params = chunk.seq, chunk.seq.params
+            if not _is_decode(chunk):
+                return 0  # a prompt token (a one-token prompt's only step): not a decode
+            if params.logprobs is not None or has_penalty(params) or seq.num_output_tokens < params.min_tokens:
+                return 0
+            length = min(length, params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+            streaming = streaming or params.output_kind is not RequestOutputKind.FINAL_ONLY
+        if self.waiting:
+            return 1
+        if streaming:  # the time budget bounds how long a burst holds back streamed tokens
+            bucket = next(b for b in self.burst_buckets if b >= len(out.scheduled))
+            step_seconds = self.decode_step_seconds.get(bucket)
+            if step_seconds is None:
+                return 1  # this batch size's first decode step runs alone, and is timed
+            fits = self.decode_burst_ms / 1e3 / max(step_seconds, 1e-9)  # inf: no time limit
+            length = length if fits >= length else max(1, int(fits))
+        bm = self.block_manager
+        while length > 1 and sum(bm.num_new_blocks(chunk.seq, length) for chunk in out.scheduled) > \
+                bm.num_free_blocks:
+            length //= 2  # a shorter burst whose slots fit the free blocks
+        return max(length, 1)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """How many of the sequence's uncomputed tokens to compute now (0: not this step)."""
@@ -191,8 +231,22 @@ class Scheduler:
         self.num_preemptions += 1
         bisect.insort(self.waiting, seq, key=precedence)
 
-    def on_step_done(self, output: SchedulerOutput) -> None:
-        """The model ran the step: advance each sequence past the tokens it computed."""
-        for item in output.scheduled:
-            if not item.seq.is_finished:  # aborted while the step ran; its blocks are already gone
-                self.block_manager.mark_computed(item.seq, item.num_new_tokens)
+    def update(self, output: SchedulerOutput, appended: list[int], finished: list[tuple[Sequence, str]],
+               step_seconds: float | None = None) -> None:
+        """The model ran the step: advance each sequence past the tokens it computed, then retire the ones that
+        ended. appended: tokens each chunk's sequence took from the step (a burst computes one more token of a
+        sequence for each it appended); step_seconds: a burst's time a step, which bounds later bursts."""
+        for chunk, count in zip(output.scheduled, appended, strict=True):
+            if chunk.seq.is_finished:  # aborted while the step ran; its blocks are already gone
+                continue
+            self.block_manager.mark_computed(chunk.seq, count if output.burst else chunk.num_new_tokens)
+        for seq, reason in finished:
+            self.finish(seq, reason)
+        if output.burst and step_seconds is not None:
+            self.decode_step_seconds[output.burst_bucket] = step_seconds
+
+
+def _is_decode(chunk: ScheduledSeq) -> bool:
+    """Whether a scheduled chunk is one sampled token after the whole prompt (a decode step)."""
+    seq = chunk.seq
+    return chunk.num_new_tokens == 1 and chunk.sample and seq.num_computed_tokens >= seq.num_prompt_tokens

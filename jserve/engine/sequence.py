@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from dataclasses import dataclass
 
 from jserve.sampling_params import SamplingParams
 
@@ -78,3 +79,12 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, request={self.request_id!r}, status={self.status.value}, "
                 f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, blocks={len(self.block_table)})")
+
+
+@dataclass
+class ScheduledSeq:
+    """Compute `seq.token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens]` this step."""
+
+    seq: Sequence
+    num_new_tokens: int
+    sample: bool  # the chunk reaches the last known token, so its logits yield the next token

@@ -2,8 +2,7 @@
 
 Every weight is declared once with its shape, dtype and logical axes (the sharding rules map those names to
 mesh axes). Matmuls keep Hugging Face's [out, in] layout and contract the last axis of both operands with a
-float32 result: on XLA CPU that is the fast path for bfloat16 weights (see docs/architecture.md). With
-`cpu_kernel` set, matmuls run in cpu_kernels' C++ kernel instead (see cpu_kernels.max_kernel_rows).
+float32 result: on XLA CPU that is the fast path for bfloat16 weights (see docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -15,10 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import cpu_kernels
 from jserve.config import ModelConfig
 from pallas_kernels.reference import dot_precision
-from sharding.kernels import model_parallel_mesh
 
 
 def param(shape: tuple[int, ...], dtype: jnp.dtype, axes: tuple[str | None, ...]) -> nnx.Param:
@@ -27,26 +24,15 @@ def param(shape: tuple[int, ...], dtype: jnp.dtype, axes: tuple[str | None, ...]
     return nnx.Param(jnp.zeros(shape, dtype), logical_axes=axes)
 
 
-def matmul(x: jax.Array, w: jax.Array, cpu_kernel: bool = False, out_features: int | None = None) -> jax.Array:
-    """x[..., in] @ w[out, in]^T -> float32[..., out].
-
-    cpu_kernel: use cpu_kernels.matmul when it takes this many rows (cpu_kernels.max_kernel_rows; a static shape) and
-    the weight is whole on this device (under tensor parallelism XLA must partition the dot itself). A weight packed
-    at load time (cpu_kernels.pack_weight) always goes to the kernel, with out_features its real row count."""
-    if cpu_kernels.is_packed(w):
-        return cpu_kernels.matmul(x, w, out_features)
-    rows = math.prod(x.shape[:-1])
-    if cpu_kernel and rows <= cpu_kernels.max_kernel_rows() and model_parallel_mesh() is None:
-        return cpu_kernels.matmul(x, w)
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x[..., in] @ w[out, in]^T -> float32[..., out]."""
     return jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())),
                                precision=dot_precision(w.dtype), preferred_element_type=jnp.float32)
 
 
 def embed_lookup(table: jax.Array, token_ids: jax.Array) -> jax.Array:
     """Rows of the embedding table as float32. A bfloat16 table is gathered as uint16 bits: XLA CPU would
-    otherwise convert the whole table to float32 on every step. A tied table may be packed for the LM head."""
-    if cpu_kernels.is_packed(table):
-        return cpu_kernels.packed_rows(table, token_ids)
+    otherwise convert the whole table to float32 on every step."""
     if table.dtype != jnp.bfloat16:
         return table[token_ids].astype(jnp.float32)
     bits = jax.lax.bitcast_convert_type(table, jnp.uint16)[token_ids]
@@ -58,7 +44,7 @@ def split_fused(y: jax.Array, sizes: tuple[int, ...], blocks: int) -> list[jax.A
 
     The fused rows are `blocks` equal row blocks, each holding its share of every part in order
     ([q_0 | k_0 | v_0 | q_1 | k_1 | v_1 ...]): with tensor parallelism each block is one device's own heads (see
-    sharding.shard_model_config). One block is the plain [q | k | v] layout, split exactly as before.
+    jserve.models.sharded_config). One block is the plain [q | k | v] layout, split exactly as before.
     """
     if blocks == 1:
         return jnp.split(y, np.cumsum(sizes)[:-1].tolist(), axis=-1)
@@ -69,14 +55,12 @@ def split_fused(y: jax.Array, sizes: tuple[int, ...], blocks: int) -> list[jax.A
 
 class Linear(nnx.Module):
     def __init__(self, in_features: int, out_features: int, *, dtype: jnp.dtype, axes: tuple[str, str],
-                 bias: bool = False, cpu_kernel: bool = False):
+                 bias: bool = False):
         self.weight = param((out_features, in_features), dtype, axes)
         self.bias = param((out_features,), jnp.float32, axes[:1]) if bias else None
-        self.cpu_kernel = cpu_kernel  # static in the graphdef (see matmul)
-        self.out_features = out_features  # static: the weight may be packed (cpu_kernels.pack_weight)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = matmul(x, self.weight[...], self.cpu_kernel, self.out_features)
+        y = matmul(x, self.weight[...])
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -86,9 +70,13 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x.astype(jnp.float32)
-        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return x * self.weight[...]
+        return rms_norm(x, self.weight[...], self.eps)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x = x.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return x * weight
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:

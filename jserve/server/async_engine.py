@@ -17,11 +17,10 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from jserve.engine.engine import LLMEngine
-from jserve.engine.sequence import SequenceStatus
+from jserve.engine.engine import EngineSnapshot, LLMEngine
 from jserve.outputs import RequestOutput
 from jserve.sampling_params import SamplingParams
-from jserve.server.metrics import EngineSnapshot, ServerMetrics
+from jserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -224,9 +223,7 @@ class AsyncEngine:
         for rid, tracked in self._tracked.items():
             if tracked.started:
                 continue
-            state = self.engine.requests.get(rid)
-            seq = state.streams[0].seq if state is not None else None
-            if seq is None or seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens > 0:
+            if self.engine.request_started(rid):
                 tracked.started = True
                 self.metrics.request_queue_time.observe(max(0.0, step_start - tracked.arrival))
 
@@ -250,13 +247,7 @@ class AsyncEngine:
             pass
 
     def _publish(self) -> None:
-        e, bm, sched = self.engine, self.engine.block_manager, self.engine.scheduler
-        self.snapshot = EngineSnapshot(
-            num_running=sched.num_running, num_waiting=sched.num_waiting, kv_cache_usage=bm.usage,
-            num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks,
-            prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
-            num_preemptions=sched.num_preemptions, prompt_tokens=e.stats.num_computed_prompt_tokens,
-            generation_tokens=e.stats.num_generated_tokens)
+        self.snapshot = self.engine.snapshot()
 
     def _fail_all(self, error: Exception, commands: list[object]) -> None:
         with self._lock:

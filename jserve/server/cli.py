@@ -53,8 +53,8 @@ def run_serve(args: argparse.Namespace) -> int:
                               max_request_bytes=args.max_request_bytes)
     config = engine_config_from_args(args)
     logging.getLogger().setLevel(args.log_level.upper())
-    if config.process_id > 0:  # multi-host follower: no HTTP server, only process 0's steps (sharding/distributed.py)
-        from sharding.distributed import run_follower
+    if config.process_id > 0:  # multi-host follower: no HTTP server, only process 0's steps (jserve/distributed.py)
+        from jserve.engine.engine import run_follower
 
         run_follower(config)
         return 0

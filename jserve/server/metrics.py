@@ -8,11 +8,12 @@ appear.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from jserve.engine.engine import EngineSnapshot
 
 # vLLM's buckets, so dashboards port unchanged.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -21,22 +22,6 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0)
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """The engine's state after its last step (replaced whole, so readers on other threads see one step)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_free_blocks: int = 0
-    num_blocks: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
 
 
 class _SnapshotCollector(Collector):

@@ -1,7 +1,8 @@
-"""Turns a scheduled step into padded device arrays, runs the jitted model step, and owns the KV cache.
+"""The XLA executor: the Flax model, attention by reference or Pallas, on one device or any mesh.
 
-Shapes are padded to a small grid of buckets (tokens T, sequence rows S, page-table width P) so that every
-step after warm-up reuses a compiled program. The KV cache is donated to the step and updated in place.
+What GPUs and TPUs run. Shapes are padded to a small grid of buckets (tokens T, sequence rows S, page-table width P)
+so that every step after warm-up reuses a compiled program. The KV cache is donated to the step and updated in place.
+Decode bursts (a jitted `lax.while_loop` of forward-and-sample steps) run where the page table has one width.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import os
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,50 +23,32 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-import cpu_kernels as kernel_library
-from checkpoints.loading import LoadedModel
 from jserve.engine.packing import PackedLayout, pack, unpack
-from jserve.engine.sampler import SamplingMetadata, sample
-from jserve.engine.sequence import Sequence
+from jserve.engine.sampler import (
+    SamplingMetadata,
+    for_burst,
+    greedy_argmax,
+    sample,
+    sample_packed,
+    token_logprobs,
+    warmup_metadata,
+)
+from jserve.engine.sequence import ScheduledSeq
+from jserve.executors.base import (
+    Executor,
+    PromptLogprobs,
+    StepOutput,
+    WarmupReport,
+    no_stop_ids,
+    pick_bucket,
+    pow2_buckets,
+)
+from jserve.loading import LoadedModel, load_model
 from jserve.models.batch import KVCache, StepBatch
 from pallas_kernels.reference import kv_storage_dtype
 from sharding import KV_CACHE_AXES, logical_sharding, replicated
 
 logger = logging.getLogger(__name__)
-
-# A burst checks each row's first this many stop tokens on the device (one compiled shape); the host checks them all.
-STOP_IDS_WIDTH = 8
-
-
-@dataclass
-class ScheduledChunk:
-    """What the runner needs of a scheduled sequence (the scheduler's ScheduledSeq has the same fields)."""
-
-    seq: Sequence
-    num_new_tokens: int
-    sample: bool
-
-
-def pow2_buckets(smallest: int, largest: int) -> list[int]:
-    """Powers of two from `smallest` up to the first one >= `largest`, the last clipped to `largest`."""
-    buckets, size = [], smallest
-    while size < largest:
-        buckets.append(size)
-        size *= 2
-    buckets.append(largest)
-    return buckets
-
-
-def no_stop_ids(rows: int) -> np.ndarray:
-    """A burst's stop ids for rows that never end it early: i32[rows, STOP_IDS_WIDTH] of -1."""
-    return np.full((rows, STOP_IDS_WIDTH), -1, np.int32)
-
-
-def pick_bucket(buckets: list[int], n: int) -> int:
-    for size in buckets:
-        if size >= n:
-            return size
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
 def reads_only_used_pages(backend: str, platform: str | None = None) -> bool:
@@ -79,51 +63,42 @@ def kv_bytes_per_block(config, block_size: int, dtype: str) -> int:
     return 2 * config.num_layers * block_size * config.kv_size * jnp.dtype(dtype).itemsize
 
 
-class ModelRunner:
+class XlaExecutor(Executor):
+    name = "xla"
+    # The most tokens a lone decode step is padded to: XLA CPU matmuls with M = 1 are up to 10x slower per row.
+    smallest_token_bucket = 8
+    argmax: Callable[[jax.Array], jax.Array] = staticmethod(greedy_argmax)  # the sampler's, static in its trace
+
+    @classmethod
+    def load(cls, model_dir: str | Path, *, dtype: str, attention_backend: str, mesh: Mesh | None = None,
+             load_format: str = "auto") -> LoadedModel:
+        """The model's parameters on the devices (sharded over the mesh by the rules table)."""
+        return load_model(model_dir, dtype, attention_backend, mesh=mesh, load_format=load_format)
+
     def __init__(self, model: LoadedModel, *, dtype: str, num_blocks: int, block_size: int,
                  max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, mesh: Mesh | None = None):
         """mesh: the [data=1, model] mesh the model was loaded onto (None: one device, no sharding)."""
         self.config = model.config
         self.graphdef = model.graphdef
-        # The step takes the parameters as a flat list: flattening an nnx.State runs Python code per leaf (0.36 ms
-        # a step for the 135M model's 182 arrays), a list flattens in C++. The tree is rebuilt inside the trace.
-        self.params, self._params_tree = jax.tree.flatten(model.state)
+        self.attention_backend = model.attention_backend
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_slots = num_blocks * block_size
         self.mesh = mesh
+        self.max_num_batched_tokens = max_num_batched_tokens
+        # The step takes the parameters as a flat list: flattening an nnx.State runs Python code per leaf (0.36 ms
+        # a step for the 135M model's 182 arrays), a list flattens in C++. The tree is rebuilt inside the trace.
+        self.params, self._params_tree = jax.tree.flatten(self._param_tree(model))
         cfg = self.config
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         storage = kv_storage_dtype(dtype, jax.default_backend())
-        cpu_kernels = model.attention_backend == "cpu"
-        # Where every step runs the CPU layer kernel (DecoderLayer.fused for every bucket: one device, no batch too
-        # large for it), the cache is one stacked array for K and one for V: 58 fewer arrays to dispatch a step
-        # (~0.16 ms with the caches cold).
-        self.stacked_cache = cpu_kernels and mesh is None and cfg.fused_shards == 1 and \
-            max_num_batched_tokens <= kernel_library.max_kernel_rows()
-        # So are the layers' weights, where the loader stacked them: the step then takes the stacks in place of each
-        # layer's own arrays (views of the same memory), which the trace sees as placeholders (12 arrays, not 180).
-        self.layer_stack = model.layer_stack if self.stacked_cache else None
-        self._layer_leaves: list[tuple[int, jax.ShapeDtypeStruct]] = []  # (index in the state, placeholder)
-        if self.layer_stack is not None:
-            leaves = jax.tree.flatten_with_path(model.state)[0]
-            in_layers = [path[0] == jax.tree_util.DictKey("layers") for path, _ in leaves]
-            self._layer_leaves = [(i, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
-                                  for i, ((_, leaf), layer) in enumerate(zip(leaves, in_layers, strict=True)) if layer]
-            self.params = [leaf for (_, leaf), layer in zip(leaves, in_layers, strict=True) if not layer]
-            self.params.append(self.layer_stack)
         if mesh is None:
             # Committed to the device: a step's outputs are then committed whichever way the weights were placed,
             # and jit keys its cache on that (the sampler compiled at warm-up must be the one steps call).
             device = jax.devices()[0]
             self.params = [jax.device_put(p, device) if isinstance(p, jax.Array) and not p.committed else p
                            for p in self.params]
-            if self.stacked_cache:
-                stacked = (cfg.num_layers, *shape)
-                self.kv_cache = KVCache(k=jnp.zeros(stacked, storage), v=jnp.zeros(stacked, storage))
-            else:
-                self.kv_cache = KVCache(k=[jnp.zeros(shape, storage) for _ in range(cfg.num_layers)],
-                                        v=[jnp.zeros(shape, storage) for _ in range(cfg.num_layers)])
+            self.kv_cache = self._new_kv_cache(shape, storage)
             self._step = jax.jit(self._packed_forward, donate_argnums=(1,), static_argnums=(3,))
         else:
             # Each device allocates only its own KV heads (never the whole cache on one device).
@@ -136,16 +111,14 @@ class ModelRunner:
             cache_shardings = jax.tree.map(lambda a: a.sharding, self.kv_cache)
             self._step = jax.jit(self._packed_forward, donate_argnums=(1,), static_argnums=(3,),
                                  out_shardings=(cache_shardings, replicated(mesh)))
-        # Without the CPU kernels, decode batches are padded to at least 8 rows: XLA CPU matmuls with M = 1 are
-        # up to 10x slower per row. The kernels stream weights at any row count, so a lone decode stays one row.
-        smallest = 1 if cpu_kernels else 8
+        smallest = self.smallest_token_bucket
         self.token_buckets = pow2_buckets(min(smallest, max_num_batched_tokens), max_num_batched_tokens)
         self.max_seq_rows = min(max_num_seqs, max_num_batched_tokens)
         # Attention that reads only the pages its sequences reach (reads_only_used_pages) takes one full-width table
         # for every step: 7x fewer shapes, and decode bursts, which need one width for all their steps. Otherwise
         # the width is bucketed too.
         max_pages = math.ceil(max_model_len / block_size)
-        self.page_buckets = [max_pages] if reads_only_used_pages(model.attention_backend) \
+        self.page_buckets = [max_pages] if reads_only_used_pages(self.attention_backend) \
             else pow2_buckets(1, max_pages)
         # The batch (and a burst's sampling metadata and step count) travel packed into one array; the packing
         # layout, which holds every shape and the metadata's static flags, keys the executables compiled ahead.
@@ -155,6 +128,31 @@ class ModelRunner:
         self._burst = jax.jit(self._packed_burst, donate_argnums=(1,), static_argnums=(3, 4))
         self._compiled_bursts: dict[tuple[PackedLayout, int], Callable] = {}  # by (layout, max_steps)
 
+    # ----- what a subclass may hold differently -----
+
+    def _param_tree(self, model: LoadedModel) -> Any:
+        """The pytree of arrays the step takes (flattened to a list) and _forward gets back."""
+        return model.state
+
+    def _new_kv_cache(self, shape: tuple[int, ...], dtype: jnp.dtype) -> KVCache:
+        """A single device's cache: one [num_blocks, block_size, num_kv_heads, head_dim] array a layer."""
+        layers = self.config.num_layers
+        return KVCache(k=[jnp.zeros(shape, dtype) for _ in range(layers)],
+                       v=[jnp.zeros(shape, dtype) for _ in range(layers)])
+
+    def _forward(self, params: list, kv_cache: KVCache, batch: StepBatch) -> tuple[KVCache, jax.Array]:
+        """The model over one batch (traced) -> (kv_cache, logits [S, V] float32)."""
+        return self._call_model(nnx.merge(self.graphdef, jax.tree.unflatten(self._params_tree, params)),
+                                kv_cache, batch)
+
+    def _call_model(self, model: nnx.Module, kv_cache: KVCache, batch: StepBatch) -> tuple[KVCache, jax.Array]:
+        if self.mesh is None:
+            return model(kv_cache, batch)
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # kernels split over heads (sharding/kernels.py)
+            return model(kv_cache, batch)
+
+    # ----- traced steps -----
+
     def _packed_forward(self, params: list[jax.Array], kv_cache: KVCache, packed: jax.Array,
                         layout: PackedLayout) -> tuple[KVCache, jax.Array]:
         return self._forward(params, kv_cache, unpack(packed, layout))
@@ -163,19 +161,6 @@ class ModelRunner:
                       max_steps: int) -> tuple[KVCache, jax.Array]:
         batch, meta, stop_ids, num_steps = unpack(packed, layout)
         return self._burst_steps(params, kv_cache, batch, meta, stop_ids, num_steps, max_steps)
-
-    def _forward(self, params: list, kv_cache: KVCache, batch: StepBatch) -> tuple[KVCache, jax.Array]:
-        layer_stack = None
-        if self._layer_leaves:  # the layers' own weights are not arguments: placeholders stand in for them
-            *params, layer_stack = params
-            params = list(params)
-            for index, placeholder in self._layer_leaves:
-                params.insert(index, placeholder)
-        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._params_tree, params))
-        if self.mesh is None:
-            return model(kv_cache, batch, layer_stack)
-        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # kernels split over heads (sharding/kernels.py)
-            return model(kv_cache, batch)
 
     def _burst_steps(self, params: list[jax.Array], kv_cache: KVCache, batch: StepBatch, meta: SamplingMetadata,
                      stop_ids: jax.Array, num_steps: jax.Array, max_steps: int) -> tuple[KVCache, jax.Array]:
@@ -192,7 +177,7 @@ class ModelRunner:
             # embedding table's bitcast (gathered as uint16 bits) out of the loop and copy all 56 MB every call.
             step_params, batch = jax.lax.optimization_barrier((params, batch))
             kv_cache, logits = self._forward(step_params, kv_cache, batch)
-            sampled = sample(logits, dataclasses.replace(meta, steps=meta.steps + i)).token_ids  # [S]
+            sampled = sample(logits, dataclasses.replace(meta, steps=meta.steps + i), self.argmax).token_ids  # [S]
             stopped = stopped | jnp.any(sampled[:, None] == stop_ids, axis=1)
             return i + 1, kv_cache, self._next_decode_batch(batch, sampled, real), tokens.at[i].set(sampled), stopped
 
@@ -216,12 +201,20 @@ class ModelRunner:
             slot_mapping=jnp.where(real, pages * self.block_size + positions % self.block_size, self.num_slots),
             seq_lens=jnp.where(batch.seq_lens > 0, batch.seq_lens + 1, 0))
 
-    def run_burst(self, batch: StepBatch, meta: SamplingMetadata, num_steps: int, max_steps: int,
-                  stop_ids: np.ndarray | None = None) -> jax.Array:
-        """Run a decode-only batch num_steps (<= max_steps, the compiled bound) steps on the device, fewer once every
-        sequence row has sampled one of its stop_ids (i32[S, STOP_IDS_WIDTH], -1 padding; None: no stop ids) ->
-        sampled token ids i32[max_steps, S] on the device (rows of steps not run are -1). The batch's sequences must
-        hold slots for num_steps tokens (prepare with lookahead=num_steps - 1)."""
+    # ----- the executor interface -----
+
+    def execute(self, batch: StepBatch, meta: SamplingMetadata,
+                prompt_next_ids: np.ndarray | None = None) -> StepOutput:
+        logits = self.run(batch)
+        prompt = None
+        if prompt_next_ids is not None:  # logits for every token: the prompt's logprobs, then each row's last
+            prompt = PromptLogprobs(*(np.asarray(a) for a in token_logprobs(logits, prompt_next_ids)))
+            logits = logits[np.maximum(batch.query_start[1:] - 1, 0)]
+        return StepOutput(sample_packed(logits, *pack(meta), self.argmax), prompt)
+
+    def execute_burst(self, batch: StepBatch, meta: SamplingMetadata, num_steps: int, max_steps: int,
+                      stop_ids: np.ndarray | None = None) -> jax.Array:
+        """The batch's sequences must hold slots for num_steps tokens (prepare with lookahead=num_steps - 1)."""
         if stop_ids is None:
             stop_ids = no_stop_ids(len(batch.seq_lens))
         packed, layout = pack((batch, meta, stop_ids, np.int32(num_steps)))
@@ -235,7 +228,7 @@ class ModelRunner:
     def seq_rows_for(self, num_tokens_bucket: int) -> int:
         return min(num_tokens_bucket, pick_bucket(pow2_buckets(1, self.max_seq_rows), self.max_seq_rows))
 
-    def prepare(self, chunks: Seq[ScheduledChunk], all_logits: bool = False, lookahead: int = 0) -> StepBatch:
+    def prepare(self, chunks: Seq[ScheduledSeq], all_logits: bool = False, lookahead: int = 0) -> StepBatch:
         """Flatten the scheduled chunks into one padded ragged batch (host-side numpy, then one transfer).
 
         With all_logits the step returns logits for every token (for prompt logprobs), not one row per sequence.
@@ -285,7 +278,7 @@ class ModelRunner:
                          query_start=query_start, logits_indices=logits_indices)
 
     def run(self, batch: StepBatch) -> jax.Array:
-        """Run one step; returns float32 logits [S, V] (rows past the real sequences are padding)."""
+        """Run one step without sampling; returns float32 logits [S, V] (rows past the real sequences are padding)."""
         packed, layout = pack(batch)
         compiled = self._compiled.get(layout)
         if compiled is None:  # a shape not compiled ahead goes through jit
@@ -300,7 +293,7 @@ class ModelRunner:
         returns the (rows, vocab) of each step's logits.
 
         Tracing runs one shape at a time; XLA compiles several at once on worker threads (it releases the GIL).
-        Only a single-device step is compiled this way: sharded steps warm up by running (see LLMEngine.warmup).
+        Only a single-device step is compiled this way: sharded steps warm up by running (see warmup).
         """
         lowered = [self.lower_step(b) for b in batches] + [self.lower_burst(*burst) for burst in bursts]
         workers = workers or min(8, os.cpu_count() or 1)
@@ -310,6 +303,32 @@ class ModelRunner:
         self._compiled.update(steps)
         self._compiled_bursts.update(burst_executables)
         return [tuple(exe.out_info[1].shape) for _, exe in steps]
+
+    def warmup(self, decode_burst: int) -> WarmupReport:
+        batches = list(self.warmup_batches())
+        bursts = [(b, for_burst(warmup_metadata(len(b.seq_lens))[0]), decode_burst) for b in self.burst_batches()]
+        vocab = self.config.vocab_size
+        if self.mesh is None:
+            # The sampler's variants compile on a thread of their own while the steps compile (XLA releases the
+            # GIL): its logits are (rows, vocab) for each token bucket's rows.
+            rows = sorted({len(b.seq_lens) for b in batches})
+            with ThreadPoolExecutor(1, thread_name_prefix="jserve-sampler") as pool:
+                sampler = pool.submit(lambda: [self._warm_sampler((n, vocab)) for n in rows])
+                logits_shapes = set(self.compile_ahead(batches, bursts))
+                sampler.result()
+            assert logits_shapes == {(n, vocab) for n in rows}, logits_shapes
+        else:  # a sharded (or multi-process) step compiles on its first run, in lockstep on every process
+            logits_shapes = {tuple(self.run(batch).shape) for batch in batches}
+            for shape in sorted(logits_shapes):
+                self._warm_sampler(shape)
+        return WarmupReport(step_shapes=len(batches), burst_shapes=len(bursts))
+
+    def _warm_sampler(self, shape: tuple[int, int]) -> None:
+        # Committed to the step's device(s) as a step's logits are: jit keys its cache on committedness, so
+        # uncommitted warm-up logits would leave the first real step of each shape to compile the sampler again.
+        logits = jax.device_put(jnp.zeros(shape, jnp.float32), self.devices_of_logits())
+        for meta in warmup_metadata(shape[0]):
+            jax.block_until_ready(sample_packed(logits, *pack(meta), self.argmax))
 
     def devices_of_logits(self) -> jax.sharding.Sharding:
         """Where a step's logits live: the one device, or replicated over the mesh."""
@@ -322,7 +341,7 @@ class ModelRunner:
 
     def lower_burst(self, batch: StepBatch, meta: SamplingMetadata,
                     max_steps: int) -> tuple[tuple[PackedLayout, int], jax.stages.Lowered]:
-        """A burst of up to max_steps for this batch and metadata, lowered, and the key run_burst() finds it by."""
+        """A burst of up to max_steps for this batch and metadata, lowered, and the key execute_burst() finds it by."""
         packed, layout = pack((batch, meta, no_stop_ids(len(batch.seq_lens)), np.int32(max_steps)))
         return (layout, max_steps), self._burst.lower(self.params, self.kv_cache, packed, layout, max_steps)
 

@@ -1,0 +1,196 @@
+"""From sampled tokens to RequestOutputs: incremental detokenization, stop conditions, logprobs, finishing.
+
+The engine hands each step's tokens here; this module alone appends them to their sequences, decides which sequences
+stop (EOS, stop tokens, stop strings, max_tokens, max_model_len) and builds what the caller sees. It never touches the
+KV cache: the sequences it ends are returned for the scheduler to retire.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jserve.engine.sequence import ScheduledSeq, Sequence, SequenceStatus
+from jserve.outputs import CompletionOutput, RequestOutput
+from jserve.sampling_params import RequestOutputKind, SamplingParams
+from jserve.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+
+
+@dataclass
+class SeqStream:
+    """The text side of one sequence: incremental detokenization and stop-string matching."""
+
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: StopStringMatcher
+    text: str = ""
+    logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    streams: list[SeqStream]
+    arrival_time: float
+    final_only: bool = False  # reported once, when it finishes (RequestOutputKind.FINAL_ONLY)
+    first_token_time: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all([s.seq.status is SequenceStatus.FINISHED for s in self.streams])  # read per request per step
+
+    def output(self) -> RequestOutput:
+        outputs = [CompletionOutput(index=s.seq.index, text=s.text, token_ids=list(s.seq.output_token_ids),
+                                    finish_reason=s.seq.finish_reason, stop_reason=s.seq.stop_reason,
+                                    logprobs=None if s.logprobs is None else list(s.logprobs))
+                   for s in self.streams]
+        prompt_logprobs = self.streams[0].prompt_logprobs
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt,
+                             prompt_token_ids=self.prompt_token_ids, outputs=outputs, finished=self.finished,
+                             num_cached_tokens=self.streams[0].seq.num_cached_tokens, metrics=dict(self.metrics),
+                             prompt_logprobs=None if prompt_logprobs is None else list(prompt_logprobs))
+
+
+@dataclass
+class Finished:
+    """A sequence a step ended, and why (for the scheduler to retire once the step's tokens are accounted)."""
+
+    seq: Sequence
+    reason: str  # "stop" | "length"
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.requests: dict[str, RequestState] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int], seqs: list[Sequence],
+                    params: SamplingParams, arrival: float) -> None:
+        final_only = params.output_kind is RequestOutputKind.FINAL_ONLY
+        streams = []
+        for seq in seqs:
+            # Text nobody reads until the end is decoded once, at the end, unless stop strings must watch it.
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
+                                           streaming=not final_only or bool(params.stop))
+            streams.append(SeqStream(seq, detok, StopStringMatcher(params.stop, params.include_stop_str_in_output),
+                                     logprobs=[] if params.logprobs is not None else None))
+        self.requests[request_id] = RequestState(request_id, prompt, prompt_ids, streams, arrival, final_only)
+
+    def abort(self, request_id: str) -> RequestState | None:
+        """Forget the request; its state carries the text of the tokens it got (the scheduler retires it)."""
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            for stream in state.streams:
+                if not stream.detokenizer.streaming:
+                    stream.text += stream.detokenizer.finish()  # "" if it finished
+        return state
+
+    def started(self, request_id: str) -> bool:
+        """Whether any of the request's sequences has left the queue (or the request is gone)."""
+        state = self.requests.get(request_id)
+        seq = state.streams[0].seq if state is not None else None
+        return seq is None or seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens > 0
+
+    # ----- a step's tokens -----
+
+    def append(self, scheduled: list[ScheduledSeq], tokens: list[list[int]],
+               logprobs: list[tuple | None] | None = None) -> tuple[list[int], list[Finished], list[RequestState]]:
+        """Append each scheduled sequence's new tokens (a row of `tokens` per chunk: one token for a single step, a
+        burst's tokens in order; chunks that do not sample are skipped), stopping a sequence at its first stop
+        condition -> (tokens appended per chunk, the sequences that ended, the requests that changed)."""
+        appended, finished, changed = [], [], {}
+        now = time.monotonic()
+        for row, chunk in enumerate(scheduled):
+            seq = chunk.seq
+            if not chunk.sample or seq.is_finished:
+                appended.append(0)
+                continue
+            state = self.requests[seq.request_id]
+            stream = state.streams[seq.index]
+            count = 0
+            for token in tokens[row]:
+                count += 1
+                reason = self._append_token(stream, token, None if logprobs is None else logprobs[row])
+                if reason is not None:
+                    finished.append(Finished(seq, reason))
+                    break
+            appended.append(count)
+            state.first_token_time = state.first_token_time or now
+            changed[state.request_id] = state
+        return appended, finished, list(changed.values())
+
+    def _append_token(self, stream: SeqStream, token: int, logprobs: tuple | None) -> str | None:
+        """-> the finish reason if this token ends the sequence."""
+        seq, params = stream.seq, stream.seq.params
+        seq.append_token(token)
+        if stream.logprobs is not None and logprobs is not None:
+            chosen, top_ids, top_lps = logprobs
+            top = dict(zip(top_ids[: params.logprobs], top_lps[: params.logprobs], strict=True))
+            stream.logprobs.append({token: chosen, **top})
+        reason, stop_reason = None, None
+        ends_on_eos = not params.ignore_eos and token in params.eos_token_ids  # the engine's, set per request
+        if (ends_on_eos or token in params.stop_token_ids) and seq.num_output_tokens > params.min_tokens:
+            # The stop token's own text is not output; text held back before it (half a character) is.
+            reason, stop_reason = "stop", token
+            delta = stream.detokenizer.finish()
+        else:
+            delta = stream.detokenizer.add(token)
+            if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+                delta += stream.detokenizer.finish()
+        if params.stop:
+            emit, matched = stream.stop_matcher.feed(delta)
+            if matched is not None:
+                reason, stop_reason = "stop", matched
+            elif reason is not None:
+                emit += stream.stop_matcher.flush()
+            delta = emit
+        stream.text += delta
+        if reason is not None:
+            seq.stop_reason = stop_reason
+        return reason
+
+    def record_prompt_logprobs(self, scheduled: list[ScheduledSeq], wanted: list[bool], query_start: np.ndarray,
+                               chosen: np.ndarray, top_ids: np.ndarray, top_lps: np.ndarray) -> None:
+        """Logprobs of each prompt token given the tokens before it, from a step's all-token logprobs (rows follow
+        the batch's tokens; query_start places each chunk)."""
+        for row, chunk in enumerate(scheduled):
+            if not wanted[row]:
+                continue
+            seq, k = chunk.seq, chunk.seq.params.prompt_logprobs
+            stream = self.requests[seq.request_id].streams[seq.index]
+            if stream.prompt_logprobs is None:
+                stream.prompt_logprobs = [None] * seq.num_prompt_tokens  # the first token has no context
+            for i in range(chunk.num_new_tokens):
+                position = seq.num_computed_tokens + i + 1  # the prompt token this row's logits predict
+                if position >= seq.num_prompt_tokens:
+                    break
+                r = query_start[row] + i
+                stream.prompt_logprobs[position] = {seq.token_ids[position]: float(chosen[r]),
+                                                    **dict(zip(top_ids[r, :k].tolist(), top_lps[r, :k].tolist(),
+                                                               strict=True))}
+
+    # ----- what the caller sees -----
+
+    def emit(self, changed: list[RequestState]) -> list[RequestOutput]:
+        """The outputs of the requests that changed (a FINAL_ONLY request only once it finishes); finished requests
+        are forgotten."""
+        outputs = []
+        for state in changed:
+            if state.final_only and not state.finished:
+                continue
+            output = state.output()
+            if state.finished:
+                state.metrics.update(arrival_time=state.arrival_time, first_token_time=state.first_token_time or 0.0,
+                                     finished_time=time.monotonic())
+                output.metrics = dict(state.metrics)
+                self.requests.pop(state.request_id, None)
+            outputs.append(output)
+        return outputs

@@ -1,0 +1,198 @@
+"""The CPU layer executor: every decoder layer of a step in one call of the C++ layer kernel (cpu_kernels).
+
+XLA's CPU backend runs a decode step's small matmuls far below memory bandwidth with a fixed cost per op, and its
+paged attention must gather every page first; the layer kernel streams each weight once per step and reads pages in
+place. This executor owns what that kernel needs: weights packed once at load (cpu_kernels.pack_weight), parameters
+on huge pages (host_arena), each kind of layer weight stacked across layers or laid out in per-thread parts, a
+stacked KV cache (two arrays a step instead of two a layer), lone decodes unpadded, and the kernel's argmax.
+
+It is the XLA executor with a different forward: batches the layer kernel does not take (larger than
+cpu_kernels.max_kernel_rows() where AMX makes XLA's dot faster, or any batch under tensor parallelism) run the Flax
+model with the C++ attention kernel ("cpu" attention backend) and XLA's dots.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+import cpu_kernels
+from checkpoints.safetensors_loader import ParamSource
+from jserve.config import ModelConfig, ModelLoadError
+from jserve.executors.host_arena import HugePageArena, LayerStacks
+from jserve.executors.xla import XlaExecutor
+from jserve.loading import LoadedModel, load_model
+from jserve.models.batch import KVCache, StepBatch
+from jserve.models.layers import embed_lookup, matmul, rms_norm, rope_inv_freq
+
+logger = logging.getLogger(__name__)
+
+# Where each of the layer kernel's weights sits in a DecoderLayer (absent where the model has no such weight); the
+# loader stacks each across layers by these paths (host_arena.LayerStacks).
+KERNEL_WEIGHT_PATHS = cpu_kernels.LayerWeights(
+    input_norm=("input_layernorm", "weight"), qkv=("self_attn", "qkv_proj", "weight"),
+    o=("self_attn", "o_proj", "weight"), post_norm=("post_attention_layernorm", "weight"),
+    gate_up=("mlp", "gate_up_proj", "weight"), down=("mlp", "down_proj", "weight"),
+    qkv_bias=("self_attn", "qkv_proj", "bias"), o_bias=("self_attn", "o_proj", "bias"),
+    gate_up_bias=("mlp", "gate_up_proj", "bias"), down_bias=("mlp", "down_proj", "bias"),
+    q_norm=("self_attn", "q_norm", "weight"), k_norm=("self_attn", "k_norm", "weight"))
+_MATRICES = (KERNEL_WEIGHT_PATHS.qkv, KERNEL_WEIGHT_PATHS.o, KERNEL_WEIGHT_PATHS.gate_up, KERNEL_WEIGHT_PATHS.down)
+
+
+@dataclass
+class CpuLoadedModel(LoadedModel):
+    # Every layer's weights stacked by kind ([num_layers, ...], aliasing the state's per-layer arrays, or the matrices
+    # in per-thread parts), for the layer kernel; None where they could not be stacked without a copy.
+    layer_stack: cpu_kernels.LayerWeights | None = None
+
+
+class CpuLayerExecutor(XlaExecutor):
+    name = "cpu-layers"
+    smallest_token_bucket = 1  # the kernels stream weights at any row count: a lone decode stays one row
+    argmax = staticmethod(cpu_kernels.argmax)  # XLA CPU's argmax runs ~20x slower (same answer)
+
+    @classmethod
+    def load(cls, model_dir: str | Path, *, dtype: str, attention_backend: str = "cpu", mesh: Mesh | None = None,
+             load_format: str = "auto", weight_parts: int | None = None) -> LoadedModel:
+        """weight_parts: where the matmul weights are packed, the layers' matrices are laid out in this many per-thread
+        parts (cpu_kernels.PartLayout; None: one per CPU the kernels run on; 0: as [num_layers, ...] stacks whose
+        slices are the layers' own parameters). In parts, only the layer kernel reads them (through
+        CpuLoadedModel.layer_stack): each layer's own matrix parameters are empty placeholders."""
+        if mesh is not None:  # sharded: XLA partitions the dots, the attention kernel runs on each device's heads
+            return load_model(model_dir, dtype, attention_backend, mesh=mesh, load_format=load_format)
+        config = ModelConfig.from_pretrained(model_dir)
+        param_dtype = jnp.dtype(dtype)
+        packed = _packed_paths(config, param_dtype) if cpu_kernels.packs_weights(param_dtype) else set()
+        arena = HugePageArena()
+        in_parts = weight_parts != 0 and all(("layers", 0, *path) in packed for path in _MATRICES)
+        parts = weight_parts if weight_parts is not None else cpu_kernels.kernel_threads()
+        layout = cpu_kernels.part_layout(_matrix_shapes(config), param_dtype, parts) if in_parts else None
+        stacks = LayerStacks(arena, config.num_layers,
+                             (layout, {path: i for i, path in enumerate(_MATRICES)}) if in_parts else None)
+
+        def place(path: tuple, source: ParamSource) -> jax.Array:
+            array = source.read()
+            array = cpu_kernels.pack_weight(array) if path in packed else array
+            if path[0] == "layers":
+                return stacks.place(path[2:], path[1], array)
+            return arena.place(array)
+
+        model = load_model(model_dir, dtype, attention_backend, load_format=load_format, place=place)
+        return CpuLoadedModel(config=model.config, graphdef=model.graphdef, state=model.state,
+                              attention_backend=attention_backend, layer_stack=_layer_stack(stacks))
+
+    def __init__(self, model: LoadedModel, *, max_num_batched_tokens: int, mesh: Mesh | None = None, **kwargs):
+        # Where the layer kernel takes every step (one device, no bucket larger than it takes), the cache is one
+        # stacked array for K and one for V, and so are the layers' weights where the loader stacked them: a step
+        # then dispatches ~14 arrays instead of a few per layer.
+        self.every_step_fused = mesh is None and max_num_batched_tokens <= cpu_kernels.max_kernel_rows()
+        self.layer_stack = getattr(model, "layer_stack", None) if self.every_step_fused else None
+        if self.layer_stack is None and _matrices_in_parts(model):
+            raise ValueError("this model's layer matrices were loaded in per-thread parts for the layer kernel, "
+                             "which does not take every step here: load it with weight_parts=0")
+        super().__init__(model, max_num_batched_tokens=max_num_batched_tokens, mesh=mesh, **kwargs)
+
+    def _param_tree(self, model: LoadedModel) -> Any:
+        if self.layer_stack is None:
+            return model.state
+        # The stacks alias the layers' own arrays: the step takes the stacks and the few weights outside the layers.
+        pure = nnx.to_pure_dict(model.state)
+        return {"embed": pure["embed_tokens"], "norm": pure["norm"]["weight"], "lm_head": pure.get("lm_head"),
+                "layers": self.layer_stack}
+
+    def _new_kv_cache(self, shape: tuple[int, ...], dtype: jnp.dtype) -> KVCache:
+        if not self.every_step_fused:
+            return super()._new_kv_cache(shape, dtype)
+        stacked = (self.config.num_layers, *shape)
+        return KVCache(k=jnp.zeros(stacked, dtype), v=jnp.zeros(stacked, dtype))
+
+    def layer_kernel_takes(self, num_tokens: int) -> bool:
+        return self.mesh is None and num_tokens <= cpu_kernels.max_kernel_rows()
+
+    def _forward(self, params: list, kv_cache: KVCache, batch: StepBatch) -> tuple[KVCache, jax.Array]:
+        tree = jax.tree.unflatten(self._params_tree, params)
+        if self.layer_stack is not None:
+            embed, norm, lm_head, layers = tree["embed"], tree["norm"], tree["lm_head"], tree["layers"]
+        else:
+            model = nnx.merge(self.graphdef, tree)
+            if not self.layer_kernel_takes(batch.token_ids.shape[0]):
+                return self._call_model(model, kv_cache, batch)
+            embed, norm = model.embed_tokens[...], model.norm.weight[...]
+            lm_head = None if model.lm_head is None else model.lm_head[...]
+            layers = [_layer_weights(layer) for layer in model.layers]
+        cfg = self.config
+        x = cpu_kernels.packed_rows(embed, batch.token_ids) if cpu_kernels.is_packed(embed) \
+            else embed_lookup(embed, batch.token_ids)
+        x, k_cache, v_cache = cpu_kernels.decoder_layers(
+            x, layers, kv_cache.k, kv_cache.v, positions=batch.positions, slot_mapping=batch.slot_mapping,
+            page_table=batch.page_table, query_start=batch.query_start, seq_lens=batch.seq_lens,
+            inv_freq=rope_inv_freq(cfg), num_heads=cfg.num_heads, eps=cfg.rms_norm_eps, scale=cfg.head_dim**-0.5,
+            sliding_window=cfg.sliding_window, intermediate_size=cfg.intermediate_size)
+        last = rms_norm(x[batch.logits_indices], norm, cfg.rms_norm_eps)  # only the positions that predict a token
+        head = embed if lm_head is None else lm_head
+        if cpu_kernels.is_packed(head) or last.shape[0] <= cpu_kernels.max_kernel_rows():
+            logits = cpu_kernels.matmul(last, head, cfg.vocab_size)
+        else:
+            logits = matmul(last, head)
+        return KVCache(k=k_cache, v=v_cache), logits
+
+
+def _layer_weights(layer: nnx.Module) -> cpu_kernels.LayerWeights:
+    """A DecoderLayer's own weights as the layer kernel takes them."""
+    def value(path: tuple[str, ...]) -> jax.Array | None:
+        node = layer
+        for name in path:
+            node = getattr(node, name, None)
+            if node is None:  # no bias, or no q/k norm
+                return None
+        return node[...]
+
+    # Every path but matrix_parts, the last field: a layer's own weights are never in parts.
+    return cpu_kernels.LayerWeights(*(value(path) for path in KERNEL_WEIGHT_PATHS[:-1]))
+
+
+def _matrices_in_parts(model: LoadedModel) -> bool:
+    """The layers' own matrices are empty placeholders: the weights lie only in the per-thread parts."""
+    layers = nnx.to_pure_dict(model.state).get("layers")
+    return bool(layers) and layers[0]["self_attn"]["qkv_proj"]["weight"].size == 0
+
+
+def _matrix_shapes(config: ModelConfig) -> list[tuple[int, int]]:
+    """[N, K] of a layer's qkv, o, gate_up and down weights."""
+    e, q, kv, i = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    return [(q + 2 * kv, e), (e, q), (2 * i, e), (e, i)]
+
+
+def _layer_stack(stacks: LayerStacks) -> cpu_kernels.LayerWeights | None:
+    """The kernel's weights from the stacks by kind (and the matrices' parts); None if a stack is missing or the
+    layers hold a weight the kernel does not take."""
+    paths = KERNEL_WEIGHT_PATHS
+    by_kind, matrix_parts = stacks.stacked(), stacks.matrix_parts()
+    if by_kind is None or not set(by_kind) <= set(paths):
+        if matrix_parts is not None:
+            raise ModelLoadError("the layer kernel's weights could not all be stacked (a layer holds a weight it "
+                                 "does not take), but its matrices are already laid out only for it")
+        return None
+    weights = cpu_kernels.LayerWeights(*(by_kind.get(path) for path in paths[:-1]), matrix_parts=matrix_parts)
+    matrices = (weights.qkv, weights.o, weights.gate_up, weights.down)
+    whole = matrix_parts is not None or all(w is not None for w in matrices)
+    return weights if whole and weights.input_norm is not None and weights.post_norm is not None else None
+
+
+def _packed_paths(config: ModelConfig, dtype: jnp.dtype) -> set[tuple]:
+    """The parameters only the kernels' matmuls read: every projection and the LM head (a tied embedding table
+    too: its lookup reads the packed rows, cpu_kernels.packed_rows)."""
+    projections = [("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj")]
+    paths = {("layers", i, *module, "weight") for i in range(config.num_layers) for module in projections}
+    paths.add(("embed_tokens",) if config.tie_word_embeddings else ("lm_head",))
+    sizes = (config.hidden_size, config.q_size, config.intermediate_size)
+    if dtype == jnp.bfloat16 and any(size % 2 for size in sizes):
+        return set()  # the bfloat16 layout pairs adjacent inputs
+    return paths

@@ -1,0 +1,127 @@
+"""Build a jserve model from a Hugging Face checkpoint directory: config, abstract model, weights on the mesh."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, Sharding
+
+from checkpoints import dummy
+from checkpoints.dummy import DummySource
+from checkpoints.safetensors_loader import ParamSource, load_state
+from jserve.config import LOAD_FORMATS, ModelConfig, ModelLoadError
+from jserve.models import model_class
+from jserve.models.sharded_config import shard_model_config
+from sharding import MODEL_AXIS, logical_sharding
+
+Place = Callable[[tuple, ParamSource], jax.Array]  # (parameter path, its source) -> the array the model holds
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    graphdef: nnx.GraphDef
+    state: nnx.State  # parameters as device arrays
+    attention_backend: str = "reference"  # the concrete backend baked into graphdef
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local directory as is; otherwise a Hugging Face hub id fetched (or found in the local HF cache)."""
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelLoadError(f"{model}: not a directory (expected a checkpoint directory with config.json)")
+        return path
+    if model.count("/") == 1 and not model.startswith((".", "/")):
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+        except Exception as e:  # offline, unknown repo, gated: all mean "cannot use this id"
+            raise ModelLoadError(f"{model}: no such local directory, and fetching it from the Hugging Face hub "
+                                 f"failed ({type(e).__name__}: {e})") from None
+    raise ModelLoadError(f"{model}: no such directory")
+
+
+def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend: str = "reference",
+               mesh: Mesh | None = None, load_format: str = "auto", place: Place | None = None) -> LoadedModel:
+    """load_format: "auto" reads the directory's safetensors; "dummy" draws random weights of config.json's shape
+    (checkpoints.dummy) and needs no weight files.
+
+    attention_backend: a concrete backend (pallas_kernels.resolve_backend), baked into the graphdef.
+
+    With a mesh, the model is reshaped for its `model` axis (jserve.models.sharded_config) and every parameter is
+    built shard by shard in the layout the rules table gives its logical axes: no device, and no host buffer,
+    ever holds a whole copy of a sharded weight.
+
+    place: where an executor keeps its parameters its own way (the CPU layer executor packs and stacks them in host
+    memory), the function that turns each parameter's source into the array the state holds; unsharded only.
+    """
+    config = ModelConfig.from_pretrained(model_dir)
+    if mesh is not None:
+        if place is not None:
+            raise ValueError("load_model: a custom placement is for unsharded models only")
+        config = shard_model_config(config, mesh.shape[MODEL_AXIS])
+    abstract = nnx.eval_shape(lambda: model_class(config)(config, jnp.dtype(dtype), attention_backend))
+    graphdef, state = nnx.split(abstract)
+    pure = nnx.to_pure_dict(state)
+    shapes = {path: (leaf.shape, np.dtype(leaf.dtype)) for path, leaf in _flatten(pure)}
+    axes = {tuple(path): var.get_metadata().get("logical_axes") for path, var in nnx.to_flat_state(state)}
+
+    def place_one(path: tuple, source: ParamSource) -> jax.Array:
+        if place is not None:
+            return place(path, source)
+        if mesh is None:
+            return jax.device_put(source.read())
+        return place_sharded(source, logical_sharding(mesh, axes[path], source.shape))
+
+    if load_format == "dummy":
+        placed = _dummy_state(shapes, axes, mesh, place_one, through_host=place is not None)
+    elif load_format == "auto":
+        placed = load_state(model_dir, config, shapes, place_one)
+    else:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    for path, array in placed.items():
+        _assign(pure, path, array)
+    nnx.replace_by_pure_dict(state, pure)
+    return LoadedModel(config=config, graphdef=graphdef, state=state, attention_backend=attention_backend)
+
+
+def _dummy_state(shapes: dict, axes: dict, mesh: Mesh | None, place, through_host: bool) -> dict[tuple, jax.Array]:
+    """Random parameters: drawn where they live, or, where the CPU layer kernel packs and stacks host arrays, drawn
+    on the CPU and placed one at a time as a checkpoint's would be."""
+    if through_host:
+        return {path: place(path, DummySource(array)) for path, array in dummy.draw(shapes, lambda path: None)}
+    if mesh is None:
+        return dict(dummy.draw(shapes, lambda path: None))
+    return dict(dummy.draw(shapes, lambda path: logical_sharding(mesh, axes[path], shapes[path][0])))
+
+
+def place_sharded(source: ParamSource, sharding: Sharding) -> jax.Array:
+    """Build a global array shard by shard: each device's block is read from the memory map and sent before the
+    next is read. (jax.make_array_from_callback would first read every device's block, holding the whole
+    parameter on the host at once.) Only this process's devices are filled, so it works under jax.distributed.
+    """
+    shards = [jax.device_put(source.read(index), device)
+              for device, index in sharding.addressable_devices_indices_map(source.shape).items()]
+    return jax.make_array_from_single_device_arrays(source.shape, sharding, shards)
+
+
+def _flatten(tree: dict, prefix: tuple = ()):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _flatten(value, prefix + (key,))
+        else:
+            yield prefix + (key,), value
+
+
+def _assign(tree: dict, path: tuple, value) -> None:
+    for key in path[:-1]:
+        tree = tree[key]
+    tree[path[-1]] = value
