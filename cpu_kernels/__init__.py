@@ -1,10 +1,13 @@
-"""CPU kernels (kernels.cc) called from jitted code through XLA's FFI: matmul and ragged paged attention.
+"""CPU kernels (C++: kernels.cc and the parts it includes) called from jitted code through XLA's FFI: matmul, ragged
+paged attention, the decoder layers and argmax.
 
 XLA's CPU backend runs a decode step's small matmuls far below memory bandwidth with a fixed cost per op, and its
 paged attention must gather every page of every token first (docs/benchmarks.md). These kernels are to the CPU what
 the Pallas kernels are to TPU and GPU. The C++ source is compiled once per machine on first use with the system's
-C++ compiler (-march=native) into ~/.cache/jserve/cpu_kernels/; where that is impossible (no compiler, no
-AVX2/FMA) `available()` is False and `unavailable_reason()` says why, and "auto" falls back to pure XLA.
+C++ compiler (-march=native) into ~/.cache/jserve/cpu_kernels/, keyed by a hash of every source file, the flags and
+the compiler; where that is impossible (no compiler, no AVX2/FMA) `available()` is False and `unavailable_reason()`
+says why, and "auto" falls back to pure XLA. With JSERVE_CPU_KERNELS_LIB set, the library at that path (built by
+`build`, e.g. for one ISA variant) is loaded instead.
 
 References: `matmul_ref` here, pallas_kernels.reference.ragged_paged_attention_ref for attention, and the
 model's own per-op layers (jserve.models.llama, reference attention backend) for `decoder_layers`.
@@ -29,11 +32,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SOURCE = Path(__file__).with_name("kernels.cc")
+SOURCE = Path(__file__).with_name("kernels.cc")  # the one translation unit: it includes every part (*.h beside it)
 # On an AVX2 machine the kernel matches XLA's float32 dot at prefill sizes and beats its bfloat16 dot 1.7x, so it takes
 # every batch; where the CPU has AMX, XLA's bfloat16 dot runs on it, and the kernel keeps only decode-sized batches.
 AMX_KERNEL_ROWS = 64
-CXXFLAGS = ("-O3", "-march=native", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC")
+LIBRARY_FLAGS = ("-std=c++17", "-shared", "-fPIC")  # what any build of the kernels needs
+CXXFLAGS = ("-O3", "-march=native", "-mavx2", "-mfma", *LIBRARY_FLAGS)
+LIBRARY_ENV = "JSERVE_CPU_KERNELS_LIB"  # a library to load instead of building one for this machine
 
 
 class KernelUnavailable(RuntimeError):
@@ -45,11 +50,32 @@ def _cache_dir() -> Path:
     return Path(base) / "jserve" / "cpu_kernels"
 
 
-def _compile(compiler: str, flags: Sequence[str], include_dir: str, out: Path) -> None:
+def sources() -> list[Path]:
+    """Every C++ source file: kernels.cc and the headers it includes (all of them in the build's cache key)."""
+    return sorted(SOURCE.parent.glob("*.h")) + [SOURCE]
+
+
+def compiler() -> str | None:
+    """The C++ compiler the kernels are built with: $CXX, else g++, c++ or clang++ (None: none is installed)."""
+    return next((c for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c and shutil.which(c)), None)
+
+
+def build(out: Path, flags: Sequence[str] = CXXFLAGS) -> Path:
+    """Compiles the kernels with exactly these compiler flags (CXXFLAGS: for this machine) into the library `out`,
+    which JSERVE_CPU_KERNELS_LIB can then name; raises KernelUnavailable if the compiler fails or there is none.
+    The tests build each ISA variant the source keeps this way, with explicit -m flags."""
+    cxx = compiler()
+    if cxx is None:
+        raise KernelUnavailable("no C++ compiler (g++, c++ or clang++) to build the CPU kernels")
+    _compile(cxx, flags, jax.ffi.include_dir(), Path(out))
+    return Path(out)
+
+
+def _compile(cxx: str, flags: Sequence[str], include_dir: str, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_lib = Path(tmp) / out.name
-        cmd = [compiler, *flags, f"-I{include_dir}", str(SOURCE), "-o", str(tmp_lib)]
+        cmd = [cxx, *flags, f"-I{include_dir}", str(SOURCE), "-o", str(tmp_lib)]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             raise KernelUnavailable(f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n{result.stderr[-2000:]}")
@@ -77,9 +103,24 @@ def _cpu_flags() -> frozenset[str]:
 
 def _build_flags() -> tuple[str, ...]:
     """CXXFLAGS, plus JSERVE_INTEL on Intel CPUs: there the weight stream prefetches T0 2 KiB ahead and T2 8 KiB
-    ahead, not non-temporal 512 bytes ahead, and bfloat16 tiles run widened to float32 (kernels.cc's PrefetchAhead and
-    WidenedBlocks say what each measured)."""
+    ahead, not non-temporal 512 bytes ahead, and bfloat16 tiles run widened to float32 (prefetch.h and
+    matmul_packed.h's WidenedBlocks say why)."""
     return CXXFLAGS + (("-DJSERVE_INTEL",) if _cpuinfo("vendor_id") == "GenuineIntel" else ())
+
+
+def _built_library() -> Path:
+    """This machine's build of the kernels, from the cache, compiled first if it is not there."""
+    cxx = compiler()
+    if cxx is None:
+        raise KernelUnavailable("no C++ compiler (g++, c++ or clang++) to build the CPU kernels")
+    flags = _build_flags()
+    identity = [jax.__version__, cxx, *flags, *sorted(_cpu_flags())]
+    source = b"".join(path.name.encode() + b"\0" + path.read_bytes() for path in sources())
+    key = hashlib.sha256(source + " ".join(identity).encode()).hexdigest()[:16]
+    lib_path = _cache_dir() / f"libjserve_cpu_{key}.so"
+    if not lib_path.exists():
+        _compile(cxx, flags, jax.ffi.include_dir(), lib_path)
+    return lib_path
 
 
 @functools.cache
@@ -89,17 +130,8 @@ def _load() -> ctypes.CDLL | KernelUnavailable:
                                  f"{platform.machine()})")
     if not {"avx2", "fma"} <= _cpu_flags():
         return KernelUnavailable("the CPU kernels need AVX2 and FMA, which this CPU lacks")
-    compiler = next((c for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c and shutil.which(c)), None)
-    if compiler is None:
-        return KernelUnavailable("no C++ compiler (g++, c++ or clang++) to build the CPU kernels")
-    include_dir = jax.ffi.include_dir()
-    flags = _build_flags()
-    identity = [jax.__version__, compiler, *flags, *sorted(_cpu_flags())]
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(identity).encode()).hexdigest()[:16]
-    lib_path = _cache_dir() / f"libjserve_cpu_{key}.so"
     try:
-        if not lib_path.exists():
-            _compile(compiler, flags, include_dir, lib_path)
+        lib_path = os.environ.get(LIBRARY_ENV) or _built_library()
         lib = ctypes.cdll.LoadLibrary(str(lib_path))
         jax.ffi.register_ffi_target("jserve_matmul", jax.ffi.pycapsule(lib.JserveMatmul), platform="cpu")
         jax.ffi.register_ffi_target("jserve_paged_attention", jax.ffi.pycapsule(lib.JservePagedAttention),
@@ -121,7 +153,7 @@ def packs_weights(dtype: str | jnp.dtype) -> bool:
     return jnp.dtype(dtype) in (jnp.bfloat16, jnp.float32)
 
 
-PACKED_ROWS = 32  # weight rows per packed block (two 16-row panels in kernels.cc); N is padded to whole blocks
+PACKED_ROWS = 32  # weight rows per packed block (two 16-row panels: matmul_blocks.h); N is padded to whole blocks
 
 
 def pack_weight(w: np.ndarray) -> np.ndarray:
@@ -169,7 +201,7 @@ def read_bandwidth(nbytes: int = 256 << 20, threads: int | None = None, repeats:
 
 def cached_layer_calls() -> int:
     """How many decoder_layers calls in this process ran the phases their thread kept from its call before (the
-    same buffers, shapes and attention items: a decode's step after step) instead of building them anew (kernels.cc's
+    same buffers, shapes and attention items: a decode's step after step) instead of building them anew (layer_call.h's
     LayerCallCache)."""
     _require()
     lib = _load()
@@ -180,7 +212,7 @@ def cached_layer_calls() -> int:
 
 def handed_calls() -> int:
     """How many kernel calls in this process handed their work to a helper thread still lingering from the call
-    before, instead of waking one from the pool (kernels.cc's Lingerers)."""
+    before, instead of waking one from the pool (phases.h's Lingerers)."""
     _require()
     lib = _load()
     lib.JserveHandedCalls.restype = ctypes.c_int64
@@ -188,10 +220,10 @@ def handed_calls() -> int:
     return lib.JserveHandedCalls()
 
 
-# The kinds of phase the profile tells apart (kernels.cc's PhaseKind): the layer kernel's steps ("inputs": a norm or
+# The kinds of phase the profile tells apart (profile.h's PhaseKind): the layer kernel's steps ("inputs": a norm or
 # the SiLU run as a phase of its own), and "other" for the other kernels' phases.
 PHASE_KINDS = ("other", "qkv", "rotary", "attention", "merge", "o", "gate_up", "down", "inputs")
-PROFILED_KERNELS = ("decoder_layers", "matmul", "argmax", "paged_attention")  # kernels.cc's KernelKind
+PROFILED_KERNELS = ("decoder_layers", "matmul", "argmax", "paged_attention")  # profile.h's KernelKind
 
 
 class KernelCalls(NamedTuple):
@@ -205,7 +237,7 @@ class KernelCalls(NamedTuple):
 
 class PhaseProfile(NamedTuple):
     """Time in the kernels since profiling was switched on. Worker 0 is the thread that called the kernel, the rest
-    its helpers (kernels.cc's RunPhases); a worker's time between phases goes to the phase it just left."""
+    its helpers (phases.h's RunPhases); a worker's time between phases goes to the phase it just left."""
 
     busy_s: np.ndarray  # f64[workers, len(PHASE_KINDS)]: running items of each kind of phase
     wait_s: np.ndarray  # f64[workers, len(PHASE_KINDS)]: done with a phase, waiting for other threads' items of it
@@ -228,7 +260,7 @@ def phase_profile() -> PhaseProfile:
     workers, kinds, kernels = ctypes.c_int64(), ctypes.c_int64(), ctypes.c_int64()
     lib.JserveProfileShape.restype = ctypes.c_int64
     size = lib.JserveProfileShape(ctypes.byref(workers), ctypes.byref(kinds), ctypes.byref(kernels))
-    assert (kinds.value, kernels.value) == (len(PHASE_KINDS), len(PROFILED_KERNELS)), "kernels.cc and this disagree"
+    assert (kinds.value, kernels.value) == (len(PHASE_KINDS), len(PROFILED_KERNELS)), "profile.h and this disagree"
     out = np.zeros(size, np.int64)
     lib.JserveProfileRead(out.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)))
     phases = workers.value * kinds.value
@@ -325,7 +357,7 @@ class PartLayout(NamedTuple):
     each matrix (n blocks of 32 rows), one matrix after another from its start. The layer kernel reads a few rows'
     matmuls as one part a thread, so each thread's share of a step is one forward stream through its own region
     (where the memory reads ~60 GB/s with both cores streaming, shared [layers, ...] stacks stream at 0.6-0.75 of it:
-    docs/benchmarks.md). kernels.cc's MatrixParts reads the same layout."""
+    docs/benchmarks.md). layer_args.h's MatrixParts reads the same layout."""
 
     parts: int
     begins: tuple[tuple[int, ...], ...]  # per matrix: the block each part starts at, [parts + 1]
@@ -441,7 +473,7 @@ def decoder_layers(x: jax.Array, layers: Sequence[LayerWeights] | LayerWeights,
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     args = [x.astype(jnp.float32), i32(positions), i32(slot_mapping), i32(page_table), i32(query_start),
             i32(seq_lens), jnp.asarray(inv_freq, jnp.float32)]
-    for w in [layers] if stacked_weights else layers:  # the order kernels.cc's LayerBuffersAt reads
+    for w in [layers] if stacked_weights else layers:  # the order layer_args.h's LayerBuffersAt reads
         args += [f32(w.input_norm), w.qkv, f32(w.qkv_bias), f32(w.q_norm), f32(w.k_norm), w.o, f32(w.o_bias),
                  f32(w.post_norm), w.gate_up, f32(w.gate_up_bias), w.down, f32(w.down_bias)]
     kv_in = len(args)
