@@ -1,12 +1,12 @@
-"""Host memory on 2 MiB transparent huge pages for the CPU backend's parameters.
+"""Host memory on 2 MiB transparent huge pages for the CPU layer executor's parameters.
 
 A decode step streams every weight once. On 4 KiB pages that is a TLB miss every 4 KiB, and XLA's allocator puts
 each parameter in its own small mapping, so even with transparent huge pages on, few whole 2 MiB pages fit inside
 one. The arena copies the parameters, in load order, into large private mappings marked MADV_HUGEPAGE before they
 are touched, and hands them to JAX without a copy (DLPack; bfloat16 through jax.device_put, which aliases an
-aligned host array on CPU). Batch-1 decode of the 135M model in float32 went from 11.3 to 10.5 ms a token on a
-Zen 4 (docs/benchmarks.md); on an AVX2 EPYC, bfloat16 matmul weights stream ~20% faster from huge pages. Where any
-step is refused, `place` falls back to a copy by jax.device_put.
+aligned host array on CPU). Batch-1 decode of the 135M model in float32 takes 10.5 ms a token from huge pages
+against 11.3 from 4 KiB pages on a Zen 4; on an AVX2 EPYC, bfloat16 matmul weights stream ~20% faster from them.
+Where any step is refused, `place` falls back to a copy by jax.device_put.
 """
 
 from __future__ import annotations
