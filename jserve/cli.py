@@ -1,6 +1,6 @@
 """The `jserve` command. Each subcommand registers itself with `add_parser(subparsers)` and sets `run`.
 
-`generate` runs a batch job over a JSONL file; `serve`, `bench` live in their own modules.
+`generate` runs a batch job over a JSONL file; `serve`, `bench`, `eval` live in their own modules.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 from jserve.bench.cli import add_bench_parser
 from jserve.config import ModelLoadError
 from jserve.engine_args import add_engine_args, engine_config_from_args
+from jserve.eval.cli import add_eval_parser
 from jserve.server.cli import add_serve_parser
 
 
@@ -35,7 +36,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 # Each entry adds one subcommand; the modules import nothing heavy until their command runs.
-SUBCOMMAND_PARSERS = [add_generate_parser, add_serve_parser, add_bench_parser]
+SUBCOMMAND_PARSERS = [add_generate_parser, add_serve_parser, add_bench_parser, add_eval_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -40,8 +40,8 @@ JSERVE_LAYERS = [
     ["jserve.engine"],
     # the Python API and batch jobs; `jserve` re-exports the API (LLM lazily)
     ["jserve.llm", "jserve.batch", "jserve"],
-    # the OpenAI-compatible server and the benchmarks (both drive the API or the engine)
-    ["jserve.server", "jserve.bench"],
+    # the OpenAI-compatible server, the benchmarks and the evaluations (all drive the API or the engine)
+    ["jserve.server", "jserve.bench", "jserve.eval"],
     # the `jserve` command
     ["jserve.cli", "jserve.__main__"],
 ]
