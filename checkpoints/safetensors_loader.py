@@ -3,6 +3,10 @@
 The file format is read directly (8-byte header length, JSON header, raw little-endian data) through a memory
 map, so a tensor is only copied when it is converted and placed; no framework is needed to read it. The model's
 shape comes in as any object with CheckpointShape's fields (jserve's ModelConfig has them all).
+
+assemble_state places tensors of any origin under Hugging Face names: the GGUF loader (checkpoints.gguf_reader
+for the file, jserve.gguf_loading for the names) hands it lazily dequantized tensors, which ParamSource reads
+through their own `read` (LazyTensor).
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -30,6 +34,18 @@ Target = tuple[tuple, str | None]
 
 # The parts of each fused weight, in row order within one shard's block.
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+class LazyTensor(Protocol):
+    """A checkpoint tensor decoded only block by block (a GGUF tensor): `read(index, dtype)` returns the block an
+    index tuple selects (its first entry a slice or an array of rows, the rest slices) as a new array of dtype."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    def read(self, index: tuple, dtype: np.dtype) -> np.ndarray: ...
+
+
+Tensor = np.ndarray | LazyTensor  # what a checkpoint tensor may be
 
 
 class CheckpointShape(Protocol):
@@ -141,14 +157,14 @@ class ParamSource:
 
     def __init__(self, shape: tuple[int, ...], dtype: np.dtype):
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
-        self.whole: np.ndarray | None = None
-        self.parts: dict[str, np.ndarray] = {}  # fused part name -> checkpoint tensor (memory-mapped)
+        self.whole: Tensor | None = None
+        self.parts: dict[str, Tensor] = {}  # fused part name -> checkpoint tensor (memory-mapped or lazy)
         self.row_map: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # see fused_row_map
 
     def read(self, index: tuple = ()) -> np.ndarray:
         index = tuple(index) + (slice(None),) * (len(self.shape) - len(tuple(index)))
         if self.whole is not None:
-            return np.asarray(self.whole[index], dtype=self.dtype)
+            return _take(self.whole, index, self.dtype)
         start, stop, step = index[0].indices(self.shape[0])
         assert step == 1, index  # shards are contiguous blocks
         rest = index[1:]
@@ -157,8 +173,15 @@ class ParamSource:
         for name, (dest, src) in self.row_map.items():
             keep = (dest >= start) & (dest < stop)
             if keep.any():
-                out[dest[keep] - start] = self.parts[name][src[keep]][(slice(None), *rest)]
+                out[dest[keep] - start] = _take(self.parts[name], (src[keep], *rest), self.dtype)
         return out
+
+
+def _take(tensor: Tensor, index: tuple, dtype: np.dtype) -> np.ndarray:
+    """tensor[index] as a new array of dtype. A lazy tensor decodes only that block, straight into dtype."""
+    if isinstance(tensor, np.ndarray):
+        return np.asarray(tensor[index], dtype=dtype)
+    return tensor.read(index, dtype)
 
 
 def fused_row_map(config: CheckpointShape, dest: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -187,39 +210,49 @@ def fused_row_map(config: CheckpointShape, dest: str) -> dict[str, tuple[np.ndar
 def load_state(model_dir: str | Path, config: CheckpointShape,
                shapes: dict[tuple, tuple[tuple[int, ...], np.dtype]],
                place: Callable[[tuple, ParamSource], object]) -> dict[tuple, object]:
-    """Fill every parameter of `shapes` ({path: (shape, dtype)}) from the checkpoint.
+    """Fill every parameter of `shapes` ({path: (shape, dtype)}) from the checkpoint directory's safetensors.
 
     First every tensor is located (headers only; the data stay memory-mapped), then each parameter is handed to
     `place` (which builds the device or mesh array from `source.read`) one at a time, so host memory holds at
     most one parameter's shards in flight beyond the memory-mapped files.
     Missing, unexpected and mis-shaped tensors raise CheckpointError naming the tensor and file.
     """
+    tensors = ((name, tensor, str(file)) for file in checkpoint_files(model_dir) for name, tensor in iter_tensors(file))
+    return assemble_state(tensors, config, shapes, place, str(model_dir))
+
+
+def assemble_state(tensors: Iterable[tuple[str, Tensor, str]], config: CheckpointShape,
+                   shapes: dict[tuple, tuple[tuple[int, ...], np.dtype]],
+                   place: Callable[[tuple, ParamSource], object], where: str,
+                   describe: Callable[[tuple], str] | None = None) -> dict[tuple, object]:
+    """load_state for tensors of any origin: (Hugging Face name, tensor, where it is for error messages) for each
+    tensor of the checkpoint `where`; `describe` names the tensor(s) a parameter missing from it would come from
+    (default: their Hugging Face names)."""
     name_map = llama_name_map(config.tie_word_embeddings)
     sources: dict[tuple, ParamSource] = {}
-    for file in checkpoint_files(model_dir):
-        for name, tensor in iter_tensors(file):
-            targets = name_map(name)
-            if targets is None:
-                raise CheckpointError(f"{file}: unexpected tensor {name} for a {config.model_type} model")
-            for path, part in targets:
-                if path not in shapes:
-                    where = ".".join(map(str, path))
-                    raise CheckpointError(f"{file}: unexpected tensor {name} (no parameter {where} "
-                                          f"in a {config.num_layers}-layer {config.model_type} model)")
-                shape, dtype = shapes[path]
-                source = sources.setdefault(path, ParamSource(shape, dtype))
-                if part is None:
-                    _check_shape(tensor.shape, shape, name, file)
-                    source.whole = tensor
-                else:
-                    _check_shape(tensor.shape, (_fused_rows(name, config), *shape[1:]), name, file)
-                    source.parts[part] = tensor
+    for name, tensor, origin in tensors:
+        targets = name_map(name)
+        if targets is None:
+            raise CheckpointError(f"{origin}: unexpected tensor {name} for a {config.model_type} model")
+        for path, part in targets:
+            if path not in shapes:
+                param = ".".join(map(str, path))
+                raise CheckpointError(f"{origin}: unexpected tensor {name} (no parameter {param} "
+                                      f"in a {config.num_layers}-layer {config.model_type} model)")
+            shape, dtype = shapes[path]
+            source = sources.setdefault(path, ParamSource(shape, dtype))
+            if part is None:
+                _check_shape(tensor.shape, shape, name, origin)
+                source.whole = tensor
+            else:
+                _check_shape(tensor.shape, (_fused_rows(name, config), *shape[1:]), name, origin)
+                source.parts[part] = tensor
     complete = {path for path, src in sources.items()
                 if src.whole is not None or len(src.parts) == len(FUSED_PARTS[path[-2]])}
     missing = [p for p in shapes if p not in complete]
     if missing:
-        names = ", ".join(_hf_names(p) for p in missing[:8])
-        raise CheckpointError(f"{model_dir}: checkpoint is missing tensor(s) {names}"
+        names = ", ".join((describe or hf_names)(p) for p in missing[:8])
+        raise CheckpointError(f"{where}: checkpoint is missing tensor(s) {names}"
                               + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
     placed: dict[tuple, object] = {}
     for path in shapes:
@@ -238,14 +271,14 @@ def _fused_rows(name: str, config: CheckpointShape) -> int:
             "gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}[proj]
 
 
-def _check_shape(got: tuple, expected: tuple, name: str, file: Path) -> None:
+def _check_shape(got: tuple, expected: tuple, name: str, origin: str) -> None:
     if tuple(got) != tuple(expected):
-        raise CheckpointError(f"{file}: tensor {name} has shape {list(got)}, expected {list(expected)} "
-                              "from config.json")
+        raise CheckpointError(f"{origin}: tensor {name} has shape {list(got)}, expected {list(expected)} "
+                              "from the model's configuration")
 
 
-def _hf_names(path: tuple) -> str:
-    """The checkpoint tensor name(s) that fill a model-state path, for error messages."""
+def hf_names(path: tuple) -> str:
+    """The Hugging Face tensor name(s) that fill a model-state path ("/"-separated), for error messages."""
     if path == ("embed_tokens",):
         return "model.embed_tokens.weight"
     if path == ("lm_head",):

@@ -25,13 +25,15 @@ ModelLoadError = CheckpointError
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Rotary-embedding frequency scaling. kind is "default", "linear" or "llama3"."""
+    """Rotary-embedding frequency scaling. kind is "default", "linear", "llama3" or "freq_factors" (each frequency
+    divided by its own factor: how a GGUF file stores Llama 3's scaling, as llama.cpp's rope_freqs tensor)."""
 
     kind: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    freq_factors: tuple[float, ...] = ()  # kind "freq_factors": one per rotary frequency (head_dim / 2)
 
 
 @dataclass(frozen=True)
@@ -177,7 +179,8 @@ class EngineConfig:
     """Every engine knob, shared by `LLM(...)`, `jserve generate` and `jserve serve` (each field is a CLI flag).
 
     Attributes:
-      model: a local checkpoint directory or a Hugging Face hub id; None means the bundled demo model.
+      model: a local checkpoint directory, a GGUF file (or a directory holding one GGUF file and no safetensors),
+        or a Hugging Face hub id; None means the bundled demo model.
       dtype: how parameters are stored ("float32" or "bfloat16"); matmuls accumulate in float32 either way.
       seed: seeds requests that bring no seed of their own.
       max_model_len: the longest prompt + output a request may reach; None means the model's own limit.
@@ -208,7 +211,7 @@ class EngineConfig:
         "pallas-interpret-gpu" (the GPU's Triton kernel interpreted: the engine as it runs on a GPU, on any host).
       load_format: "auto" (the checkpoint's safetensors) | "dummy" (random weights of config.json's shape, drawn on
         the devices: benchmarks and checks of real-sized models without their weights; vLLM's name).
-      tokenizer: tokenizer directory when it differs from `model`.
+      tokenizer: tokenizer directory (or GGUF file) when it differs from `model`.
       tensor_parallel_size: devices a model is split over (1 = no sharding); the mesh's `model` axis.
       data_parallel_size: independent model replicas (each on tensor_parallel_size devices, with its own KV cache
         and scheduler) that requests are spread over; the mesh's `data` axis.

@@ -1,4 +1,5 @@
-"""Build a jserve model from a Hugging Face checkpoint directory: config, abstract model, weights on the mesh."""
+"""Build a jserve model from a Hugging Face checkpoint directory or a GGUF file: config, abstract model, weights on
+the mesh."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from checkpoints import dummy
 from checkpoints.dummy import DummySource
 from checkpoints.safetensors_loader import ParamSource, load_state
 from jserve.config import LOAD_FORMATS, ModelConfig, ModelLoadError
+from jserve.gguf_loading import find_gguf, gguf_model_config, load_gguf_state
 from jserve.models import model_class
 from jserve.models.sharded_config import shard_model_config
 from sharding import MODEL_AXIS, logical_sharding
@@ -32,12 +34,14 @@ class LoadedModel:
 
 
 def resolve_model_path(model: str) -> Path:
-    """A local directory as is; otherwise a Hugging Face hub id fetched (or found in the local HF cache)."""
+    """A local directory as is (its GGUF file where it holds one and no safetensors) or a local .gguf file;
+    otherwise a Hugging Face hub id fetched (or found in the local HF cache)."""
     path = Path(model).expanduser()
     if path.exists():
-        if not path.is_dir():
-            raise ModelLoadError(f"{model}: not a directory (expected a checkpoint directory with config.json)")
-        return path
+        if not path.is_dir() and path.suffix != ".gguf":
+            raise ModelLoadError(f"{model}: not a directory or a .gguf file (expected a checkpoint directory with "
+                                 "config.json, or a GGUF file)")
+        return find_gguf(path) or path
     if model.count("/") == 1 and not model.startswith((".", "/")):
         try:
             from huggingface_hub import snapshot_download
@@ -49,10 +53,19 @@ def resolve_model_path(model: str) -> Path:
     raise ModelLoadError(f"{model}: no such directory")
 
 
+def model_config(model_path: str | Path) -> ModelConfig:
+    """The ModelConfig of a checkpoint directory (its config.json) or of a GGUF file (its metadata)."""
+    gguf_file = find_gguf(model_path)
+    return gguf_model_config(gguf_file) if gguf_file is not None else ModelConfig.from_pretrained(model_path)
+
+
 def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend: str = "reference",
                mesh: Mesh | None = None, load_format: str = "auto", place: Place | None = None) -> LoadedModel:
-    """load_format: "auto" reads the directory's safetensors; "dummy" draws random weights of config.json's shape
-    (checkpoints.dummy) and needs no weight files.
+    """model_dir: a Hugging Face checkpoint directory, a GGUF file, or a directory holding one GGUF file (and no
+    safetensors; jserve.gguf_loading).
+
+    load_format: "auto" reads the checkpoint's weights (a GGUF file's dequantized into dtype); "dummy" draws random
+    weights of the checkpoint's shape (checkpoints.dummy) and reads none.
 
     attention_backend: a concrete backend (pallas_kernels.resolve_backend), baked into the graphdef.
 
@@ -63,7 +76,8 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
     place: where an executor keeps its parameters its own way (the CPU layer executor packs and stacks them in host
     memory), the function that turns each parameter's source into the array the state holds; unsharded only.
     """
-    config = ModelConfig.from_pretrained(model_dir)
+    gguf_file = find_gguf(model_dir)
+    config = gguf_model_config(gguf_file) if gguf_file is not None else ModelConfig.from_pretrained(model_dir)
     if mesh is not None:
         if place is not None:
             raise ValueError("load_model: a custom placement is for unsharded models only")
@@ -83,6 +97,8 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
 
     if load_format == "dummy":
         placed = _dummy_state(shapes, axes, mesh, place_one, through_host=place is not None)
+    elif load_format == "auto" and gguf_file is not None:
+        placed = load_gguf_state(gguf_file, config, shapes, place_one)
     elif load_format == "auto":
         placed = load_state(model_dir, config, shapes, place_one)
     else:

@@ -42,13 +42,17 @@ class ChatTemplateError(ValueError):
 
 
 def load_tokenizer(path: str | os.PathLike[str], *, trust_remote_code: bool = False) -> Tokenizer:
-    """Load the Hugging Face tokenizer stored in the local directory `path` (never touches the network)."""
+    """Load the Hugging Face tokenizer stored in the local directory `path`, or the one a GGUF file's metadata
+    describes (`path` the file, or a directory whose only tokenizer is one .gguf file); never touches the network."""
     path = os.fspath(path)
+    gguf_file = _gguf_file(path)
+    if gguf_file is not None:
+        return _load_gguf_tokenizer(gguf_file)
     if not os.path.isdir(path):
-        raise TokenizerLoadError(f"no tokenizer at {path!r}: not a directory")
+        raise TokenizerLoadError(f"no tokenizer at {path!r}: not a directory or a .gguf file")
     if not any(name in _VOCAB_FILES or name.endswith(_VOCAB_SUFFIXES) for name in os.listdir(path)):
-        raise TokenizerLoadError(f"no tokenizer at {path!r}: expected tokenizer.json, tokenizer.model or "
-                                 "vocab.json in the directory")
+        raise TokenizerLoadError(f"no tokenizer at {path!r}: expected tokenizer.json, tokenizer.model, "
+                                 "vocab.json or one .gguf file in the directory")
     from transformers import AutoTokenizer  # imported here so that importing jserve stays fast
 
     try:
@@ -56,6 +60,37 @@ def load_tokenizer(path: str | os.PathLike[str], *, trust_remote_code: bool = Fa
                                            config=_model_type_only_config(path))
     except Exception as e:  # transformers raises OSError, ValueError or KeyError depending on what is wrong
         raise TokenizerLoadError(f"cannot load the tokenizer at {path!r}: {e}") from e
+    return _wrap(hf)
+
+
+def _gguf_file(path: str) -> str | None:
+    """The GGUF file whose metadata holds the tokenizer: path itself, or a directory's one .gguf file where the
+    directory has no tokenizer files of its own."""
+    if os.path.isfile(path):
+        return path if path.endswith(".gguf") else None
+    if not os.path.isdir(path):
+        return None
+    names = os.listdir(path)
+    if any(name in _VOCAB_FILES or name.endswith(_VOCAB_SUFFIXES) for name in names):
+        return None
+    ggufs = [name for name in names if name.endswith(".gguf")]
+    return os.path.join(path, ggufs[0]) if len(ggufs) == 1 else None
+
+
+def _load_gguf_tokenizer(path: str) -> Tokenizer:
+    """transformers' own GGUF tokenizer (the vocabulary, merges, special tokens and chat template of the file's
+    tokenizer.* metadata, as the tokenizer class of its architecture builds them)."""
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path),
+                                           local_files_only=True)
+    except Exception as e:  # transformers raises ValueError, KeyError, ImportError, ... on what it cannot convert
+        raise TokenizerLoadError(f"cannot build a tokenizer from the GGUF file {path!r}: {e}") from e
+    return _wrap(hf)
+
+
+def _wrap(hf: Any) -> Tokenizer:
     # The engine checks a prompt against max_model_len itself; transformers' own limit would only log a misleading
     # "indexing errors" warning for every long prompt (and bench serve builds its prompts from long random texts).
     hf.model_max_length = int(1e30)

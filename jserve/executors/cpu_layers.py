@@ -28,7 +28,7 @@ from checkpoints.safetensors_loader import ParamSource
 from jserve.config import ModelConfig, ModelLoadError
 from jserve.executors.host_arena import HugePageArena, LayerStacks
 from jserve.executors.xla import XlaExecutor
-from jserve.loading import LoadedModel, load_model
+from jserve.loading import LoadedModel, load_model, model_config
 from jserve.models.batch import KVCache, StepBatch
 from jserve.models.layers import embed_lookup, matmul, rms_norm, rope_inv_freq
 
@@ -67,7 +67,7 @@ class CpuLayerExecutor(XlaExecutor):
         CpuLoadedModel.layer_stack): each layer's own matrix parameters are empty placeholders."""
         if mesh is not None:  # sharded: XLA partitions the dots, the attention kernel runs on each device's heads
             return load_model(model_dir, dtype, attention_backend, mesh=mesh, load_format=load_format)
-        config = ModelConfig.from_pretrained(model_dir)
+        config = model_config(model_dir)
         param_dtype = jnp.dtype(dtype)
         packed = _packed_paths(config, param_dtype) if cpu_kernels.packs_weights(param_dtype) else set()
         arena = HugePageArena()

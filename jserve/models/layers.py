@@ -80,13 +80,16 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """Inverse rotary frequencies, computed as transformers does (float32), with linear / llama3 scaling."""
+    """Inverse rotary frequencies, computed as transformers does (float32), with linear / llama3 scaling, or divided
+    by per-frequency factors (llama.cpp's rope_freqs, as GGUF files store llama3 scaling)."""
     dim = config.head_dim
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
     inv_freq = (1.0 / (np.float32(config.rope_theta) ** exponents)).astype(np.float32)
     scaling = config.rope_scaling
     if scaling.kind == "linear":
         return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
+    if scaling.kind == "freq_factors":
+        return (inv_freq / np.asarray(scaling.freq_factors, np.float32)).astype(np.float32)
     if scaling.kind == "llama3":
         old_len = scaling.original_max_position_embeddings
         low_wavelen = old_len / scaling.low_freq_factor

