@@ -500,3 +500,17 @@ def test_bench_result_json_must_be_a_writable_file(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["bench", "latency", "--result-json", str(tmp_path)])
     assert "is a directory, not a file" in capsys.readouterr().err
+
+
+def test_bench_serve_builds_prompts_with_a_gguf_files_tokenizer(fake_server, hf_model_dir, tmp_path):
+    """A GGUF file is a tokenizer too (the default model is one): its prompts have the lengths asked for."""
+    from gguf_files import write_gguf
+
+    gguf = write_gguf(hf_model_dir("llama"), tmp_path / "tiny.gguf")
+    out = tmp_path / "serve.json"
+    args = ["bench", "serve", "--base-url", fake_server.url, "--tokenizer", str(gguf), "--dataset", "random",
+            "--num-prompts", "2", "--random-input-len", "12", "--random-output-len", "3", "--random-range-ratio",
+            "0", "--ignore-eos", "--disable-tqdm", "--result-json", str(out)]
+    assert main(args) == 0
+    report = json.loads(out.read_text())
+    assert report["completed"] == 2 and report["input_lens"] == [12, 12]

@@ -53,7 +53,8 @@ def test_small_arrays_go_through_device_put():
     arena = HugePageArena()
     small = arena.place(np.ones(16, np.float32))
     np.testing.assert_array_equal(np.asarray(small), np.ones(16, np.float32))
-    assert "hg" not in _vm_flags(small.unsafe_buffer_pointer())
+    # Nothing was mapped for it. (Its page's flags say nothing: XLA's own allocator may sit on huge pages.)
+    assert arena._chunk is None
 
 
 def test_cpu_models_load_into_the_arena(hf_model_dir):

@@ -144,10 +144,11 @@ def run_serve(args: Namespace) -> int:
     from jserve.tokenizer import load_tokenizer
 
     tokenizer_path = args.tokenizer or args.model
-    if not tokenizer_path or not Path(tokenizer_path).expanduser().is_dir():
-        raise ValueError("bench serve needs a local tokenizer directory to build prompts: pass --tokenizer PATH "
-                         "(or a --model that is a local checkpoint directory)")
-    tokenizer = load_tokenizer(Path(tokenizer_path).expanduser())
+    local = Path(tokenizer_path).expanduser() if tokenizer_path else None
+    if local is None or not (local.is_dir() or (local.is_file() and local.suffix == ".gguf")):
+        raise ValueError("bench serve needs a local tokenizer (a directory or a GGUF file) to build prompts: pass "
+                         "--tokenizer PATH (or a --model that is a local checkpoint)")
+    tokenizer = load_tokenizer(local)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would bury the progress bar
     report = asyncio.run(benchmark(args, tokenizer, tokenizer.special_token_ids))
     print(format_report(report))
