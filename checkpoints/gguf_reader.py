@@ -18,8 +18,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
+
+try:
+    import gguf
+except ImportError:  # a GGUF file then gets a clear error; safetensors checkpoints load without the package
+    gguf = None
 
 from checkpoints import CheckpointError
 
@@ -110,6 +114,8 @@ class GGUFFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
+        if gguf is None:
+            raise CheckpointError(f"{self.path}: reading a GGUF file needs the gguf package (pip install gguf)")
         try:
             reader = gguf.GGUFReader(self.path)
         except OSError as e:

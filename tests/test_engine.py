@@ -459,6 +459,29 @@ def test_no_recompilation_after_warmup(hf_model_dir, executor):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_without_warmup_each_shape_compiles_once(hf_model_dir):
+    """Without warm-up a shape compiles on first use, once: the prompt step after a decode burst (which returns the
+    KV cache committed to its device) runs the executable compiled for the first prompt."""
+    import jax
+    from jax._src import dispatch
+
+    from jserve import LLM
+
+    llm = LLM(str(hf_model_dir("llama")), max_model_len=256, kv_cache_memory_bytes=1 << 20, warmup=False,
+              compilation_cache_dir="", executor="xla", attention_backend="reference")
+    rng = np.random.default_rng(2)
+    llm.generate({"prompt_token_ids": rng.integers(3, 500, 40).tolist()}, greedy(12), use_tqdm=False)
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: compiles.append(event) if event == dispatch.BACKEND_COMPILE_EVENT else None)
+    try:
+        llm.generate({"prompt_token_ids": rng.integers(3, 500, 40).tolist()}, greedy(12), use_tqdm=False)
+    finally:
+        jax.monitoring.clear_event_listeners()
+    assert llm.engine.stats.num_steps > llm.engine.stats.num_engine_steps  # bursts ran
+    assert compiles == []
+
+
 def test_prompt_logprobs_match_transformers_across_prefill_chunks(hf_model_dir, llm_factory, executor):
     model_dir = hf_model_dir("llama")
     # the 90-token prompt takes three chunks

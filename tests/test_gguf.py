@@ -347,3 +347,24 @@ def test_the_default_model_served_to_the_openai_client_matches_transformers(smol
                 assert "Paris" in text
     finally:
         server.stop()
+
+
+def test_without_the_gguf_package_safetensors_load_and_a_gguf_file_is_a_clear_error(hf_model_dir, tmp_path):
+    """The gguf package is needed for GGUF files only: jserve imports and loads safetensors without it (the GPU check
+    runs from a checkout where it may be missing), and a GGUF file then names the package to install."""
+    code = f"""
+import sys
+sys.modules["gguf"] = None  # as if not installed
+from jserve.loading import load_model, model_config
+from jserve.config import ModelLoadError
+load_model({str(hf_model_dir("llama"))!r}, "float32", "reference")
+open({str(tmp_path / "m.gguf")!r}, "wb").write(b"GGUF")
+try:
+    model_config({str(tmp_path / "m.gguf")!r})
+except ModelLoadError as e:
+    print("ERROR:", e)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "needs the gguf package (pip install gguf)" in proc.stdout

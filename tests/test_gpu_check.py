@@ -41,3 +41,7 @@ def test_committed_gpu_results_render():
     assert "NVIDIA H200" in report
     assert all(family["ok"] for family in result["sections"]["parity"]["families"])
     assert all(case["ok"] for case in result["sections"]["kernels"]["correctness"])
+    decode = json.loads((REPO / "docs" / "gpu" / "gpu_check_h200_decode.json").read_text())
+    report = markdown(decode)
+    assert "NVIDIA H200" in report and report.count("Batch-1 decode by burst length") == 2
+    assert all(case["ok"] for case in decode["sections"]["kernels"]["correctness"])

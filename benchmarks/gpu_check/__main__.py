@@ -17,11 +17,12 @@ from pathlib import Path
 from benchmarks.gpu_check.common import REPO
 from benchmarks.gpu_check.report import markdown
 
-SECTIONS = ("env", "kernels", "parity", "speed", "hf", "warmup")
+SECTIONS = ("env", "kernels", "parity", "speed", "hf", "warmup", "decode", "decode_autotune")
 MODULES = {"env": "env", "kernels": "kernels", "parity": "parity", "speed": "speed", "hf": "hf_peer",
-           "warmup": "speed"}
+           "warmup": "speed", "decode": "decode", "decode_autotune": "decode"}
 # Seconds each section may take at most on a GPU (the deadline may leave less); a CPU run gets 10x.
-CAPS = {"env": 30, "kernels": 120, "parity": 90, "speed": 180, "hf": 60, "warmup": 120}
+CAPS = {"env": 30, "kernels": 120, "parity": 90, "speed": 180, "hf": 60, "warmup": 200, "decode": 120,
+        "decode_autotune": 150}
 
 
 def section_env(device: str, section: str) -> dict:
@@ -30,10 +31,13 @@ def section_env(device: str, section: str) -> dict:
     env["JAX_PLATFORMS"] = "cuda" if device == "gpu" else "cpu"
     if section == "parity":  # torch shares the device with jax here
         env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "0.5"
-    if device == "gpu" and section in ("speed", "warmup"):
+    if device == "gpu" and section in ("speed", "warmup", "decode", "decode_autotune"):
         # cuBLAS by its heuristics: XLA's default autotunes each matmul shape's Triton GEMM on the device, one
         # compile at a time, and an 8B model's 27 warm-up shapes took over 135 s that way on an H200.
-        flags = "--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0"
+        # decode_autotune lets XLA time cuBLAS's own algorithms for each shape (no Triton GEMM to compile).
+        flags = "--xla_gpu_enable_triton_gemm=false"
+        if section != "decode_autotune":
+            flags += " --xla_gpu_autotune_level=0"
         env["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS"), flags]))
     return env
 
@@ -44,13 +48,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
     parser.add_argument("--model", default=None, help="llama3-8b (default on gpu), demo (default on cpu) or a path")
-    parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--sections", default=",".join(SECTIONS[:6]),
+                        help=f"of {','.join(SECTIONS)} (the decode sections only when named)")
     parser.add_argument("--deadline", type=float, default=480.0, help="seconds for the whole check")
     parser.add_argument("--concurrency", default=None, help="comma-separated request counts (gpu: 64,256)")
     parser.add_argument("--io", default=None, help="comma-separated input/output lengths (gpu: 128/128,1024/128)")
     parser.add_argument("--kernel-cases", default=None,
                         help="only these correctness cases, as heads/kv_heads/head_dim/page/dtype (comma-separated)")
     parser.add_argument("--no-kernel-timing", action="store_true", help="kernels: correctness only")
+    parser.add_argument("--decode-variants", default=None,
+                        help="decode sections: these of decode.VARIANTS (comma-separated)")
     parser.add_argument("--kernel-variants", action="store_true",
                         help="kernels: also time tuning candidates (more splits, 3 stages, 2 warps, 128-key tiles)")
     opts = parser.parse_args(argv)
@@ -62,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
             "hf_batches": [1, 64] if gpu else [1, 4], "hf_io": "128/128" if gpu else "32/16",
             "kv_cache_bytes": (40 << 30) if gpu else (64 << 20), "max_num_batched_tokens": 2048 if gpu else 256,
             "kernel_cases": opts.kernel_cases.split(",") if opts.kernel_cases else None,
-            "kernel_timing": not opts.no_kernel_timing, "kernel_variants": opts.kernel_variants}
+            "kernel_timing": not opts.no_kernel_timing, "kernel_variants": opts.kernel_variants,
+            "decode_variants": opts.decode_variants.split(",") if opts.decode_variants else None}
     opts.out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     merged: dict = {"args": args, "sections": {}}

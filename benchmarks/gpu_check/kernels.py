@@ -143,7 +143,8 @@ def main() -> None:
             results.append("correctness", {"case": repr(case), "ok": False, "error": f"{type(e).__name__}: {e}"})
     bandwidth = args.get("hbm_gb_per_s")
     shape = dict(heads=32, kv_heads=8, head_dim=128, page_size=16, dtype=jnp.bfloat16)
-    grid = [(b, c) for c in (1024, 8192) for b in (1, 32, 256)] if on_gpu else [(1, 128), (4, 512)]
+    # Batch 1 at 256 keys is the batch-1 decode of the speed section (128 + 256 tokens).
+    grid = [(1, 256)] + [(b, c) for c in (1024, 8192) for b in (1, 32, 256)] if on_gpu else [(1, 128), (4, 512)]
     if args.get("kernel_timing") is False:
         grid = []
     if not on_gpu:

@@ -99,6 +99,20 @@ def markdown(merged: dict) -> str:
                       [[g.get("batch"), f"{g.get('input')}/{g.get('output')}", g.get("seconds"),
                         g.get("output_tok_s"), g.get("decode_tok_s_per_seq") or g.get("error", "")[:80]]
                        for g in hf_section["generate"]])
+    for name in [n for n in sections if n.startswith("decode")]:
+        decode = sections.get(name, {})
+        if decode.get("variants"):
+            flags = decode.get("settings", {}).get("xla_flags")
+            out += [f"## Batch-1 decode by burst length and smallest token bucket (XLA_FLAGS {flags!r})", ""]
+            out += _table(["variant", "tok/s", "ms/token", "roofline ms", "share of roofline", "engine calls",
+                           "device wait ms per call"],
+                          [[v["variant"], v.get("tok_s"), v.get("ms_per_token"), v.get("roofline_ms"),
+                            v.get("share_of_roofline"), v.get("engine_calls"), v.get("device_wait_ms_per_call")]
+                           for v in decode["variants"]])
+        if decode.get("matmuls"):
+            out += _table(["weight shape", "rows", "µs", "GB/s", "share of HBM"],
+                          [["x".join(map(str, m["shape"])), m["rows"], m["us"], m["gb_per_s"], m.get("share_of_hbm")]
+                           for m in decode["matmuls"]])
     out += ["## Sections", ""]
     out += _table(["section", "status", "seconds"],
                   [[name, s.get("status"), s.get("seconds")] for name, s in sections.items()])

@@ -9,20 +9,20 @@ reported.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import math
 import os
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import jax
 import numpy as np
 
 from checkpoints import DEFAULT_MODEL_NAME, DEMO_MODEL_DIR, default_model
-from jserve.config import EngineConfig, ModelLoadError
+from jserve.config import EngineConfig, ModelLoadError, default_decode_burst
 from jserve.distributed import MultiHostExecutor
 from jserve.engine.kv_cache import BlockManager
 from jserve.engine.output_processor import OutputProcessor
@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
-@dataclass
+@dataclasses.dataclass
 class EngineStats:
     num_computed_prompt_tokens: int = 0
     num_generated_tokens: int = 0
@@ -56,7 +56,7 @@ class EngineStats:
     warmup_burst_shapes: int = 0
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class EngineSnapshot:
     """What the server and the data-parallel front read of an engine between steps (replaced whole, so a reader on
     another thread sees one step); all zeros before the engine exists."""
@@ -102,8 +102,10 @@ class LLMEngine:
         if config.data_parallel_size > 1:
             raise ValueError("data_parallel_size > 1 needs jserve.engine.data_parallel.create_engine (one LLMEngine "
                              "per replica)")
-        self.config = config
         distributed.initialize(config.coordinator_address, config.num_processes, config.process_id)
+        if config.decode_burst is None:  # after jax.distributed: asking for the platform starts the backend
+            config = dataclasses.replace(config, decode_burst=default_decode_burst(jax.default_backend()))
+        self.config = config
         _enable_compilation_cache(config.compilation_cache_dir)
         model_dir = model_path(config.model)
         self.model_dir = model_dir

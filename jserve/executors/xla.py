@@ -59,6 +59,15 @@ def reads_only_used_pages(backend: str, platform: str | None = None) -> bool:
     return backend in ("cpu", "reference", "pallas-interpret-gpu") or (backend == "pallas" and platform == "gpu")
 
 
+def burst_compiler_options(platform: str) -> dict[str, str] | None:
+    """XLA options for a decode burst's executable. On a GPU, XLA's command buffers (CUDA graphs) take the burst's
+    data-dependent while loop whole, as conditional nodes, where by default the host launches each step and reads
+    its loop predicate back: on an H200 an 8B model's batch-1 decode went from 85% to 88% of the HBM roofline."""
+    if platform != "gpu":
+        return None
+    return {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"}
+
+
 def kv_bytes_per_block(config, block_size: int, dtype: str) -> int:
     return 2 * config.num_layers * block_size * config.kv_size * jnp.dtype(dtype).itemsize
 
@@ -98,7 +107,9 @@ class XlaExecutor(Executor):
             device = jax.devices()[0]
             self.params = [jax.device_put(p, device) if isinstance(p, jax.Array) and not p.committed else p
                            for p in self.params]
-            self.kv_cache = self._new_kv_cache(shape, storage)
+            # The cache too: a burst returns it committed, and a step compiled for an uncommitted one would
+            # compile again for the first step after a burst.
+            self.kv_cache = jax.device_put(self._new_kv_cache(shape, storage), device)
             self._step = jax.jit(self._packed_forward, donate_argnums=(1,), static_argnums=(3,))
         else:
             # Each device allocates only its own KV heads (never the whole cache on one device).
@@ -125,7 +136,8 @@ class XlaExecutor(Executor):
         self._compiled: dict[PackedLayout, Callable] = {}
         # A decode burst runs several steps in one call, so it needs one page width for all of them.
         self.supports_burst = mesh is None and len(self.page_buckets) == 1
-        self._burst = jax.jit(self._packed_burst, donate_argnums=(1,), static_argnums=(3, 4))
+        self._burst = jax.jit(self._packed_burst, donate_argnums=(1,), static_argnums=(3, 4),
+                              compiler_options=burst_compiler_options(jax.default_backend()))
         self._compiled_bursts: dict[tuple[PackedLayout, int], Callable] = {}  # by (layout, max_steps)
 
     # ----- what a subclass may hold differently -----

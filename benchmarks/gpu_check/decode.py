@@ -1,0 +1,107 @@
+"""Section decode (and decode_autotune, the same with XLA autotuning cuBLAS's GEMM algorithms): where batch-1
+decode time goes.
+
+One engine on the speed section's model runs one request of 128 + N tokens under several settings in turn, each
+measured on its second run: the steps a decode burst holds (decode_burst) and the smallest token bucket (a lone
+decode padded to 8 rows, as on CPU, or run as 1). Both are changed on the live engine (its scheduler's burst length,
+its executor's bucket list), so the weights load once and only the burst shapes a setting needs compile. Each row
+splits the engine calls' time into the host's work and the wait for the device. Then each weight matrix shape of
+one layer and the LM head is timed alone as the model multiplies it (layers.matmul: x[rows, in] @ w[out, in]^T,
+float32 out) with 1 and 8 rows: the share of the bandwidth the GEMMs that read a token's bytes reach.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import numpy as np
+
+from benchmarks.gpu_check.common import model_dir, section_args, work_dir
+from benchmarks.gpu_check.speed import kv_bytes_per_token, param_bytes, run_requests, step_split
+
+# (decode_burst, smallest token bucket) per variant; burst32_rows8 is the engine's default on a GPU. A lone decode
+# run at 1 row took 19.9 ms a token on an H200 against 5.0 at 8 rows, so the rows1 variants are not run by default.
+VARIANTS = {"burst8_rows8": (8, 8), "burst32_rows8": (32, 8), "burst32_rows1": (32, 1), "burst64_rows1": (64, 1)}
+DEFAULT_VARIANTS = ["burst8_rows8", "burst32_rows8"]
+
+
+def set_variant(engine, decode_burst: int, smallest_bucket: int) -> None:
+    engine.config = dataclasses.replace(engine.config, decode_burst=decode_burst)
+    engine.scheduler.decode_burst = decode_burst
+    buckets = engine.executor.token_buckets  # the scheduler's burst buckets are this same list
+    buckets[:] = sorted({b for b in buckets if b >= smallest_bucket} | {smallest_bucket})
+
+
+def time_matmuls(engine, rows: tuple[int, ...], bandwidth: float | None) -> list[dict]:
+    """Each 2-D weight shape (layer 0's projections, the LM head) as the model multiplies it, in a jitted loop."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.gpu_check.kernels import time_attention
+    from jserve.models.layers import matmul
+
+    seen, out = set(), []
+    for w in engine.executor.params:
+        if not isinstance(w, jax.Array) or w.ndim != 2 or w.shape in seen:
+            continue
+        seen.add(w.shape)  # the embedding table has the LM head's shape: timed once, as the LM head
+        for m in rows:
+            x = jnp.ones((m, w.shape[1]), w.dtype)
+            reps = max(4, min(200, int(4e9 / w.nbytes)))
+            seconds = time_attention(matmul, (x, w), reps)  # the loop sums each product
+            entry = {"shape": list(w.shape), "rows": m, "us": seconds * 1e6, "gb_per_s": w.nbytes / seconds / 1e9}
+            if bandwidth:
+                entry["share_of_hbm"] = entry["gb_per_s"] / bandwidth
+            out.append(entry)
+    return out
+
+
+def main() -> None:
+    import jax
+
+    from jserve import LLM
+
+    args, results = section_args()
+    on_gpu = jax.default_backend() == "gpu"
+    path, load_format = model_dir(args["model"], work_dir())
+    prompt, new_tokens = 128, int(args.get("decode_tokens", 256))
+    settings = dict(dtype=args.get("dtype", "bfloat16"), load_format=load_format,
+                    attention_backend="pallas" if on_gpu else args.get("cpu_backend", "auto"),
+                    executor="xla", max_model_len=-(-(prompt + 2 * new_tokens + 64) // 16) * 16, max_num_seqs=8,
+                    max_num_batched_tokens=256, kv_cache_memory_bytes=(4 << 30) if on_gpu else (64 << 20),
+                    compilation_cache_dir="")
+    results.record("settings", {**settings, "model": args["model"], "xla_flags": os.environ.get("XLA_FLAGS", "")})
+    llm = LLM(str(path), warmup=False, **settings)
+    engine = llm.engine
+    total_bytes, embed_bytes = param_bytes(engine)
+    bytes_per_token = total_bytes - embed_bytes + (prompt + new_tokens / 2) * kv_bytes_per_token(engine)
+    bandwidth = args.get("hbm_gb_per_s")
+    rng = np.random.default_rng(0)
+    vocab = min(engine.model_config.vocab_size, 32000)
+    names = args.get("decode_variants") or DEFAULT_VARIANTS
+    for name in names:
+        set_variant(engine, *VARIANTS[name])
+        cold_start = time.perf_counter()
+        run_requests(llm, rng.integers(10, vocab, (1, prompt)).tolist(), new_tokens)
+        cold = time.perf_counter() - cold_start
+        before = dataclasses.replace(engine.stats)
+        outputs, _ = run_requests(llm, rng.integers(10, vocab, (1, prompt)).tolist(), new_tokens)
+        m = outputs[0].metrics
+        tok_s = (new_tokens - 1) / (m["finished_time"] - m["first_token_time"])
+        split = step_split(before, engine.stats)
+        # The device's time a token: the calls' waits over their steps (the prompt's step is one call of one step).
+        device_ms = split["device_wait_ms_per_call"] * split["engine_calls"] / max(split["model_steps"], 1)
+        entry = {"variant": name, "decode_burst": VARIANTS[name][0], "smallest_bucket": VARIANTS[name][1],
+                 "tok_s": tok_s, "ms_per_token": 1e3 / tok_s, "device_ms_per_step": device_ms,
+                 "cold_seconds": cold, **split}
+        if bandwidth:
+            floor_ms = bytes_per_token / (bandwidth * 1e9) * 1e3
+            entry.update(roofline_ms=floor_ms, share_of_roofline=floor_ms * tok_s / 1e3)
+        results.append("variants", entry)
+    results.record("matmuls", time_matmuls(engine, (1, 8), bandwidth))
+
+
+if __name__ == "__main__":
+    main()
