@@ -19,7 +19,7 @@ from jserve.sampling_params import RequestOutputKind, SamplingParams
 
 _SAMPLING_FIELDS = {"n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                     "frequency_penalty", "logit_bias", "seed", "max_tokens", "min_tokens", "stop",
-                    "stop_token_ids", "ignore_eos", "logprobs", "skip_special_tokens"}
+                    "stop_token_ids", "ignore_eos", "logprobs", "skip_special_tokens", "structured_outputs"}
 
 
 @dataclass

@@ -109,7 +109,7 @@ class ModelConfig:
             o_bias=model_type != "qwen2" and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
-            sliding_window=_sliding_window(cfg),
+            sliding_window=_sliding_window(cfg, source),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -167,11 +167,34 @@ def _rope_scaling(cfg: dict, source: str) -> RopeScaling:
     raise ModelLoadError(f"{source}: rope scaling type {kind!r} is not supported (default, linear, llama3)")
 
 
-def _sliding_window(cfg: dict) -> int | None:
+# transformers' Qwen2Config/Qwen3Config default: with use_sliding_window, layers at index >= 28 use the window.
+QWEN_DEFAULT_MAX_WINDOW_LAYERS = 28
+
+
+def _sliding_window(cfg: dict, source: str = "config.json") -> int | None:
+    """The window every layer uses, or None. Qwen2/Qwen3 window only the layers transformers marks
+    "sliding_attention" (`layer_types`, else index >= `max_window_layers`); the model applies one window to every
+    layer, so a checkpoint that windows some layers and not others is refused rather than run wrongly."""
     window = cfg.get("sliding_window")
-    if cfg.get("model_type") in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+    if cfg.get("model_type") not in ("qwen2", "qwen3"):
+        return int(window) if window else None
+    if not cfg.get("use_sliding_window", False) or not window:
         return None
-    return int(window) if window else None
+    num_layers = cfg["num_hidden_layers"]
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        first = cfg.get("max_window_layers", QWEN_DEFAULT_MAX_WINDOW_LAYERS)
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    sliding = sum(kind == "sliding_attention" for kind in layer_types)
+    if sliding == 0:
+        return None
+    if sliding == len(layer_types):
+        return int(window)
+    raise ModelLoadError(
+        f"{source}: use_sliding_window with max_window_layers={cfg.get('max_window_layers')} windows {sliding} of "
+        f"{len(layer_types)} layers (those at index >= max_window_layers); jserve applies one window to every layer, "
+        f"so max_window_layers must be 0 (all layers) or >= num_hidden_layers ({num_layers}, none), or "
+        "use_sliding_window false")
 
 
 def default_decode_burst(platform: str) -> int:

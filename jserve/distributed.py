@@ -21,6 +21,13 @@ from sharding.rules import replicated
 
 logger = logging.getLogger(__name__)
 
+# The message that tells followers the leader failed for good (a step batch is an .npz archive, which starts "PK").
+LEADER_FAILED = b"jserve:leader-failed:"
+
+
+class LeaderFailedError(RuntimeError):
+    """A multi-host follower lost its leader: the leader failed for good, or the runtime stopped carrying its steps."""
+
 
 class MultiHostExecutor(XlaExecutor):
     """An XLA executor whose mesh spans processes: the leader publishes each batch, every process runs it."""
@@ -42,8 +49,19 @@ class MultiHostExecutor(XlaExecutor):
         return super().run(global_batch).addressable_data(0)
 
     def follow(self) -> None:
-        """A follower's whole life: run the leader's steps until it says stop (or the runtime fails us)."""
-        while (data := self.channel.receive()) is not None:
+        """A follower's whole life: run the leader's steps until it says stop. Raises LeaderFailedError when the
+        leader says it failed or the runtime cannot deliver its next step, so the process exits non-zero and a
+        supervisor restarts the group."""
+        while True:
+            try:
+                data = self.channel.receive()
+            except Exception as e:  # the leader went away (or the coordination service did)
+                raise LeaderFailedError(f"lost the leader's steps: {type(e).__name__}: {e}") from e
+            if data is None:
+                break
+            if data.startswith(LEADER_FAILED):
+                reason = data[len(LEADER_FAILED):].decode("utf-8", "replace")
+                raise LeaderFailedError(f"the leader failed: {reason}")
             self.run(_decode(data))
         logger.info("leader stopped; follower %d exits", jax.process_index())
 
@@ -51,6 +69,19 @@ class MultiHostExecutor(XlaExecutor):
         if self.is_leader:
             self.is_leader = False
             self.channel.publish(None)
+
+    def fail_followers(self, reason: str) -> None:
+        """Tell the followers the leader failed for good (they exit non-zero); later steps are never published."""
+        if self.is_leader:
+            self.is_leader = False
+            self.channel.publish(LEADER_FAILED + reason.encode("utf-8", "replace")[:4096])
+
+    def reset_kv_cache(self) -> None:
+        """Refused: a failed step may have left the followers inside its collectives, so the processes can no
+        longer agree on the next one. The followers are told to exit and the leader's caller gives up too."""
+        reason = "a step failed and multi-host serving does not recover from that"
+        self.fail_followers(reason)
+        raise LeaderFailedError(reason)
 
 
 def _encode(batch: StepBatch) -> bytes:

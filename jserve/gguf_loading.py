@@ -145,6 +145,7 @@ def gguf_model_config(path: str | Path) -> ModelConfig:
         "tie_word_embeddings": "output.weight" not in tensors,
         "sliding_window": int(window) if window else None,
         "use_sliding_window": bool(window),
+        "max_window_layers": 0,  # a GGUF file's window applies to every layer (llama.cpp's reading)
         "bos_token_id": file.get("tokenizer.ggml.bos_token_id"),
         # llama.cpp ends generation at end-of-turn and end-of-message tokens too (a chat model's stop tokens)
         "eos_token_id": list(dict.fromkeys(i for i in eos if i is not None)),

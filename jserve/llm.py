@@ -17,6 +17,11 @@ PromptType = str | list[int] | dict
 _PROGRESS_BAR_MIN_PROMPTS = 8
 
 
+class EngineStepError(RuntimeError):
+    """An engine step failed during `generate`: the call's requests are dropped, the engine is restored (a fresh KV
+    cache), and the next call runs normally. `__cause__` is the step's own exception."""
+
+
 class LLM:
     """Run a model over many prompts with continuous batching.
 
@@ -28,6 +33,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, dtype: str = "float32", seed: int = 0, **engine_args):
         self.engine = create_engine(EngineConfig(model=model, dtype=dtype, seed=seed, **engine_args))
         self._request_ids = itertools.count()
+        self._broken: str | None = None  # why the engine cannot run any more (its recovery from a failed step failed)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -43,6 +49,9 @@ class LLM:
             raise InvalidParameterError("prompt", f"prompt must be a string, a list of token ids, a dict or a list "
                                                   f"of those, got {type(prompts).__name__}")
         prompts = list(prompts)
+        if self._broken is not None:
+            raise RuntimeError(f"this LLM's engine could not be restored after a failed step ({self._broken}); "
+                               "build a new LLM")
         params = _per_prompt(sampling_params, len(prompts), "sampling_params")
         priorities = _per_prompt(priority, len(prompts), "priority") if priority is not None else [0] * len(prompts)
         return self._run(prompts, params, priorities, use_tqdm)
@@ -75,7 +84,13 @@ class LLM:
         bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm or len(ids) < _PROGRESS_BAR_MIN_PROMPTS)
         try:
             while len(results) < len(ids):
-                for output in self.engine.step():
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:
+                    self._recover(e)
+                    raise EngineStepError(f"an engine step failed: {type(e).__name__}: {e}; the engine recovered, "
+                                          "and this call's outputs are lost") from e
+                for output in outputs:
                     if output.finished:
                         results[output.request_id] = output
                         bar.update(1)
@@ -87,6 +102,14 @@ class LLM:
         finally:
             bar.close()
         return [results[i] for i in ids]
+
+    def _recover(self, error: Exception) -> None:
+        try:
+            self.engine.recover(error)
+        except Exception as e:
+            self._broken = f"{type(e).__name__}: {e}"
+            raise RuntimeError(f"an engine step failed ({type(error).__name__}: {error}) and the engine could not "
+                               f"be restored: {type(e).__name__}: {e}; build a new LLM") from e
 
 
 def _per_prompt(value, count: int, name: str) -> list:

@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 
 # The largest number of top logprobs a request may ask for (OpenAI allows 20).
 MAX_LOGPROBS = 20
+# Far above any useful temperature (logits / 100 are already near uniform), and far below float32 overflow.
+MAX_TEMPERATURE = 100
+# The longest cache_salt accepted: salts are keys, not payloads.
+MAX_CACHE_SALT_LEN = 256
 
 
 class RequestOutputKind(enum.Enum):
@@ -15,6 +19,37 @@ class RequestOutputKind(enum.Enum):
 
     CUMULATIVE = "cumulative"  # after every step that changed it: the text and tokens so far (for streaming)
     FINAL_ONLY = "final_only"  # once, finished: no per-step outputs, and the text decoded once at the end
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on what a request may generate (vLLM's `structured_outputs`): exactly one of a JSON schema (a dict
+    or its JSON text), any JSON object, a regular expression, one of a list of strings, or a Lark/EBNF grammar.
+    The engine compiles it with llguidance and masks every token the constraint does not allow."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object is True else []
+        _check(len(kinds) == 1, "structured_outputs",
+               "structured_outputs takes exactly one of json, json_object, regex, choice, grammar; "
+               f"got {kinds or 'none'}")
+        _check(self.json is None or isinstance(self.json, (dict, str)), "structured_outputs",
+               "structured_outputs.json must be a JSON schema (an object or its JSON text)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and value), "structured_outputs",
+                   f"structured_outputs.{name} must be a non-empty string")
+        _check(self.choice is None or (isinstance(self.choice, (list, tuple)) and len(self.choice) > 0
+                                       and all(isinstance(c, str) and c for c in self.choice)),
+               "structured_outputs", "structured_outputs.choice must be a non-empty list of non-empty strings")
+        if self.choice is not None:
+            object.__setattr__(self, "choice", list(self.choice))
 
 
 @dataclass
@@ -45,6 +80,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Prefix-cache isolation: only requests with the same salt share cached KV blocks (vLLM's field).
+    cache_salt: str | None = None
+    # Constrained decoding (a JSON schema, a regex, a choice, a grammar); a dict is read as its fields.
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine, not by users: the tokens that end the request besides stop_token_ids.
     eos_token_ids: list[int] = field(default_factory=list, repr=False)
 
@@ -55,13 +94,18 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:  # an unknown key
+                raise InvalidParameterError("structured_outputs", f"structured_outputs: {e}") from None
         self.validate()
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad parameter."""
         _check(_is_int(self.n) and self.n >= 1, "n", f"n must be at least 1, got {self.n!r}")
-        _check(_is_num(self.temperature) and self.temperature >= 0, "temperature",
-               f"temperature must be non-negative, got {self.temperature!r}")
+        _check(_is_num(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE, "temperature",
+               f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature!r}")
         _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         _check(_is_int(self.top_k) and self.top_k >= 0, "top_k",
                f"top_k must be 0 or -1 (disabled) or a positive integer, got {self.top_k!r}")
@@ -87,6 +131,11 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "stop must be non-empty strings")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "stop_token_ids must be non-negative integers")
+        _check(self.cache_salt is None or (isinstance(self.cache_salt, str)
+                                           and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_LEN), "cache_salt",
+               f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_LEN} characters")
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", "structured_outputs must be a StructuredOutputsParams or a dict of its fields")
         _check(isinstance(self.output_kind, RequestOutputKind), "output_kind",
                f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.logit_bias is not None:

@@ -78,13 +78,12 @@ def _gguf_file(path: str) -> str | None:
 
 
 def _load_gguf_tokenizer(path: str) -> Tokenizer:
-    """transformers' own GGUF tokenizer (the vocabulary, merges, special tokens and chat template of the file's
-    tokenizer.* metadata, as the tokenizer class of its architecture builds them)."""
-    from transformers import AutoTokenizer
+    """The tokenizer of the file's tokenizer.* metadata (vocabulary, merges, special tokens, chat template), built by
+    transformers' GGUF tokenizer conversion (jserve.gguf_tokenizer)."""
+    from jserve.gguf_tokenizer import gguf_tokenizer
 
     try:
-        hf = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path),
-                                           local_files_only=True)
+        hf = gguf_tokenizer(path)
     except Exception as e:  # transformers raises ValueError, KeyError, ImportError, ... on what it cannot convert
         raise TokenizerLoadError(f"cannot build a tokenizer from the GGUF file {path!r}: {e}") from e
     return _wrap(hf)
@@ -232,9 +231,23 @@ def _normalize_message(message: Any, index: int) -> dict[str, Any]:
     if not isinstance(role, str) or not role:
         raise InvalidParameterError("messages", f"{where}.role must be a non-empty string, got {role!r}")
     content = message.get("content")
-    if content is None and message.get("tool_calls"):
-        return dict(message)  # an assistant turn that only calls tools has no content
+    if message.get("tool_calls"):
+        message = {**message, "tool_calls": [_template_tool_call(call) for call in message["tool_calls"]]}
+        if content is None:  # an assistant turn that only calls tools: templates that know no tools still render it
+            return {**message, "content": ""}
     return {**message, "content": _content_text(content, where)}
+
+
+def _template_tool_call(call: Any) -> Any:
+    """An OpenAI tool call with its arguments as an object: OpenAI sends them as JSON text, chat templates (Hermes,
+    Qwen, Llama 3) render them from a mapping."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            return {**call, "function": {**function, "arguments": json.loads(function["arguments"])}}
+        except ValueError:
+            pass
+    return call
 
 
 def _content_text(content: Any, where: str) -> str:

@@ -5,7 +5,8 @@
 Each process has 2 CPU devices and the model is split over all 4 (TP = 4 across processes). Process 0 runs the
 LLM API (scheduler + sampler) and prints the greedy tokens as JSON; process 1 runs the follower loop. MODE "die"
 makes process 0 print READY after generating and keep serving, so the test can kill process 1 and check that
-process 0 fails (non-zero exit) instead of hanging.
+process 0 fails (non-zero exit) instead of hanging. MODE "fail" makes process 0's next step fail after generating
+(multi-host serving does not recover from that), so the test can check that process 1 is told and exits non-zero.
 """
 
 from __future__ import annotations
@@ -35,6 +36,16 @@ def main(model_dir: str, port: int, process_id: int, mode: str) -> None:
 
     llm = LLM(**{k: v for k, v in vars(config).items()})
     print(json.dumps(greedy_tokens(llm)), flush=True)
+    if mode == "fail":
+        def failing_execute(*args, **kwargs):
+            raise RuntimeError("injected leader step failure")
+
+        llm.engine.executor.execute = llm.engine.executor.execute_burst = failing_execute
+        try:
+            greedy_tokens(llm)
+        except RuntimeError as e:
+            print(f"LEADER FAILED: {e}", flush=True)
+            sys.exit(1)
     if mode == "die":
         print("READY", flush=True)
         deadline = time.monotonic() + 120

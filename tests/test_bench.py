@@ -466,12 +466,20 @@ def test_bench_serve_against_jserve(hf_model_dir, tmp_path):
         assert main(["bench", "serve", "--base-url", server.url, "--model", str(model), "--dataset", "random",
                      "--num-prompts", "4", "--random-input-len", "16", "--random-output-len", "4",
                      "--ignore-eos", "--max-concurrency", "4", "--disable-tqdm", "--result-json", str(out)]) == 0
+        # The structured-output workload: each request asks for JSON of bench.serve.BENCH_SCHEMA.
+        constrained = tmp_path / "json-schema.json"
+        assert main(["bench", "serve", "--base-url", server.url, "--model", str(model), "--dataset", "random",
+                     "--num-prompts", "4", "--random-input-len", "16", "--random-output-len", "8",
+                     "--structured-output", "json-schema", "--max-concurrency", "4", "--disable-tqdm",
+                     "--result-json", str(constrained)]) == 0
+        assert server.state.engine.engine.stats.grammar_mask_seconds > 0
     finally:
         server.stop()
     report = json.loads(out.read_text())
     assert (report["completed"], report["failed"]) == (4, 0)
     assert report["output_lens"] == [4, 4, 4, 4]  # usage.completion_tokens, with EOS ignored
     assert report["mean_ttft_ms"] > 0 and report["mean_tpot_ms"] > 0
+    assert (json.loads(constrained.read_text())["completed"], json.loads(constrained.read_text())["failed"]) == (4, 0)
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -64,6 +64,26 @@ def test_generate_writes_results_skips_bad_lines_and_resumes(tmp_path, hf_model_
     assert set(rerun) == {"a", "b", "c"} and rerun["b"]["text"] == results["b"]["text"]
 
 
+def test_generate_takes_structured_outputs_per_line(tmp_path, hf_model_dir, capsys):
+    """An input line's `structured_outputs` constrains its result; one that does not compile skips that line."""
+    write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "re", "prompt": "hello", "temperature": 1.0, "seed": 3, "max_tokens": 30,
+         "structured_outputs": {"regex": "[a-c]{2,5}-[0-9]{2}"}},
+        {"id": "json", "prompt": "hello", "temperature": 1.0, "seed": 4, "max_tokens": 60,
+         "structured_outputs": {"json": {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99}},
+                                         "required": ["n"], "additionalProperties": False}}},
+        {"id": "bad", "prompt": "hello", "structured_outputs": {"regex": "(["}},
+    ])
+    argv = ["generate", "--model", str(hf_model_dir("llama")), "--input", str(tmp_path / "in.jsonl"),
+            "--output", str(tmp_path / "out.jsonl"), *ENGINE_FLAGS]
+    assert main(argv) == 0
+    assert "skipping request bad" in capsys.readouterr().err
+    results = read_jsonl(tmp_path / "out.jsonl")
+    assert set(results) == {"re", "json"}
+    assert re.fullmatch("[a-c]{2,5}-[0-9]{2}", results["re"]["text"])
+    assert set(json.loads(results["json"]["text"])) == {"n"}
+
+
 def read_jsonl_tolerant(path) -> dict[str, dict]:
     rows = {}
     for line in path.read_text().splitlines():

@@ -377,7 +377,7 @@ def test_logprobs_are_the_models_log_softmax(hf_model_dir, llm_factory, executor
     ([5] * 500, SamplingParams(max_tokens=50), "max_tokens", "maximum context length is 512 tokens"),
     ([], SamplingParams(), "prompt", "empty"),
     ("", SamplingParams(), "prompt", "empty"),
-    ([5, 10**6], SamplingParams(), "prompt", "token ids"),
+    ([5, 10**6], SamplingParams(), "prompt", "outside the model.s vocabulary"),
     (3.5, SamplingParams(), "prompt", "must be a string"),
 ])
 def test_bad_requests_raise_value_error_naming_the_parameter(hf_model_dir, llm_factory, prompt, params, param,

@@ -368,3 +368,20 @@ except ModelLoadError as e:
                           env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "needs the gguf package (pip install gguf)" in proc.stdout
+
+
+def test_the_tokenizer_builds_without_torch(gguf_file):
+    """A serving install has no torch, and transformers' own GGUF reader imports it: the tokenizer is built from
+    jserve's reader and gives the same ids as in a process with torch."""
+    path = gguf_file("llama")
+    text = "Hello, world! 你好 🙂"
+    code = f"""
+import sys
+sys.modules["torch"] = None  # as if not installed
+from jserve.tokenizer import load_tokenizer
+print(load_tokenizer({str(path)!r}).encode({text!r}))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == str(load_tokenizer(path).encode(text))

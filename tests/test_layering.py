@@ -29,8 +29,9 @@ PACKAGES = ["jserve", *LIBRARY_ORDER]
 # engine package), except a package root, which stands only for its own __init__.py ("jserve": the public API).
 JSERVE_LAYERS = [
     # plain data and flags: configs, request parameters and results, argparse types, the engine flags, the tokenizer
+    # (and its GGUF builder)
     ["jserve.config", "jserve.sampling_params", "jserve.outputs", "jserve.arg_types", "jserve.engine_args",
-     "jserve.tokenizer"],
+     "jserve.tokenizer", "jserve.gguf_tokenizer"],
     # the Flax models and their shape under tensor parallelism; what a step carries: a sequence and its scheduled
     # chunk, the packed host arrays, the jitted sampler
     ["jserve.models", "jserve.engine.sequence", "jserve.engine.packing", "jserve.engine.sampler"],

@@ -244,13 +244,12 @@ def test_bad_parameters_are_bad_requests(client, model_name):
         assert info.value.body["param"] == param and info.value.status_code == 400
 
 
-def test_tools_and_json_mode_are_refused_not_ignored(client, model_name):
+def test_auto_tool_choice_without_a_parser_is_refused_not_ignored(client, model_name):
+    """This server has no --tool-call-parser: tools with tool_choice "auto" (the default) are a 400, not ignored."""
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
-    for kwargs, param in [(dict(tools=tools), "tools"), (dict(response_format={"type": "json_object"}),
-                                                          "response_format")]:
-        with pytest.raises(openai.BadRequestError) as info:
-            client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=2, **kwargs)
-        assert info.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=2, tools=tools)
+    assert info.value.body["param"] == "tool_choice" and "--tool-call-parser" in info.value.body["message"]
     # What the server can honour goes through: tools the client asks to be ignored, and plain text.
     reply = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=2, tools=tools,
                                            tool_choice="none", response_format={"type": "text"})

@@ -83,6 +83,7 @@ def test_engine_failure_mid_stream_is_reported_in_band(tiny_server, monkeypatch)
         return real_step()
 
     monkeypatch.setattr(engine, "step", failing_step)
+    monkeypatch.setattr(tiny_server.state.engine, "max_step_failures", 0)  # no recovery: the first failure is fatal
     with httpx.stream("POST", f"{tiny_server.url}/v1/completions", json=LONG, timeout=60) as r:
         assert r.status_code == 200
         events = list(sse_events(r))
@@ -90,7 +91,7 @@ def test_engine_failure_mid_stream_is_reported_in_band(tiny_server, monkeypatch)
     error = json.loads(events[-2])["error"]
     assert "device lost" in error["message"] and error["type"] == "service_unavailable"
     health = httpx.get(f"{tiny_server.url}/health")
-    assert health.status_code == 503 and "not running" in health.json()["reason"]
+    assert health.status_code == 503 and health.json()["status"] == "dead" and "device lost" in health.json()["reason"]
     after = httpx.post(f"{tiny_server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert after.status_code == 503 and after.json()["error"]["code"] == "engine_dead"
 

@@ -381,10 +381,17 @@ def test_bad_messages_are_rejected(toks, messages) -> None:
 
 
 def test_messages_are_normalized_copies() -> None:
-    tool_turn = {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}
+    """Text parts joined; an assistant turn that only calls tools gets empty content (templates that know no tools
+    still render it) and its calls' JSON arguments as objects (what tool-aware templates render)."""
+    call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    tool_turn = {"role": "assistant", "content": None, "tool_calls": [call]}
     parts = {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
-    assert normalize_messages([parts, tool_turn]) == [{"role": "user", "content": "a\nb"}, tool_turn]
-    assert isinstance(parts["content"], list)  # the caller's message is left alone
+    assert normalize_messages([parts, tool_turn]) == [
+        {"role": "user", "content": "a\nb"},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{**call, "function": {"name": "f", "arguments": {"x": 1}}}]}]
+    assert isinstance(parts["content"], list) and tool_turn["content"] is None  # the caller's messages are left alone
+    assert call["function"]["arguments"] == '{"x": 1}'
 
 
 def test_load_tokenizer_round_trip(toks, tmp_path) -> None:

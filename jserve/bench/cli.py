@@ -78,6 +78,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-concurrency", type=integer(1), default=None, help="most requests in flight at once")
     p.add_argument("--ignore-eos", action="store_true", help="ask the server to generate every requested token")
     p.add_argument("--temperature", type=non_negative_float, default=0.0)
+    p.add_argument("--structured-output", choices=("none", "json-schema"), default="none",
+                   help="json-schema: every request asks for JSON of a fixed schema (response_format)")
     p.add_argument("--goodput", nargs="+", metavar="NAME:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 (names: ttft, tpot, e2el)")
     p.add_argument("--plot", metavar="PNG", type=output_file,

@@ -23,6 +23,7 @@ class RequestSpec:
     chat: bool
     ignore_eos: bool = False
     temperature: float = 0.0
+    response_format: dict | None = None  # OpenAI's, for structured-output workloads
 
 
 def request_body(spec: RequestSpec) -> dict:
@@ -36,6 +37,8 @@ def request_body(spec: RequestSpec) -> dict:
         body["prompt"] = spec.prompt
     if spec.ignore_eos:
         body["ignore_eos"] = True
+    if spec.response_format is not None:
+        body["response_format"] = spec.response_format
     return body
 
 

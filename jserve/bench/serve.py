@@ -36,11 +36,24 @@ async def discover_model(client: httpx.AsyncClient, base_url: str, headers: dict
     return models[0]["id"]
 
 
+# --structured-output json-schema: every request asks for JSON of this schema (OpenAI's response_format), a record
+# of bounded fields and a list, so the constraint stays active for a good share of a 128-token output.
+BENCH_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    "email": {"type": "string", "maxLength": 40}, "tags": {"type": "array", "maxItems": 8,
+                                                          "items": {"type": "string", "maxLength": 12}},
+    "active": {"type": "boolean"}}, "required": ["name", "age", "email", "tags", "active"],
+    "additionalProperties": False}
+
+
 def make_specs(requests: list[SampleRequest], url: str, model: str, args: Namespace) -> list[RequestSpec]:
     chat = args.endpoint.endswith("/chat/completions")
+    fmt = None
+    if getattr(args, "structured_output", "none") == "json-schema":
+        fmt = {"type": "json_schema", "json_schema": {"name": "record", "schema": BENCH_SCHEMA, "strict": True}}
     return [RequestSpec(url=url, model=model, prompt=r.prompt or "", prompt_len=r.prompt_len,
                         max_tokens=r.output_len, chat=chat, ignore_eos=args.ignore_eos,
-                        temperature=args.temperature) for r in requests]
+                        temperature=args.temperature, response_format=fmt) for r in requests]
 
 
 async def run_requests(client: httpx.AsyncClient, specs: list[RequestSpec], offsets: np.ndarray,

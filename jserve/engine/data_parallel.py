@@ -80,5 +80,16 @@ class DataParallelEngine:
                 self._owner.pop(out.request_id, None)
         return outputs
 
+    def recover(self, error: BaseException) -> list[str]:
+        """LLMEngine.recover on every replica that was stepping (a failed step loses the others' outputs of that
+        step too, so their step's requests are dropped as well) -> the dropped request ids."""
+        # The other replicas' steps may still be running on the pool: wait for them before touching any replica.
+        self._pool.shutdown(wait=True)
+        self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="jserve-dp")
+        dropped = [rid for e in self.replicas if e.has_unfinished_requests() for rid in e.recover(error)]
+        for rid in dropped:
+            self._owner.pop(rid, None)
+        return dropped
+
     def warmup(self) -> None:
         list(self._pool.map(LLMEngine.warmup, self.replicas))

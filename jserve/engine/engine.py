@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import math
@@ -26,11 +27,13 @@ from jserve.config import EngineConfig, ModelLoadError, default_decode_burst
 from jserve.distributed import MultiHostExecutor
 from jserve.engine.kv_cache import BlockManager
 from jserve.engine.output_processor import OutputProcessor
-from jserve.engine.sampler import MetadataCache, for_burst
+from jserve.engine.sampler import MetadataCache, SamplingMetadata, for_burst
 from jserve.engine.scheduler import Scheduler, SchedulerOutput
 from jserve.engine.sequence import Sequence
+from jserve.engine.structured import GrammarCompiler, fill_bitmask
 from jserve.executors import choose_executor
 from jserve.executors.base import STOP_IDS_WIDTH, no_stop_ids
+from jserve.executors.cpu_layers import MAX_BLOCK_SIZE as CPU_MAX_BLOCK_SIZE
 from jserve.executors.xla import kv_bytes_per_block
 from jserve.loading import resolve_model_path
 from jserve.outputs import RequestOutput
@@ -51,6 +54,7 @@ class EngineStats:
     num_engine_steps: int = 0  # calls of LLMEngine.step that ran something
     step_seconds: float = 0.0  # their wall time
     device_wait_seconds: float = 0.0  # of which blocked on the device's results; the rest is the host's work
+    grammar_mask_seconds: float = 0.0  # of the host's work, filling constrained rows' token masks
     warmup_seconds: float = 0.0  # LLMEngine.warmup: compiling every step shape up front
     warmup_step_shapes: int = 0
     warmup_burst_shapes: int = 0
@@ -121,6 +125,10 @@ class LLMEngine:
             if executor_class.name != "xla":
                 raise ValueError("multi-host serving runs the XLA executor (executor 'xla' or 'auto')")
             executor_class = MultiHostExecutor
+        if attention == "cpu" and config.block_size > CPU_MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size {config.block_size} is too large for the C++ attention kernel (executor "
+                             f"{executor_class.name!r}, attention 'cpu'): block_size must be in [1, "
+                             f"{CPU_MAX_BLOCK_SIZE}]; or choose --attention-backend reference")
         logger.info("executor %s (%s), attention %s", executor_class.name, why, attention)
         model = executor_class.load(model_dir, dtype=config.dtype, attention_backend=attention, mesh=self.mesh,
                                     load_format=config.load_format)
@@ -141,6 +149,8 @@ class LLMEngine:
         self.stats = EngineStats()
         self._rng = random.Random(config.seed)
         self._metadata = MetadataCache()
+        self._grammars: GrammarCompiler | None = None
+        self._step_requests: set[str] | None = None  # the requests of the step running now (recover drops them)
         if config.warmup:
             self.warmup()
 
@@ -202,9 +212,20 @@ class LLMEngine:
             seqs.append(seq)
         for seq in seqs:  # raises before anything is registered if the request could never run
             self.scheduler.check_fits(seq)
+        if params.structured_outputs is not None:  # compiled (or found compiled) before anything is registered
+            for seq in seqs:
+                seq.grammar = self.grammars.matcher(params.structured_outputs)
         self.outputs.add_request(request_id, prompt_text, prompt_ids, seqs, params, arrival)
         for seq in seqs:
             self.scheduler.add(seq)
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The constraint compiler for this model's tokenizer (made on first use: llguidance loads then)."""
+        if self._grammars is None:
+            vocab = max(self.model_config.vocab_size, self.tokenizer.vocab_size)
+            self._grammars = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids)
+        return self._grammars
 
     def _tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -218,9 +239,13 @@ class LLMEngine:
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             text, ids = None, list(prompt)
-            vocab = max(self.model_config.vocab_size, self.tokenizer.vocab_size)
-            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-                raise InvalidParameterError("prompt", f"prompt token ids must be integers in [0, {vocab})")
+            # The model's embedding table bounds the ids, not the tokenizer: an id past the table would be clamped
+            # by the gather and silently read another token's row.
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)]
+            if bad:
+                raise InvalidParameterError("prompt", f"prompt token id {bad[0]!r} is outside the model's vocabulary: "
+                                                      f"ids must be integers in [0, {vocab})")
         else:
             raise InvalidParameterError("prompt", f"prompt must be a string or a list of token ids, got "
                                                   f"{type(prompt).__name__}")
@@ -281,7 +306,9 @@ class LLMEngine:
         """Run one engine step; returns the outputs of every request that changed (finished ones last time;
         a FINAL_ONLY request only when it finishes)."""
         start = time.perf_counter()
+        self._step_requests = None  # unknown until scheduled: a failure in schedule() fails every request
         plan: SchedulerOutput = self.scheduler.schedule()
+        self._step_requests = {c.seq.request_id for c in plan.scheduled}
         if not plan.scheduled:
             return []
         tokens, logprobs, step_seconds = self._execute(plan)
@@ -291,6 +318,36 @@ class LLMEngine:
         self.stats.num_engine_steps += 1
         self.stats.step_seconds += time.perf_counter() - start
         return self.outputs.emit(changed)
+
+    def recover(self, error: BaseException) -> list[str]:
+        """Make the engine usable again after step() raised `error`; returns the ids of the requests it dropped.
+
+        The failed step may have consumed the KV cache (steps donate it) and left its requests half-updated, so
+        those requests are dropped; every other running sequence is preempted (it recomputes its tokens into the
+        new cache) and waiting ones stay queued. The cache is then reallocated and the prefix cache, whose blocks
+        pointed into the old one, forgotten. Raises if the engine cannot be restored (the caller must give up)."""
+        logger.error("engine step failed (%s: %s): recovering", type(error).__name__, error)
+        in_step = self._step_requests
+        dropped = list(self.outputs.requests) if in_step is None else \
+            [rid for rid in self.outputs.requests if rid in in_step]
+        for rid in dropped:
+            try:
+                self.abort_request(rid)
+            except Exception:  # noqa: BLE001 - e.g. the tokenizer failing on the text so far: drop it unread
+                logger.debug("abort of %s failed during recovery", rid, exc_info=True)
+                self.outputs.requests.pop(rid, None)
+                self.scheduler.abort(rid)
+        for seq in [s for s in self.scheduler.running if s.request_id in in_step] if in_step is not None else []:
+            self.scheduler.finish(seq, "abort")  # a sequence of a dropped request the abort did not reach
+        for seq in list(self.scheduler.running):
+            self.scheduler._preempt(seq)
+        self._step_requests = None
+        self._metadata = MetadataCache()
+        self.executor.reset_kv_cache()
+        if not self.block_manager.reset_prefix_cache():
+            raise RuntimeError(f"{self.block_manager.num_blocks - self.block_manager.num_free_blocks} KV blocks are "
+                               "still held after recovery")
+        return dropped
 
     def _execute(self, plan: SchedulerOutput) -> tuple[list[list[int]], list | None, float | None]:
         """Run the plan on the executor -> (each chunk's sampled tokens, their logprobs or None, a burst's time a
@@ -310,6 +367,8 @@ class LLMEngine:
         batch = self.executor.prepare(plan.scheduled, all_logits=any(wanted))
         next_ids = _prompt_next_ids(plan, wanted, batch.query_start, len(batch.token_ids)) if any(wanted) else None
         meta = self._metadata.build(seqs, pad_to=self.executor.seq_rows_for(len(batch.token_ids)))
+        if any(seq.grammar is not None for seq in seqs):
+            meta = functools.partial(self._with_token_masks, meta, [seq.grammar for seq in seqs])
         out = self.executor.execute(batch, meta, next_ids)
         token_ids = self._fetch(out.sampled.token_ids)
         if out.prompt_logprobs is not None:
@@ -317,6 +376,14 @@ class LLMEngine:
         self.stats.num_steps += 1
         logprobs = _logprob_rows(out.sampled) if any(s.params.logprobs is not None for s in seqs) else None
         return [[t] for t in token_ids[:len(seqs)].tolist()], logprobs, None
+
+    def _with_token_masks(self, meta: SamplingMetadata, grammars: list) -> SamplingMetadata:
+        """meta with the constrained rows' token masks, filled on the host (the executor calls this once the step's
+        forward is dispatched, so it overlaps the device's work)."""
+        start = time.perf_counter()
+        bitmask = fill_bitmask(grammars, len(meta.seeds), self.grammars.width)
+        self.stats.grammar_mask_seconds += time.perf_counter() - start
+        return dataclasses.replace(meta, token_bitmask=bitmask)
 
     def _fetch(self, array: jax.Array) -> np.ndarray:
         """The step's results on the host: the one round-trip per step, timed as the device's share of the step."""

@@ -130,6 +130,8 @@ class OutputProcessor:
         """-> the finish reason if this token ends the sequence."""
         seq, params = stream.seq, stream.seq.params
         seq.append_token(token)
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
         if stream.logprobs is not None and logprobs is not None:
             chosen, top_ids, top_lps = logprobs
             top = dict(zip(top_ids[: params.logprobs], top_lps[: params.logprobs], strict=True))

@@ -55,6 +55,9 @@ class SamplingMetadata:
     num_prompt: Array  # i32[S]; how many leading history_ids are prompt tokens
     bias_ids: Array  # i32[S, B]; sparse logit-bias token ids, -1 padding
     bias_values: Array  # f32[S, B]; added to the logits of bias_ids (-inf forbids the token)
+    # i32[S, W]; bit v % 32 of word v // 32 allows token v (constrained decoding; unconstrained rows all ones);
+    # W = 0 when no row is constrained
+    token_bitmask: Array
     all_greedy: bool = _static(True)  # every row greedy: skip temperature, filters and the draw
     needs_penalties: bool = _static(False)  # some row has a penalty and a non-empty history
     needs_filters: bool = _static(False)  # some sampled row uses top-k, top-p or min-p (costs a sort)
@@ -122,6 +125,7 @@ def build_metadata(seqs: list[Sequence], pad_to: int,
         num_prompt=num_prompt,
         bias_ids=bias_ids,
         bias_values=bias_values,
+        token_bitmask=np.zeros((pad_to, 0), np.int32),
         all_greedy=all(r.values[0] == 0.0 for r in rows),
         needs_penalties=history_ids.shape[1] > 0,
         needs_filters=any(r.has_filter for r in rows),
@@ -263,6 +267,8 @@ def sample(logits: jax.Array, meta: SamplingMetadata,
     x = _apply_bias(logits, meta.bias_ids, meta.bias_values)
     if meta.needs_penalties:
         x = _apply_penalties(x, meta)
+    if meta.token_bitmask.shape[1]:  # before temperature and the filters: they see the allowed tokens only
+        x = _apply_bitmask(x, meta.token_bitmask)
     token_ids = argmax(x)
     if not meta.all_greedy:  # a batch of greedy rows skips the draw at run time (see for_burst)
         greedy = meta.temperature == 0
@@ -288,6 +294,16 @@ def _apply_bias(x: jax.Array, ids: jax.Array, values: jax.Array) -> jax.Array:
         return x
     rows = jnp.arange(x.shape[0])[:, None]
     return x.at[rows, _drop_padding(ids, x.shape[1])].add(values, mode="drop")
+
+
+def _apply_bitmask(x: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """-inf wherever a row's bit is clear (ids past the bitmask's width, none in practice, are allowed)."""
+    rows, vocab = x.shape
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32]
+    allowed = bits.reshape(rows, -1)[:, :vocab] != 0
+    if allowed.shape[1] < vocab:
+        allowed = jnp.pad(allowed, ((0, 0), (0, vocab - allowed.shape[1])), constant_values=True)
+    return jnp.where(allowed, x, -jnp.inf)
 
 
 def _apply_penalties(x: jax.Array, meta: SamplingMetadata) -> jax.Array:

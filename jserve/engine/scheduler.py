@@ -135,7 +135,7 @@ class Scheduler:
     def _burst_length(self, out: SchedulerOutput) -> int:
         """How many decode steps to run in one fused forward-and-sample device call; 0: this step needs the plain
         forward and sampler (a prompt chunk; logprobs, which are per step; penalties and a pending min_tokens, which
-        change the sampling metadata every step).
+        change the sampling metadata every step; a constraint, whose token mask the host computes each step).
 
         Up to decode_burst steps when no request waits, nor past any sequence's max_tokens or max_model_len,
         halved until the free blocks hold their slots; while any request streams (not FINAL_ONLY), no more than fit
@@ -146,6 +146,8 @@ class Scheduler:
             if not _is_decode(chunk):
                 return 0  # a prompt token (a one-token prompt's only step): not a decode
             if params.logprobs is not None or has_penalty(params) or seq.num_output_tokens < params.min_tokens:
+                return 0
+            if seq.grammar is not None:  # its mask comes from the host, one step at a time
                 return 0
             length = min(length, params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
             streaming = streaming or params.output_kind is not RequestOutputKind.FINAL_ONLY

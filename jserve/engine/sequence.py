@@ -45,6 +45,7 @@ class Sequence:
         self.sampling_seed: int | None = None  # the engine's seed for this sequence's draws
         self.sampling_row = None  # the sampler's cache of the fixed per-row parameters (sampler.SamplingRow)
         self.burst_stop_ids: list[int] | None = None  # the engine's cache of the tokens that end it (bursts)
+        self.grammar = None  # constrained decoding: this sequence's matcher (engine.structured.SequenceGrammar)
 
     @property
     def token_ids(self) -> list[int]:

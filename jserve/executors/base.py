@@ -10,6 +10,7 @@ layer executor (jserve.executors.cpu_layers: a step's decoder layers in one C++ 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -59,10 +60,12 @@ class Executor(ABC):
         token (prompt logprobs); lookahead: tokens past this step the page table must reach (a burst's later steps)."""
 
     @abstractmethod
-    def execute(self, batch: StepBatch, meta: SamplingMetadata,
+    def execute(self, batch: StepBatch, meta: SamplingMetadata | Callable[[], SamplingMetadata],
                 prompt_next_ids: np.ndarray | None = None) -> StepOutput:
         """Run one step and sample one token per sequence row. With prompt_next_ids (i32[T], the batch prepared with
-        all_logits) also the logprob of each token's successor."""
+        all_logits) also the logprob of each token's successor. `meta` may be a function that makes the metadata:
+        it is called once the forward is dispatched, so its host work (structured-output masks) overlaps the
+        device's."""
 
     @abstractmethod
     def execute_burst(self, batch: StepBatch, meta: SamplingMetadata, num_steps: int, max_steps: int,

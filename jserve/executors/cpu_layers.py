@@ -36,6 +36,10 @@ logger = logging.getLogger(__name__)
 
 # Where each of the layer kernel's weights sits in a DecoderLayer (absent where the model has no such weight); the
 # loader stacks each across layers by these paths (host_arena.LayerStacks).
+# The C++ attention kernel keeps a page's scores on the stack and refuses pages over 64 tokens (attention.h); the
+# engine checks block_size against it at construction so the error names the flag instead of failing a step.
+MAX_BLOCK_SIZE = 64
+
 KERNEL_WEIGHT_PATHS = cpu_kernels.LayerWeights(
     input_norm=("input_layernorm", "weight"), qkv=("self_attn", "qkv_proj", "weight"),
     o=("self_attn", "o_proj", "weight"), post_norm=("post_attention_layernorm", "weight"),

@@ -101,6 +101,7 @@ class XlaExecutor(Executor):
         cfg = self.config
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         storage = kv_storage_dtype(dtype, jax.default_backend())
+        self._kv_shape, self._kv_storage = shape, storage
         if mesh is None:
             # Committed to the device: a step's outputs are then committed whichever way the weights were placed,
             # and jit keys its cache on that (the sampler compiled at warm-up must be the one steps call).
@@ -109,14 +110,10 @@ class XlaExecutor(Executor):
                            for p in self.params]
             # The cache too: a burst returns it committed, and a step compiled for an uncommitted one would
             # compile again for the first step after a burst.
-            self.kv_cache = jax.device_put(self._new_kv_cache(shape, storage), device)
+            self.kv_cache = self._allocate_kv_cache()
             self._step = jax.jit(self._packed_forward, donate_argnums=(1,), static_argnums=(3,))
         else:
-            # Each device allocates only its own KV heads (never the whole cache on one device).
-            zeros = jax.jit(lambda: jnp.zeros(shape, storage),
-                            out_shardings=logical_sharding(mesh, KV_CACHE_AXES, shape))
-            self.kv_cache = KVCache(k=[zeros() for _ in range(cfg.num_layers)],
-                                    v=[zeros() for _ in range(cfg.num_layers)])
+            self.kv_cache = self._allocate_kv_cache()
             # The cache keeps its layout across steps and logits come back whole (the sampler runs unsharded);
             # parameters keep the shardings they were loaded with, and GSPMD propagates them through the step.
             cache_shardings = jax.tree.map(lambda a: a.sharding, self.kv_cache)
@@ -145,6 +142,27 @@ class XlaExecutor(Executor):
     def _param_tree(self, model: LoadedModel) -> Any:
         """The pytree of arrays the step takes (flattened to a list) and _forward gets back."""
         return model.state
+
+    def _allocate_kv_cache(self) -> KVCache:
+        """A zeroed cache of this executor's shape and placement: committed to the one device, or each device of the
+        mesh holding only its own KV heads (never the whole cache on one device)."""
+        shape, storage = self._kv_shape, self._kv_storage
+        if self.mesh is None:
+            return jax.device_put(self._new_kv_cache(shape, storage), jax.devices()[0])
+        zeros = jax.jit(lambda: jnp.zeros(shape, storage),
+                        out_shardings=logical_sharding(self.mesh, KV_CACHE_AXES, shape))
+        layers = self.config.num_layers
+        return KVCache(k=[zeros() for _ in range(layers)], v=[zeros() for _ in range(layers)])
+
+    def reset_kv_cache(self) -> None:
+        """Replace the KV cache with a zeroed one of the same shapes and shardings. A step donates the cache, so
+        after a step that failed its arrays may be deleted; those that survive are freed first, so the new cache
+        never needs room for two."""
+        for array in jax.tree.leaves(self.kv_cache):
+            if isinstance(array, jax.Array) and not array.is_deleted():
+                array.delete()
+        self.kv_cache = None
+        self.kv_cache = self._allocate_kv_cache()
 
     def _new_kv_cache(self, shape: tuple[int, ...], dtype: jnp.dtype) -> KVCache:
         """A single device's cache: one [num_blocks, block_size, num_kv_heads, head_dim] array a layer."""
@@ -215,9 +233,11 @@ class XlaExecutor(Executor):
 
     # ----- the executor interface -----
 
-    def execute(self, batch: StepBatch, meta: SamplingMetadata,
+    def execute(self, batch: StepBatch, meta: SamplingMetadata | Callable[[], SamplingMetadata],
                 prompt_next_ids: np.ndarray | None = None) -> StepOutput:
-        logits = self.run(batch)
+        logits = self.run(batch)  # dispatched: the device computes while the host makes a deferred meta
+        if callable(meta):
+            meta = meta()
         prompt = None
         if prompt_next_ids is not None:  # logits for every token: the prompt's logprobs, then each row's last
             prompt = PromptLogprobs(*(np.asarray(a) for a in token_logprobs(logits, prompt_next_ids)))

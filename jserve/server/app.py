@@ -15,7 +15,9 @@ from starlette.routing import Route
 
 from jserve.config import EngineConfig
 from jserve.server import routes
-from jserve.server.http import RequestContextMiddleware, check_api_key, error_response
+from jserve.server.auth import KeyRing, load_api_keys
+from jserve.server.http import EventStreamResponse, RequestContextMiddleware, error_response
+from jserve.server.limits import Limits
 from jserve.server.openapi import openapi_spec
 from jserve.server.protocol import APIError
 from jserve.server.state import ServerSettings, ServerState
@@ -23,16 +25,28 @@ from jserve.server.state import ServerSettings, ServerState
 Handler = Callable[[Request, ServerState], Awaitable[Response]]
 
 
-def _endpoint(state: ServerState, handler: Handler, *, auth: bool) -> Callable[[Request], Awaitable[Response]]:
+def _endpoint(state: ServerState, handler: Handler, *, auth: bool, keys: KeyRing | None,
+              limits: Limits) -> Callable[[Request], Awaitable[Response]]:
     async def endpoint(request: Request) -> Response:
+        request.state.api_key, request.state.limits = None, limits
         try:
-            if auth:
-                check_api_key(request, state.settings.api_key)
-            return await handler(request, state)
+            if auth and keys is not None:
+                request.state.api_key = keys.check(request.headers.get("authorization", ""))
+            response = await handler(request, state)
         except APIError as e:
-            return error_response(e)
+            response = error_response(e)
+        if request.state.api_key is not None:  # the key's rate-limit state, on every response it gets
+            _add_headers(response, limits.headers(request.state.api_key))
+        return response
 
     return endpoint
+
+
+def _add_headers(response: Response | EventStreamResponse, headers: dict[str, str]) -> None:
+    if isinstance(response, EventStreamResponse):
+        response.headers = [*response.headers, *((k.encode(), v.encode()) for k, v in headers.items())]
+    else:
+        response.headers.update(headers)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -46,6 +60,12 @@ def build_app(config: EngineConfig | None = None, settings: ServerSettings | Non
               on_load_error: Callable[[BaseException], None] | None = None) -> Starlette:
     """An OpenAI-compatible app serving `config`'s model; `app.state.server` is its ServerState."""
     state = ServerState(config or EngineConfig(), settings or ServerSettings(), on_load_error)
+    settings = state.settings
+    # A bad keys file stops start-up here, with ApiKeysFileError naming the file and the entry.
+    key_list = load_api_keys(settings.api_keys_file) if settings.api_keys_file else []
+    keys = KeyRing.from_settings(settings.api_key, key_list)
+    limits = Limits(key_list, max_queue_delay=settings.max_queue_delay,
+                    salt_by_key=settings.prefix_cache_salt_by_key, metrics=state.metrics)
     spec = openapi_spec()
 
     async def openapi(request: Request, _: ServerState) -> Response:
@@ -69,7 +89,8 @@ def build_app(config: EngineConfig | None = None, settings: ServerSettings | Non
         finally:
             await state.shutdown()
 
-    app = Starlette(routes=[Route(path, _endpoint(state, handler, auth=auth), methods=methods)
+    app = Starlette(routes=[Route(path, _endpoint(state, handler, auth=auth, keys=keys, limits=limits),
+                                  methods=methods)
                             for path, methods, handler, auth in table],
                     middleware=[Middleware(RequestContextMiddleware)],
                     exception_handlers={HTTPException: _http_error}, lifespan=lifespan)

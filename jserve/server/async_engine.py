@@ -4,6 +4,11 @@ Handlers talk to the engine thread only through an inbox of commands (add, abort
 steps, so the engine itself stays single-threaded. Each step's outputs are handed back to the event loop
 with one `call_soon_threadsafe` and land on per-request asyncio queues. A request whose consumer goes away
 (the client disconnected) posts an abort, which the engine applies before its next step.
+
+A step that raises fails only the requests it held (each gets a StepFailedError, a 500) and the engine recovers
+(LLMEngine.recover: a fresh KV cache, the other sequences preempted) and goes on serving. If recovery fails, or more
+than max_step_failures steps fail within step_failure_window_s seconds, the engine is dead: everything in flight
+gets an EngineUnavailableError (a 503) and on_fatal is called on the event loop (the CLI then exits non-zero).
 """
 
 from __future__ import annotations
@@ -14,19 +19,37 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from jserve.engine.engine import EngineSnapshot, LLMEngine
 from jserve.outputs import RequestOutput
 from jserve.sampling_params import SamplingParams
 from jserve.server.metrics import ServerMetrics
+from jserve.server.protocol import APIError
 
 logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped (a step failed, or the server is shutting down)."""
+    """The engine thread stopped (it failed for good, or the server is shutting down)."""
+
+
+class EngineUnavailableError(EngineDeadError, APIError):
+    """What a request in flight gets when the engine dies under it: a 503 in OpenAI's shape."""
+
+    def __init__(self, message: str):
+        EngineDeadError.__init__(self, message)
+        APIError.__init__(self, 503, message, code="engine_dead")
+
+
+class StepFailedError(APIError):
+    """What a request gets when a step it was part of failed (the engine recovers): a 500 in OpenAI's shape."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(500, f"the engine step running this request failed: {type(cause).__name__}: {cause}",
+                         code="engine_step_failed")
 
 
 class QueueFullError(RuntimeError):
@@ -71,13 +94,26 @@ class _Delivery:
 class AsyncEngine:
     """Owns an LLMEngine and the thread that steps it."""
 
-    def __init__(self, engine: LLMEngine, *, max_queued_requests: int = 256, metrics: ServerMetrics | None = None):
+    def __init__(self, engine: LLMEngine, *, max_queued_requests: int = 256, metrics: ServerMetrics | None = None,
+                 max_step_failures: int = 3, step_failure_window_s: float = 60.0,
+                 on_fatal: Callable[[BaseException], None] | None = None):
+        """max_step_failures: failed steps recovered from within any step_failure_window_s seconds (one more is
+        fatal; 0: the first failure is); on_fatal(error): called on the event loop once the engine is dead."""
         if max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be non-negative, got {max_queued_requests}")
+        if max_step_failures < 0 or step_failure_window_s <= 0:
+            raise ValueError(f"max_step_failures must be non-negative and step_failure_window_s positive, got "
+                             f"{max_step_failures}, {step_failure_window_s}")
+        self.max_step_failures = max_step_failures
+        self.step_failure_window_s = step_failure_window_s
+        self.on_fatal = on_fatal
+        self.num_step_failures = 0  # every failed step, recovered or not
+        self._recent_failures: deque[float] = deque()
         self.engine = engine
         self.metrics = metrics
-        # max_num_seqs sequences run at once; up to max_queued_requests more wait their turn in the engine.
-        self.capacity = engine.config.max_num_seqs + max_queued_requests
+        # max_num_seqs sequences run at once in each data-parallel replica; up to max_queued_requests more wait
+        # their turn in the engine.
+        self.capacity = engine.config.max_num_seqs * engine.config.data_parallel_size + max_queued_requests
         self.snapshot = EngineSnapshot()
         self.error: BaseException | None = None
         self._in_flight = 0  # sequences admitted and not yet finished; touched on the event loop only
@@ -154,17 +190,56 @@ class AsyncEngine:
             while True:
                 commands = self._drain(block=not self.engine.has_unfinished_requests())
                 if any(isinstance(c, _Stop) for c in commands):
-                    self._fail_all(EngineDeadError("the server is shutting down"), commands)
+                    self._fail_all(EngineUnavailableError("the server is shutting down"), commands)
                     return
                 for command in commands:
                     self._apply(command)
                 if self.engine.has_unfinished_requests():
-                    self._step()
+                    try:
+                        self._step()
+                    except Exception as e:
+                        self._recover(e)
                 self._publish()
-        except BaseException as e:  # a failed step leaves the engine in an unknown state: stop serving
+        except BaseException as e:  # recovery failed, too many failures, or a bug here: stop serving
             logger.exception("engine thread died")
             self.error = e
-            self._fail_all(EngineDeadError(f"the engine stopped: {type(e).__name__}: {e}"), [])
+            self._fail_all(EngineUnavailableError(f"the engine stopped: {type(e).__name__}: {e}"), [])
+            if self.on_fatal is not None:
+                self._call_on_loop(self.on_fatal, e)
+
+    def _recover(self, error: Exception) -> None:
+        """Fail the failed step's requests and make the engine usable again; raises when it must not go on."""
+        self.num_step_failures += 1
+        if self.metrics is not None:
+            self.metrics.step_failures.inc()
+        now = time.monotonic()
+        self._recent_failures.append(now)
+        while self._recent_failures[0] < now - self.step_failure_window_s:
+            self._recent_failures.popleft()
+        if len(self._recent_failures) > self.max_step_failures:
+            raise RuntimeError(f"{len(self._recent_failures)} engine steps failed within "
+                               f"{self.step_failure_window_s:g} s (the last: {type(error).__name__}: {error})"
+                               ) from error
+        try:
+            dropped = self.engine.recover(error)
+        except Exception as e:
+            raise RuntimeError(f"recovery from a failed step ({type(error).__name__}: {error}) failed: "
+                               f"{type(e).__name__}: {e}") from e
+        failure = StepFailedError(error)
+        delivery = _Delivery()
+        for rid in dropped:
+            tracked = self._tracked.pop(rid, None)
+            if tracked is not None:
+                delivery.items.append((tracked.sink, failure))
+        logger.warning("recovered from a failed step; failed %d request(s)", len(dropped))
+        if delivery.items:
+            self._deliver(delivery)
+
+    def _call_on_loop(self, callback: Callable[[BaseException], None], error: BaseException) -> None:
+        try:
+            self._loop.call_soon_threadsafe(callback, error)
+        except RuntimeError:  # the event loop is closed: the server is stopping anyway
+            pass
 
     def _drain(self, block: bool) -> list[object]:
         commands = [self._inbox.get()] if block else []

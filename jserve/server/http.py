@@ -1,10 +1,9 @@
-"""HTTP plumbing shared by the routes: request ids and access log, error bodies, bounded body reading, API-key
-checks, disconnect detection and the Server-Sent Events response."""
+"""HTTP plumbing shared by the routes: request ids and access log, error bodies, bounded body reading,
+disconnect detection and the Server-Sent Events response (API keys are in auth.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import re
 import time
@@ -12,7 +11,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -54,6 +53,8 @@ class RequestContextMiddleware:
 
         try:
             await self.app(scope, receive, send_with_id)
+        except ClientDisconnect:  # the client left while its body was being read: routine, and nobody to answer
+            status[0] = status[0] or 499
         except Exception:
             logger.exception("unhandled error in %s %s", scope["method"], scope["path"])
             if status[0] == 0:
@@ -65,16 +66,6 @@ class RequestContextMiddleware:
             client = scope.get("client") or ("-", 0)
             access_logger.info('%s "%s %s" %d %.1fms id=%s', client[0], scope["method"], scope["path"], status[0],
                                (time.perf_counter() - start) * 1000, request_id)
-
-
-def check_api_key(request: Request, api_key: str | None) -> None:
-    if api_key is None:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    # Compared as bytes so that a non-ASCII token cannot raise; compare_digest takes constant time.
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-        raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
 
 async def read_json(request: Request, limit: int) -> dict:

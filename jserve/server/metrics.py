@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -77,10 +77,43 @@ class ServerMetrics:
                                             REQUEST_BUCKETS)
         self.request_success = Counter("jserve:request_success", "Finished requests by finish reason.",
                                        labelnames=["model_name", "finished_reason"], registry=self.registry)
+        self.step_failures = Counter("jserve:engine_step_failures", "Engine steps that raised (each fails the "
+                                     "requests it held).", labelnames=["model_name"],
+                                     registry=self.registry).labels(**labels)
         self._model_name = model_name
+        # Per API key (labelled by the key's id, never its secret), and load shedding.
+        key_labels = ["model_name", "key_id"]
+        self.api_key_requests = Counter("jserve:api_key_requests",
+                                        "Requests by API key id and outcome (admitted, rate_limited, shed, timeout).",
+                                        labelnames=[*key_labels, "outcome"], registry=self.registry)
+        self.api_key_tokens = Counter("jserve:api_key_tokens", "Prompt plus generated tokens by API key id.",
+                                      labelnames=key_labels, registry=self.registry)
+        self.api_key_running = Gauge("jserve:api_key_requests_running", "Requests in flight by API key id.",
+                                     labelnames=key_labels, registry=self.registry)
+        self.requests_shed = Counter("jserve:requests_shed", "Requests refused because the estimated queue wait "
+                                     "exceeded --max-queue-delay.", labelnames=list(labels),
+                                     registry=self.registry).labels(**labels)
+        self.request_timeouts = Counter("jserve:request_timeouts", "Requests aborted at their X-Request-Timeout.",
+                                        labelnames=list(labels), registry=self.registry).labels(**labels)
+        self.estimated_queue_wait = Gauge("jserve:estimated_queue_wait_seconds",
+                                          "Estimated queue wait of a new lowest-priority request (0 when a seat is "
+                                          "free; +Inf when requests are queued and none has finished lately).",
+                                          labelnames=list(labels), registry=self.registry).labels(**labels)
 
     def request_finished(self, reason: str) -> None:
         self.request_success.labels(model_name=self._model_name, finished_reason=reason).inc()
+
+    def key_request(self, key_id: str, outcome: str) -> None:
+        self.api_key_requests.labels(model_name=self._model_name, key_id=key_id, outcome=outcome).inc()
+
+    def key_tokens(self, key_id: str, tokens: int) -> None:
+        self.api_key_tokens.labels(model_name=self._model_name, key_id=key_id).inc(max(0, tokens))
+
+    def key_running(self, key_id: str, running: int) -> None:
+        self.api_key_running.labels(model_name=self._model_name, key_id=key_id).set(running)
+
+    def set_queue_wait_source(self, source: Callable[[], float]) -> None:
+        self.estimated_queue_wait.set_function(source)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -39,10 +39,23 @@ def _envelope(kind: str, choice: dict, usage_required: bool) -> dict:
                 choices={"type": "array", "items": choice}, usage={"anyOf": [_USAGE, {"type": "null"}]})
 
 
+def _tokenize_request() -> dict:
+    """Exactly one of `prompt` or `messages` (the route's rule), as two exclusive forms of the same table."""
+    def form(field: str, option: str) -> dict:
+        other = "messages" if field == "prompt" else "prompt"
+        fields = {name: TOKENIZE_FIELDS[name] for name in ("model", field, option)}
+        fields[field] = {"anyOf": [s for s in fields[field]["anyOf"] if s.get("type") != "null"],
+                         "description": fields[field]["description"]}
+        return {**request_schema(fields, [field]), "not": {"required": [other]}}
+
+    return {"oneOf": [form("prompt", "add_special_tokens"), form("messages", "add_generation_prompt")],
+            "description": "Give `prompt` (text) or `messages` (rendered with the chat template), not both."}
+
+
 SCHEMAS = {
     "CompletionRequest": request_schema(COMPLETION_FIELDS, REQUIRED["completion"]),
     "ChatCompletionRequest": request_schema(CHAT_FIELDS, REQUIRED["chat"]),
-    "TokenizeRequest": request_schema(TOKENIZE_FIELDS, REQUIRED["tokenize"]),
+    "TokenizeRequest": _tokenize_request(),
     "DetokenizeRequest": request_schema(DETOKENIZE_FIELDS, REQUIRED["detokenize"]),
     "Completion": _envelope("text_completion", _obj(
         ["index", "text", "finish_reason", "logprobs"], index=_INT, text=_STR, finish_reason=_FINISH,

@@ -11,7 +11,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from jserve.sampling_params import MAX_LOGPROBS, InvalidParameterError, SamplingParams
+from jserve.sampling_params import (
+    MAX_CACHE_SALT_LEN,
+    MAX_LOGPROBS,
+    MAX_TEMPERATURE,
+    InvalidParameterError,
+    SamplingParams,
+)
 from jserve.tokenizer import normalize_messages
 
 # The most samples one request may ask for; each is a full sequence in the batch.
@@ -26,7 +32,7 @@ class APIError(Exception):
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
              405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-             500: "internal_error", 503: "service_unavailable"}
+             500: "internal_error", 503: "service_unavailable", 504: "timeout_error"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None):
@@ -78,7 +84,9 @@ def parse_json(raw: bytes) -> dict:
 # ----- a small JSON-schema checker (the subset the tables below use) -----
 
 _TYPES = {"null": lambda v: v is None, "boolean": lambda v: isinstance(v, bool),
-          "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+          # JSON Schema counts 2.0 as an integer (and so do OpenAI's and vLLM's parsers); check_fields turns it into 2
+          "integer": lambda v: (isinstance(v, int) and not isinstance(v, bool))
+          or (isinstance(v, float) and v.is_integer()),
           "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
           "string": lambda v: isinstance(v, str), "array": lambda v: isinstance(v, list),
           "object": lambda v: isinstance(v, dict)}
@@ -118,6 +126,8 @@ def schema_errors(value: Any, schema: dict, where: str) -> str | None:
             return f"{where} must be greater than {schema['exclusiveMinimum']}, got {value}"
         if "maximum" in schema and value > schema["maximum"]:
             return f"{where} must be at most {schema['maximum']}, got {value}"
+    if "enum" in schema and value not in schema["enum"]:
+        return f"{where} must be one of {', '.join(map(repr, schema['enum']))}, got {str(value)[:64]!r}"
     if kind == "string" and len(value) < schema.get("minLength", 0):
         return f"{where} must not be empty"
     if kind == "string" and len(value) > schema.get("maxLength", math.inf):
@@ -132,7 +142,8 @@ def schema_errors(value: Any, schema: dict, where: str) -> str | None:
                 return error
     if kind == "object":
         for key, sub in schema.get("properties", {}).items():
-            if key in value and (error := schema_errors(value[key], sub, f"{where}.{key}")) is not None:
+            # null is taken as omitted, as at the top level (the route's own checks decide what omitting means)
+            if value.get(key) is not None and (error := schema_errors(value[key], sub, f"{where}.{key}")) is not None:
                 return error
         extra = schema.get("additionalProperties")
         if isinstance(extra, dict):
@@ -168,7 +179,7 @@ _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maxim
 SAMPLING_FIELDS: dict[str, dict] = {
     "model": _nullable({"type": "string"}, "The served model name (GET /v1/models); omitted means that model."),
     "n": _int("How many completions to generate for each prompt.", minimum=1, maximum=MAX_N),
-    "temperature": _num("Sampling temperature; 0 is greedy.", minimum=0),
+    "temperature": _num("Sampling temperature; 0 is greedy.", minimum=0, maximum=MAX_TEMPERATURE),
     "top_p": _num("Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p.",
                   exclusiveMinimum=0, maximum=1),
     "stop": _nullable({"anyOf": [_STOP, {"type": "array", "items": _STOP, "maxItems": MAX_STOP_STRINGS}]},
@@ -177,8 +188,8 @@ SAMPLING_FIELDS: dict[str, dict] = {
     "presence_penalty": _num("Penalty for tokens already present in the output.", minimum=-2, maximum=2),
     "frequency_penalty": _num("Penalty scaled by how often a token already occurs in the output.",
                               minimum=-2, maximum=2),
-    "logit_bias": _nullable({"type": "object", "additionalProperties": {"type": "number", "minimum": -100,
-                                                                        "maximum": 100}},
+    "logit_bias": _nullable({"type": "object", "propertyNames": {"pattern": "^[0-9]{1,18}$"},
+                             "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
                             "Map of token id (as a string) to a bias in [-100, 100] added to its logit."),
     "stream": _bool("Send the output as Server-Sent Events while it is generated."),
     "stream_options": _nullable({"type": "object", "properties": {"include_usage": _bool(
@@ -197,6 +208,25 @@ SAMPLING_FIELDS: dict[str, dict] = {
     "skip_special_tokens": _bool("Leave special tokens out of the text (default true)."),
     "include_stop_str_in_output": _bool("Keep the matched stop string at the end of the text."),
     "priority": _int("Scheduling priority: lower values are served first (default 0)."),
+    "cache_salt": _nullable({"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_LEN},
+                            "Prefix-cache isolation: only requests with the same salt share cached prompt blocks."),
+    "structured_outputs": _nullable(
+        {"type": "object", "properties": {
+            "json": {"anyOf": [{"type": "object"}, {"type": "string", "minLength": 1}]},
+            "json_object": {"type": "boolean"},
+            "regex": {"type": "string", "minLength": 1},
+            "choice": {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+            "grammar": {"type": "string", "minLength": 1}}},
+        "Constrain the output (vLLM's field): exactly one of json (a JSON schema), json_object (true), regex, "
+        "choice (a list of strings) or grammar (Lark or EBNF)."),
+    "response_format": _nullable(
+        {"type": "object", "properties": {
+            "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {"type": "object", "properties": {
+                "name": {"type": "string"}, "description": {"type": "string"},
+                "schema": {"type": "object"}, "strict": _bool("Accepted; the schema is always enforced.")}}}},
+        "OpenAI's output format: {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": \"json_schema\", "
+        "\"json_schema\": {\"name\", \"schema\", \"strict\"}}."),
 }
 
 COMPLETION_FIELDS: dict[str, dict] = {
@@ -212,8 +242,17 @@ COMPLETION_FIELDS: dict[str, dict] = {
     **SAMPLING_FIELDS,
 }
 
-_MESSAGE = {"type": "object", "properties": {"role": {"type": "string", "minLength": 1}},
-            "description": "An OpenAI chat message: role plus content (a string or a list of text parts)."}
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
+# `required` inside a message is documentation: normalize_messages checks it, and also accepts an assistant turn
+# whose content is null because it only carries tool_calls.
+_MESSAGE = {"type": "object", "properties": {
+    "role": {"type": "string", "minLength": 1, "description": "system, user, assistant, ... (as the chat template "
+                                                               "takes them)"},
+    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}],
+                "description": "A string, or a list of text parts joined with newlines."}},
+    "required": ["role", "content"],
+    "description": "An OpenAI chat message: role plus content (a string or a list of text parts)."}
 
 CHAT_FIELDS: dict[str, dict] = {
     "messages": {"type": "array", "items": _MESSAGE, "minItems": 1, "description": "The conversation so far."},
@@ -224,6 +263,16 @@ CHAT_FIELDS: dict[str, dict] = {
     "top_logprobs": _int("With logprobs, also return this many most likely tokens at each position.",
                          minimum=0, maximum=MAX_LOGPROBS),
     "add_generation_prompt": _bool("End the rendered prompt with the assistant turn's header (default true)."),
+    "tools": _nullable({"type": "array", "items": {"type": "object", "properties": {
+        "type": {"type": "string", "enum": ["function"]},
+        "function": {"type": "object", "properties": {"name": {"type": "string"}, "description": {"type": "string"},
+                                                      "parameters": {"type": "object"}}}}}},
+        "Functions the model may call (OpenAI's shape); see tool_choice."),
+    "tool_choice": _nullable({"anyOf": [{"type": "string", "enum": ["none", "auto", "required"]},
+                                        {"type": "object"}]},
+                             'Whether and which tool to call: "none", "auto" (needs --tool-call-parser), "required", '
+                             'or {"type": "function", "function": {"name": ...}}.'),
+    "parallel_tool_calls": _bool("With tool_choice \"required\": allow several calls (default true)."),
     **SAMPLING_FIELDS,
 }
 
@@ -255,8 +304,25 @@ def check_fields(body: dict, fields: dict[str, dict], required: list[str]) -> di
             continue
         if (error := schema_errors(body[name], schema, name)) is not None:
             raise bad_request(error, name)
-        values[name] = body[name]
+        values[name] = _integers(body[name], schema)
     return values
+
+
+def _integers(value: Any, schema: dict) -> Any:
+    """`value`, valid against `schema`, with each integral float the schema says is an integer made an int."""
+    if "anyOf" in schema:
+        return _integers(value, next(o for o in schema["anyOf"] if schema_errors(value, o, "") is None))
+    kind = schema["type"]
+    if kind == "integer" and isinstance(value, float):
+        return int(value)
+    if kind == "array":
+        return [_integers(item, schema["items"]) for item in value]
+    if kind == "object":
+        props, extra = schema.get("properties", {}), schema.get("additionalProperties")
+        return {key: _integers(item, props[key]) if key in props and item is not None
+                else _integers(item, extra) if key not in props and isinstance(extra, dict) else item
+                for key, item in value.items()}
+    return value
 
 
 # ----- typed requests -----
@@ -281,33 +347,55 @@ class CompletionRequest(GenerationRequest):
 class ChatRequest(GenerationRequest):
     messages: list[dict]
     add_generation_prompt: bool
+    tools: Any = None  # server.tools.ToolRequest, set by the route once it knows the server's tool-call parser
 
 
 _PARAM_NAMES = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                 "frequency_penalty", "seed", "min_tokens", "stop", "stop_token_ids", "ignore_eos",
-                "skip_special_tokens", "include_stop_str_in_output")
+                "skip_special_tokens", "include_stop_str_in_output", "cache_salt")
 
 
 def _sampling_params(values: dict[str, Any], *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     kwargs = {name: values[name] for name in _PARAM_NAMES if name in values}
     if "logit_bias" in values:
         kwargs["logit_bias"] = _logit_bias(values["logit_bias"])
+    constraint = _structured_outputs(values)
+    if constraint is not None:
+        kwargs["structured_outputs"] = constraint
     try:
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
     except InvalidParameterError as e:
         raise bad_request(str(e), e.param) from None
 
 
+def _structured_outputs(values: dict[str, Any]) -> dict | None:
+    """The request's constraint as StructuredOutputsParams fields, from `structured_outputs` or `response_format`."""
+    fmt = values.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise bad_request(f"response_format.type must be 'text', 'json_object' or 'json_schema', "
+                              f"got {kind!r}"[:300], "response_format")
+        if "structured_outputs" in values and kind != "text":
+            raise bad_request("give either response_format or structured_outputs, not both", "response_format")
+        if kind == "json_object":
+            return {"json_object": True}
+        if kind == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise bad_request("response_format json_schema needs json_schema.schema, a JSON schema object",
+                                  "response_format")
+            return {"json": schema}
+    return values.get("structured_outputs")
+
+
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     out = {}
     for key, value in bias.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise bad_request(f"logit_bias keys must be token ids, got {key[:64]!r}", "logit_bias") from None
-        if not 0 <= token < INT64:
-            raise bad_request(f"logit_bias key {key[:64]} is not a valid token id", "logit_bias")
-        out[token] = value
+        # Decimal ASCII digits only: int() would also take " 5", "+5", "1_0" and other scripts' digits.
+        if not (key.isascii() and key.isdigit() and len(key) <= 18):
+            raise bad_request(f"logit_bias keys must be token ids (decimal digits), got {key[:64]!r}", "logit_bias")
+        out[int(key)] = value
     return out
 
 
@@ -343,13 +431,6 @@ def parse_chat(body: dict) -> ChatRequest:
         raise bad_request(str(e), e.param) from None
     # Accepted and ignored, these would silently break their promise (JSON output, tool calls), as vLLM's refusal
     # without a tool parser or a guided-decoding backend makes clear.
-    if body.get("tools") and body.get("tool_choice", "auto") != "none":
-        raise bad_request("tools are not supported: this server has no tool-call parser (send tool_choice 'none' "
-                          "to have them ignored)", "tools")
-    response_format = body.get("response_format")
-    if response_format is not None and (not isinstance(response_format, dict) or response_format.get("type") != "text"):
-        raise bad_request("response_format: only {\"type\": \"text\"} is supported (no JSON mode or schemas)",
-                          "response_format")
     if "top_logprobs" in values and not values.get("logprobs"):
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = values.get("top_logprobs", 0) if values.get("logprobs") else None

@@ -174,6 +174,21 @@ def chat_chunk_choices(delta: ChoiceDelta, text: TokenText, k: int | None) -> li
     return choices
 
 
+def tool_chunk_choices(choice: dict) -> list[dict]:
+    """A finished chat choice (a message that may hold tool_calls) as stream choices: the role, then the content or
+    each call (its id, type and name with the whole arguments), then the finish reason, as OpenAI streams them."""
+    index, message = choice["index"], choice["message"]
+    chunks = [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+    if message.get("content"):
+        chunks.append({"index": index, "delta": {"content": message["content"]}, "logprobs": None,
+                       "finish_reason": None})
+    for i, call in enumerate(message.get("tool_calls") or []):
+        chunks.append({"index": index, "delta": {"tool_calls": [{"index": i, **call}]}, "logprobs": None,
+                       "finish_reason": None})
+    chunks.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]})
+    return chunks
+
+
 def merge_deltas(deltas: list[ChoiceDelta]) -> list[ChoiceDelta]:
     """Join the deltas a non-streaming request collected into one per choice."""
     merged: dict[int, ChoiceDelta] = {}

@@ -13,9 +13,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jserve import __version__
+from jserve.sampling_params import InvalidParameterError, StructuredOutputsParams
 from jserve.server import responses as R
 from jserve.server.async_engine import AsyncEngine, EngineDeadError, Generation, QueueFullError
 from jserve.server.http import EventStreamResponse, read_json, unless_disconnected
+from jserve.server.limits import TIMEOUT_HEADER, Admission, Limits, MeteredGeneration
 from jserve.server.protocol import (
     DETOKENIZE_FIELDS,
     REQUIRED,
@@ -31,9 +33,12 @@ from jserve.server.protocol import (
 )
 from jserve.server.state import ServerState
 from jserve.server.tokenizer_worker import TokenizerWorker
+from jserve.server.tools import ToolRequest, parse_tool_request
 
 logger = logging.getLogger(__name__)
 
+# nginx's status for a request whose client closed the connection before the response.
+CLIENT_CLOSED_REQUEST = 499
 # Seconds a client is told to wait after a 429; the openai client honours Retry-After.
 RETRY_AFTER_SECONDS = 1
 
@@ -53,17 +58,31 @@ def _admission_errors() -> Iterator[None]:
         raise bad_request(str(e), "n") from None
 
 
-def _precheck(engine: AsyncEngine, num_prompts: int, req: GenerationRequest) -> None:
-    """Refuse what cannot be admitted before spending time on tokenization."""
+def _precheck(request: Request, engine: AsyncEngine, num_prompts: int, req: GenerationRequest) -> Admission:
+    """Refuse what cannot be admitted before spending time on tokenization: the server's capacity, then the API
+    key's limits, the queue delay and the deadline header (jserve/server/limits.py). The caller must end or
+    refuse the returned Admission."""
     with _admission_errors():
         engine.check_admissible(num_prompts, req.params.n)
+    limits: Limits = request.state.limits
+    admission = limits.begin(request.state.api_key, req.priority, num_prompts * req.params.n,
+                             engine.engine.config.max_num_seqs, request.headers.get(TIMEOUT_HEADER))
+    salt = admission.cache_salt(req.params.cache_salt)
+    if salt != req.params.cache_salt:
+        req.params = req.params.clone(cache_salt=salt)
+    return admission
 
 
 async def _admit(engine: AsyncEngine, request_id: str, prompts: list[list[int]],
-                 req: GenerationRequest) -> Generation:
-    """Admit and add the request: 429 when the server is full, 400 when the engine rejects it."""
+                 req: GenerationRequest, admission: Admission) -> MeteredGeneration:
+    """Admit and add the request: 429 when the server is full or the key is out of tokens, 400 when the engine
+    rejects it."""
+    if req.params.structured_outputs is not None:
+        await _compile_constraint(engine, req.params.structured_outputs)
+    admission.reserve_tokens([len(p) for p in prompts], req.params.max_tokens, req.params.n,
+                             engine.engine.max_model_len)
     with _admission_errors():
-        gen = engine.generate(request_id, prompts, req.params, req.priority)
+        gen = engine.generate(request_id, prompts, req.params, admission.priority)
     try:
         await gen.start()
     except ValueError as e:
@@ -75,7 +94,20 @@ async def _admit(engine: AsyncEngine, request_id: str, prompts: list[list[int]],
     except BaseException:
         gen.close()
         raise
-    return gen
+    admission.admitted()
+    return MeteredGeneration(gen, admission)
+
+
+async def _compile_constraint(engine: AsyncEngine, constraint: StructuredOutputsParams) -> None:
+    """Compile a request's constraint off the engine thread (a large schema takes a while): a 400 naming the
+    compiler's complaint, or the compiled grammar cached for the engine's matchers."""
+    grammars = getattr(engine.engine, "grammars", None)  # a data-parallel front compiles in each replica instead
+    if grammars is None:
+        return
+    try:
+        await asyncio.to_thread(grammars.check, constraint)
+    except InvalidParameterError as e:
+        raise bad_request(str(e), e.param) from None
 
 
 async def _token_texts(tokenizer: TokenizerWorker, deltas: list[R.ChoiceDelta]) -> dict[int, str]:
@@ -84,6 +116,8 @@ async def _token_texts(tokenizer: TokenizerWorker, deltas: list[R.ChoiceDelta]) 
 
 
 def _stream_error(error: Exception) -> bytes:
+    if isinstance(error, APIError):  # e.g. the request's deadline passed
+        return R.sse(error.body())
     status = 503 if isinstance(error, EngineDeadError) else 500
     return R.sse(APIError(status, str(error) or type(error).__name__).body())
 
@@ -94,7 +128,7 @@ def _stream(gen: Generation, events: AsyncIterator[bytes]) -> EventStreamRespons
             async for event in events:
                 yield event
         except Exception as e:  # the stream has begun: report in-band, in OpenAI's shape
-            if not isinstance(e, EngineDeadError):
+            if not isinstance(e, (EngineDeadError, APIError)):
                 logger.exception("error while streaming %s", gen.request_ids[0])
             yield _stream_error(e)
         yield R.sse("[DONE]")
@@ -108,6 +142,12 @@ async def _respond(request: Request, gen: Generation, stream: bool, make, args: 
         return _stream(gen, make(*args))
     try:
         return JSONResponse(await unless_disconnected(request, make(*args)))
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():
+            raise  # the server itself cancels this handler (shutdown)
+        # The client went away (unless_disconnected): a routine event, so end normally instead of raising into
+        # the ASGI server's error log. Nobody reads the response; 499 is what the access log shows.
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     finally:
         gen.close()
 
@@ -118,10 +158,14 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     engine, tokenizer = state.ready()
     req = parse_completion(await read_json(request, state.settings.max_request_bytes))
     state.check_model(req.model)
-    _precheck(engine, len(req.prompts), req)
-    prompts = [await tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
-    header = R.ResponseHeader(R.new_id("cmpl"), state.model_name)
-    gen = await _admit(engine, header.id, prompts, req)
+    admission = _precheck(request, engine, len(req.prompts), req)
+    try:
+        prompts = [await tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
+        header = R.ResponseHeader(R.new_id("cmpl"), state.model_name)
+        gen = await _admit(engine, header.id, prompts, req, admission)
+    except BaseException:
+        admission.refuse()
+        raise
     return await _respond(request, gen, req.stream, _completion_events if req.stream else _completion_body,
                           (gen, req, header, tokenizer))
 
@@ -155,18 +199,39 @@ async def _completion_body(gen: Generation, req: CompletionRequest, header: R.Re
 
 async def create_chat_completion(request: Request, state: ServerState) -> Response:
     engine, tokenizer = state.ready()
-    req = parse_chat(await read_json(request, state.settings.max_request_bytes))
+    body = await read_json(request, state.settings.max_request_bytes)
+    req = parse_chat(body)
     state.check_model(req.model)
-    _precheck(engine, 1, req)
-    prompt = await tokenizer.chat(req.messages, req.add_generation_prompt)
-    header = R.ResponseHeader(R.new_id("chatcmpl"), state.model_name)
-    gen = await _admit(engine, header.id, [prompt], req)
+    req.tools = parse_tool_request(body, state.settings.tool_call_parser)
+    if req.tools is not None and (constraint := req.tools.constraint()) is not None:
+        if req.params.structured_outputs is not None:
+            raise bad_request("a required or named tool_choice constrains the output itself: drop "
+                              "response_format/structured_outputs", "tool_choice")
+        req.params = req.params.clone(structured_outputs=constraint)
+    admission = _precheck(request, engine, 1, req)
+    try:
+        prompt = await tokenizer.chat(req.messages, req.add_generation_prompt,
+                                      req.tools.tools if req.tools is not None else None)
+        header = R.ResponseHeader(R.new_id("chatcmpl"), state.model_name)
+        gen = await _admit(engine, header.id, [prompt], req, admission)
+    except BaseException:
+        admission.refuse()
+        raise
     return await _respond(request, gen, req.stream, _chat_events if req.stream else _chat_body,
                           (gen, req, header, tokenizer))
 
 
 async def _chat_events(gen: Generation, req: ChatRequest, header: R.ResponseHeader,
                        tokenizer: TokenizerWorker) -> AsyncIterator[bytes]:
+    if req.tools is not None:  # calls are known once the output is: sent whole at the end, as deltas OpenAI's way
+        body = await _chat_body(gen, req, header, tokenizer)
+        extra = {"usage": None} if req.include_usage else {}
+        for choice in body["choices"]:
+            for chunk in R.tool_chunk_choices(choice):
+                yield R.sse(header.obj("chat.completion.chunk", [chunk], **extra))
+        if req.include_usage:
+            yield R.sse(header.obj("chat.completion.chunk", [], usage=body["usage"]))
+        return
     tracker, k = R.ChoiceTracker(req.params.n), req.params.logprobs
     extra = {"usage": None} if req.include_usage else {}
     async for prompt_index, output in gen:
@@ -187,7 +252,23 @@ async def _chat_body(gen: Generation, req: ChatRequest, header: R.ResponseHeader
     merged = R.merge_deltas(deltas)
     texts = await _token_texts(tokenizer, merged) if k is not None else {}
     choices = [R.chat_message_choice(d, texts.__getitem__, k) for d in merged]
+    if req.tools is not None:
+        for choice in choices:
+            _tool_message(choice, req.tools)
     return header.obj("chat.completion", choices, usage=tracker.usage())
+
+
+def _tool_message(choice: dict, tools: ToolRequest) -> None:
+    """Turn a finished chat choice's text into OpenAI's tool_calls where it holds calls."""
+    message = choice["message"]
+    if choice["finish_reason"] != "stop":  # cut short: no complete call to report
+        return
+    content, calls = tools.calls(message["content"] or "")
+    if calls:
+        message["content"] = content
+        message["tool_calls"] = [call.body() for call in calls]
+        # OpenAI ends a forced call to a named function with "stop", a call the model chose with "tool_calls".
+        choice["finish_reason"] = "tool_calls" if tools.choice in ("auto", "required") else "stop"
 
 
 # ----- the rest of the API -----
@@ -223,11 +304,12 @@ async def detokenize(request: Request, state: ServerState) -> Response:
 
 
 async def health(request: Request, state: ServerState) -> Response:
-    try:
-        state.ready()
-    except APIError as e:
-        return JSONResponse({"status": "unavailable", "reason": e.message}, status_code=503)
-    return JSONResponse({"status": "ok"})
+    # 200 {"status": "ok"} when serving; 503 with "loading" (retry soon) or "dead" (the process is about to exit,
+    # or its model cannot load) otherwise.
+    status, reason = state.health()
+    if status == "ready":
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": status, "reason": reason}, status_code=503)
 
 
 async def metrics(request: Request, state: ServerState) -> Response:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 DEFAULT_MAX_QUEUED_REQUESTS = 256
 DEMO_MODEL_NAME = "jserve-demo"
+DEFAULT_MAX_STEP_FAILURES = 3
+DEFAULT_STEP_FAILURE_WINDOW_S = 60.0
 
 
 @dataclass
@@ -16,13 +18,29 @@ class ServerSettings:
 
     served_model_name: str | None = None  # None: the --model argument, or the default model's name
     api_key: str | None = None  # None: no authentication
+    api_keys_file: str | None = None  # JSON or TOML keys with limits and priorities (jserve/server/auth.py)
+    prefix_cache_salt_by_key: bool = False  # salt each keyed request's prefix cache by its key id
+    max_queue_delay: float | None = None  # refuse requests whose estimated queue wait is longer (seconds)
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+    tool_call_parser: str | None = None  # how tool_choice "auto" reads calls out of the output (server/tools.py)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    # Failed engine steps the server recovers from within any step_failure_window_s seconds; one more and it
+    # exits non-zero (so a supervisor restarts it).
+    max_step_failures: int = DEFAULT_MAX_STEP_FAILURES
+    step_failure_window_s: float = DEFAULT_STEP_FAILURE_WINDOW_S
 
     def __post_init__(self) -> None:
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be non-negative, got {self.max_queued_requests}")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be positive, got {self.max_request_bytes}")
+        if self.max_step_failures < 0:
+            raise ValueError(f"max_step_failures must be non-negative, got {self.max_step_failures}")
+        if not self.step_failure_window_s > 0:
+            raise ValueError(f"step_failure_window_s must be positive, got {self.step_failure_window_s}")
+        if self.tool_call_parser not in (None, "hermes", "llama3_json"):
+            raise ValueError(f"tool_call_parser must be hermes or llama3_json, got {self.tool_call_parser!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if self.max_queue_delay is not None and not self.max_queue_delay > 0:
+            raise ValueError(f"max_queue_delay must be positive, got {self.max_queue_delay}")

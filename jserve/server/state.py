@@ -29,6 +29,8 @@ class ServerState:
         self.load_error: BaseException | None = None
         self.metrics = ServerMetrics(self.model_name, lambda: self.engine.snapshot if self.engine else None)
         self._on_load_error = on_load_error
+        # Called on the event loop when the engine dies for good (the CLI stops the server and exits non-zero).
+        self.on_fatal: Callable[[BaseException], None] | None = None
         self._load_task: asyncio.Task | None = None
 
     # ----- lifecycle -----
@@ -46,7 +48,9 @@ class ServerState:
             vocab = max(engine.model_config.vocab_size, engine.tokenizer.vocab_size)
             self.tokenizer = TokenizerWorker(tokenizer, vocab)
             async_engine = AsyncEngine(engine, max_queued_requests=self.settings.max_queued_requests,
-                                       metrics=self.metrics)
+                                       metrics=self.metrics, max_step_failures=self.settings.max_step_failures,
+                                       step_failure_window_s=self.settings.step_failure_window_s,
+                                       on_fatal=self._engine_died)
             async_engine.start()
             self.engine = async_engine
             logger.info("serving %s (max_model_len %d)", self.model_name, engine.max_model_len)
@@ -55,6 +59,25 @@ class ServerState:
             self.load_error = e
             if self._on_load_error is not None:
                 self._on_load_error(e)
+
+    def _engine_died(self, error: BaseException) -> None:
+        logger.critical("the engine cannot go on (%s: %s): everything in flight has been failed", type(error).__name__,
+                        error)
+        if self.on_fatal is not None:
+            self.on_fatal(error)
+
+    def health(self) -> tuple[str, str | None]:
+        """("loading" | "ready" | "dead", why it is not ready)."""
+        if self.load_error is not None:
+            return "dead", f"the model failed to load: {self.load_error}"
+        if self.engine is None or self.tokenizer is None:
+            return "loading", "the model is still loading"
+        if self.engine.error is not None:
+            error = self.engine.error
+            return "dead", f"the engine stopped: {type(error).__name__}: {error}"
+        if not self.engine.healthy:
+            return "dead", "the engine is not running (the server is shutting down)"
+        return "ready", None
 
     async def wait_loaded(self) -> None:
         if self._load_task is not None:

@@ -4,6 +4,7 @@ the engine thread, and the engine's tokenizer (busy detokenizing on the engine t
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
@@ -28,9 +29,12 @@ class TokenizerWorker:
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self._call(self.tokenizer.encode, text, add_special_tokens)
 
-    async def chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    async def chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                   tools: list[dict] | None = None) -> list[int]:
+        kwargs = {"tools": tools} if tools else {}  # the chat template renders the tools where it knows how
         try:
-            return await self._call(self.tokenizer.apply_chat_template, messages, add_generation_prompt)
+            return await self._call(functools.partial(self.tokenizer.apply_chat_template, **kwargs), messages,
+                                    add_generation_prompt)
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from None
         except Exception as e:  # a template may raise anything on messages it does not expect (jinja errors)

@@ -1,0 +1,163 @@
+"""OpenAI tool calling on chat completions: the request's `tools` and `tool_choice`, the constraint that makes a
+required or named call valid JSON for its function's schema, and the parsers that find calls in a model's own format
+when the model chooses (`tool_choice: "auto"`, with `--tool-call-parser`).
+
+- `required`: the output is a JSON array of `{"name", "arguments"}` objects, each name one of the tools and its
+  arguments valid against that tool's `parameters` (one item without `parallel_tool_calls`).
+- a named function: the output is that function's arguments, valid against its schema.
+- `auto`: the output is free; the parser reads calls out of it (`hermes`: `<tool_call>{"name", "arguments"}
+  </tool_call>` blocks, as Hermes and Qwen chat templates ask for; `llama3_json`: a JSON object `{"name",
+  "parameters"}` (or several separated by `;`), optionally after `<|python_tag|>`, as Llama 3.1's template asks for).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from jserve.server.protocol import bad_request
+
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"call_{uuid.uuid4().hex[:24]}"
+
+    def body(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass
+class ToolRequest:
+    tools: list[dict]  # the request's tools, as sent ({"type": "function", "function": {...}})
+    choice: str  # "auto" | "required" | a function's name
+    parallel: bool
+    parser: str | None  # the server's --tool-call-parser (what "auto" reads calls with)
+
+    @property
+    def functions(self) -> dict[str, dict]:
+        return {t["function"]["name"]: t["function"] for t in self.tools}
+
+    def constraint(self) -> dict | None:
+        """structured_outputs for the choice (None for auto: the model writes freely)."""
+        if self.choice == "auto":
+            return None
+        if self.choice != "required":
+            return {"json": _parameters(self.functions[self.choice])}
+        items = {"anyOf": [{"type": "object", "properties": {"name": {"const": name},
+                                                               "arguments": _parameters(fn)},
+                            "required": ["name", "arguments"], "additionalProperties": False}
+                           for name, fn in self.functions.items()]}
+        return {"json": {"type": "array", "items": items, "minItems": 1, **({} if self.parallel else {"maxItems": 1})}}
+
+    def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(the message content left, the calls) of a finished output."""
+        if self.choice == "required":
+            try:
+                items = json.loads(text)
+            except ValueError:
+                return text, []  # cut short by max_tokens: no complete call
+            return None, [ToolCall(item["name"], json.dumps(item["arguments"])) for item in items]
+        if self.choice != "auto":
+            return None, [ToolCall(self.choice, text)]
+        if self.parser == "hermes":
+            return _parse_hermes(text, self.functions)
+        return _parse_llama3_json(text, self.functions)
+
+
+def _parameters(function: dict) -> dict:
+    return function.get("parameters") or {"type": "object", "properties": {}}
+
+
+def parse_tool_request(body: dict, parser: str | None) -> ToolRequest | None:
+    """The request's tools, checked (400s naming the field); None when it has none or tool_choice is "none"."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none"):
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        return None
+    if not isinstance(tools, list) or not all(_is_function_tool(t) for t in tools):
+        raise bad_request('tools must be a list of {"type": "function", "function": {"name", "description", '
+                          '"parameters"}} with names of letters, digits, _ and - (at most 64)', "tools")
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise bad_request("tools must have distinct function names", "tools")
+    choice = "auto" if choice is None else choice
+    if choice == "none":
+        return None
+    if isinstance(choice, dict):
+        function = choice.get("function") if choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or name not in names:
+            raise bad_request(f"tool_choice names a function that is not among the tools: {name!r}"[:300],
+                              "tool_choice")
+        choice = name
+    elif choice not in ("auto", "required"):
+        raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                          '{"name": ...}}', "tool_choice")
+    if choice == "auto" and parser is None:
+        raise bad_request('tool_choice "auto" needs the server started with --tool-call-parser (hermes or '
+                          'llama3_json); "required" and a named function work without one', "tool_choice")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise bad_request("parallel_tool_calls must be a boolean", "parallel_tool_calls")
+    return ToolRequest(tools, choice, parallel, parser)
+
+
+def _is_function_tool(tool: Any) -> bool:
+    fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+    return isinstance(fn, dict) and isinstance(fn.get("name"), str) and bool(_NAME.match(fn["name"])) and \
+        isinstance(fn.get("parameters", {}), dict)
+
+
+def _call(obj: Any, functions: dict[str, dict], arguments_key: str) -> ToolCall | None:
+    if not isinstance(obj, dict) or obj.get("name") not in functions:
+        return None
+    arguments = obj.get(arguments_key, obj.get("arguments", {}))
+    return ToolCall(obj["name"], arguments if isinstance(arguments, str) else json.dumps(arguments))
+
+
+def _parse_hermes(text: str, functions: dict[str, dict]) -> tuple[str | None, list[ToolCall]]:
+    calls = []
+    for block in _HERMES.findall(text):
+        try:
+            call = _call(json.loads(block), functions, "arguments")
+        except ValueError:
+            call = None
+        if call is None:
+            return text, []  # a malformed block: the text is returned as it is
+        calls.append(call)
+    if not calls:
+        return text, []
+    content = _HERMES.sub("", text).strip()
+    return content or None, calls
+
+
+def _parse_llama3_json(text: str, functions: dict[str, dict]) -> tuple[str | None, list[ToolCall]]:
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    if not body.startswith("{"):
+        return text, []
+    decoder, calls, pos = json.JSONDecoder(), [], 0
+    while pos < len(body):  # objects one after another, separated by ";" (and whitespace)
+        try:
+            obj, pos = decoder.raw_decode(body, pos)
+        except ValueError:
+            return text, []
+        call = _call(obj, functions, "parameters")
+        if call is None:
+            return text, []
+        calls.append(call)
+        while pos < len(body) and body[pos] in "; \t\n":
+            pos += 1
+    return None, calls

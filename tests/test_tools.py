@@ -1,0 +1,150 @@
+"""OpenAI tool calling through the official `openai` client against a live server on the demo model: `required` and
+named tool choices give calls whose arguments validate against the function's schema (jsonschema), streamed deltas
+reassemble to the non-streamed message, tool results go back into the conversation; the `auto` parsers read the
+Hermes and Llama 3 formats."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+from server_helpers import TEST_ENGINE_ARGS, ServerThread
+
+from checkpoints import DEMO_MODEL_DIR
+from jserve.config import EngineConfig
+from jserve.server.settings import ServerSettings
+from jserve.server.tools import ToolRequest
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": -999, "maximum": 999},
+                                        "b": {"type": "integer", "minimum": -999, "maximum": 999}},
+       "required": ["a", "b"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": ADD}}]
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    config = EngineConfig(model=str(DEMO_MODEL_DIR), **TEST_ENGINE_ARGS)
+    srv = ServerThread(config, ServerSettings(tool_call_parser="hermes")).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def reassemble(stream) -> tuple[str | None, list[dict], str | None]:
+    """A streamed chat choice as (content, tool_calls, finish_reason), joining deltas as the OpenAI docs describe."""
+    content, calls, finish = None, {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            delta = choice.delta
+            if delta.content:
+                content = (content or "") + delta.content
+            for call in delta.tool_calls or []:
+                entry = calls.setdefault(call.index, {"id": None, "name": "", "arguments": ""})
+                entry["id"] = call.id or entry["id"]
+                entry["name"] += call.function.name or ""
+                entry["arguments"] += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_tool_choice_gives_valid_calls_streamed_and_not(client, server, parallel):
+    model = server.state.model_name
+    for seed in range(5):
+        kwargs = dict(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required", temperature=1.0,
+                      seed=seed, max_tokens=150, parallel_tool_calls=parallel)
+        reply = client.chat.completions.create(**kwargs)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        calls = choice.message.tool_calls
+        assert calls and (parallel or len(calls) == 1)
+        for call in calls:
+            assert call.type == "function" and call.id.startswith("call_")
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        content, streamed, finish = reassemble(client.chat.completions.create(**kwargs, stream=True))
+        assert finish == "tool_calls" and content is None
+        assert [(c["name"], c["arguments"]) for c in streamed] == \
+            [(c.function.name, c.function.arguments) for c in calls]
+
+
+def test_a_named_function_is_called_with_valid_arguments(client, server):
+    model = server.state.model_name
+    choice = {"type": "function", "function": {"name": "add"}}
+    for seed in range(5):
+        reply = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, tool_choice=choice,
+                                               temperature=1.0, seed=seed, max_tokens=60)
+        message = reply.choices[0].message
+        assert reply.choices[0].finish_reason == "stop" and message.content is None
+        (call,) = message.tool_calls
+        assert call.function.name == "add"
+        jsonschema.validate(json.loads(call.function.arguments), ADD)
+
+
+def test_tool_results_go_back_into_the_conversation(client, server):
+    model = server.state.model_name
+    first = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                           temperature=0, max_tokens=150)
+    call = first.choices[0].message.tool_calls[0]
+    messages = [*MESSAGES, first.choices[0].message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
+    reply = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice="none",
+                                           temperature=0, max_tokens=8)
+    assert reply.choices[0].message.tool_calls is None and reply.choices[0].message.content is not None
+
+
+def test_auto_returns_text_when_the_model_writes_no_call(client, server):
+    reply = client.chat.completions.create(model=server.state.model_name, messages=MESSAGES, tools=TOOLS,
+                                           temperature=0, max_tokens=12)
+    choice = reply.choices[0]
+    assert choice.message.tool_calls is None and choice.message.content and choice.finish_reason == "length"
+
+
+@pytest.mark.parametrize(("kwargs", "param"), [
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+    (dict(tools=TOOLS, tool_choice="sometimes"), "tool_choice"),
+    (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools"),
+    (dict(tools=TOOLS + TOOLS[:1]), "tools"),
+    (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),
+])
+def test_bad_tool_requests_are_400s(client, server, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=server.state.model_name, messages=MESSAGES, max_tokens=4, **kwargs)
+    assert info.value.body["param"] == param
+
+
+def tool_request(choice: str = "auto", parser: str | None = "hermes") -> ToolRequest:
+    return ToolRequest(TOOLS, choice, True, parser)
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), [
+    ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+               '"celsius"}}\n</tool_call>', "Let me check.", [("get_weather", {"city": "Paris", "unit": "celsius"})]),
+    ("hermes", '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n<tool_call>{"name": "add", '
+               '"arguments": {"a": 3, "b": 4}}</tool_call>', None,
+     [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]),
+    ("hermes", "No tools needed; it is sunny.", "No tools needed; it is sunny.", []),
+    ("hermes", '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>',
+     '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>', []),
+    ("llama3_json", '{"name": "add", "parameters": {"a": 1, "b": 2}}', None, [("add", {"a": 1, "b": 2})]),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "a;b", "unit": "celsius"}}; '
+                    '{"name": "add", "parameters": {"a": 5, "b": 6}}', None,
+     [("get_weather", {"city": "a;b", "unit": "celsius"}), ("add", {"a": 5, "b": 6})]),
+    ("llama3_json", "The answer is 3.", "The answer is 3.", []),
+])
+def test_auto_parsers_read_the_model_formats(parser, text, content, calls):
+    got_content, got = tool_request(parser=parser).calls(text)
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
