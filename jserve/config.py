@@ -16,6 +16,7 @@ LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights of config.json's shape
 # See pallas_kernels/interface.py (ENGINE_BACKENDS).
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "pallas", "pallas-interpret", "pallas-interpret-gpu")
 EXECUTORS = ("auto", "xla", "cpu-layers")  # what runs the model (jserve.executors)
+QUANTIZATIONS = ("int8", "fp8")  # weight-only quantization schemes (jserve.models.quantization)
 
 
 # The model path or its files (config.json, the tokenizer, the weights) cannot be used; the message says which file
@@ -242,6 +243,9 @@ class EngineConfig:
         "pallas-interpret-gpu" (the GPU's Triton kernel interpreted: the engine as it runs on a GPU, on any host).
       load_format: "auto" (the checkpoint's safetensors) | "dummy" (random weights of config.json's shape, drawn on
         the devices: benchmarks and checks of real-sized models without their weights; vLLM's name).
+      quantization: None (weights in `dtype`) | "int8" (the decoder layers' projection matrices quantized at load
+        to int8 with one float32 scale per output channel, dequantized inside each matmul; the XLA executor runs
+        it) | "fp8" (float8_e4m3fn weights the same way; GPU only).
       tokenizer: tokenizer directory (or GGUF file) when it differs from `model`.
       tensor_parallel_size: devices a model is split over (1 = no sharding); the mesh's `model` axis.
       data_parallel_size: independent model replicas (each on tensor_parallel_size devices, with its own KV cache
@@ -269,6 +273,7 @@ class EngineConfig:
     executor: str = "auto"
     attention_backend: str = "auto"
     load_format: str = "auto"
+    quantization: str | None = None
     tokenizer: str | None = None
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -298,6 +303,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -19,7 +19,15 @@ from checkpoints.safetensors_loader import ParamSource, load_state
 from jserve.config import LOAD_FORMATS, ModelConfig, ModelLoadError
 from jserve.gguf_loading import find_gguf, gguf_model_config, load_gguf_state
 from jserve.models import model_class
+from jserve.models.quantization import (
+    compressed_tensors_format,
+    load_compressed_tensors_state,
+    quantize_model,
+    quantize_rows,
+    scale_path,
+)
 from jserve.models.sharded_config import shard_model_config
+from jserve.orbax_io import is_orbax_checkpoint, read_checkpoint, restore_state
 from sharding import MODEL_AXIS, logical_sharding
 
 Place = Callable[[tuple, ParamSource], jax.Array]  # (parameter path, its source) -> the array the model holds
@@ -54,13 +62,17 @@ def resolve_model_path(model: str) -> Path:
 
 
 def model_config(model_path: str | Path) -> ModelConfig:
-    """The ModelConfig of a checkpoint directory (its config.json) or of a GGUF file (its metadata)."""
+    """The ModelConfig of a checkpoint directory (its config.json), of a GGUF file (its metadata) or of a directory
+    jserve convert wrote (its marker)."""
+    if is_orbax_checkpoint(model_path):
+        return read_checkpoint(model_path).config
     gguf_file = find_gguf(model_path)
     return gguf_model_config(gguf_file) if gguf_file is not None else ModelConfig.from_pretrained(model_path)
 
 
 def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend: str = "reference",
-               mesh: Mesh | None = None, load_format: str = "auto", place: Place | None = None) -> LoadedModel:
+               mesh: Mesh | None = None, load_format: str = "auto", place: Place | None = None,
+               quantization: str | None = None) -> LoadedModel:
     """model_dir: a Hugging Face checkpoint directory, a GGUF file, or a directory holding one GGUF file (and no
     safetensors; jserve.gguf_loading).
 
@@ -75,20 +87,52 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
 
     place: where an executor keeps its parameters its own way (the CPU layer executor packs and stacks them in host
     memory), the function that turns each parameter's source into the array the state holds; unsharded only.
+
+    quantization: "int8" / "fp8" quantizes the decoder layers' projection matrices as they are read
+    (jserve.models.quantization): each is read whole on the host, quantized per output row and placed with its scales.
     """
-    gguf_file = find_gguf(model_dir)
-    config = gguf_model_config(gguf_file) if gguf_file is not None else ModelConfig.from_pretrained(model_dir)
+    orbax = read_checkpoint(model_dir) if is_orbax_checkpoint(model_dir) else None  # jserve convert's output
+    gguf_file = None if orbax is not None else find_gguf(model_dir)
+    config = orbax.config if orbax is not None else model_config(gguf_file or model_dir)
+    # A compressed-tensors W8A16 checkpoint loads its int8 weights and scales as they are.
+    prequantized = None if orbax is not None or gguf_file is not None else compressed_tensors_format(model_dir)
+    if prequantized is not None and load_format == "auto":
+        if quantization not in (None, "int8"):
+            raise ValueError(f"{model_dir} holds int8 weights (compressed-tensors); quantization {quantization!r} "
+                             "does not apply to them")
+        quantization = "int8"
     if mesh is not None:
         if place is not None:
             raise ValueError("load_model: a custom placement is for unsharded models only")
         config = shard_model_config(config, mesh.shape[MODEL_AXIS])
     abstract = nnx.eval_shape(lambda: model_class(config)(config, jnp.dtype(dtype), attention_backend))
+    quantized = set()
+    if quantization is not None:
+        if place is not None:
+            raise ValueError("load_model: quantization is for the XLA executor's placement only")
+        quantized = set(quantize_model(abstract, quantization))
     graphdef, state = nnx.split(abstract)
     pure = nnx.to_pure_dict(state)
-    shapes = {path: (leaf.shape, np.dtype(leaf.dtype)) for path, leaf in _flatten(pure)}
+    # A quantized weight is read from the checkpoint in `dtype`; its scale is made from it, not read.
+    scales = {scale_path(path) for path in quantized}
+    read_as = np.dtype(np.int8) if prequantized is not None else np.dtype(dtype)
+    shapes = {path: (leaf.shape, read_as if path in quantized else np.dtype(leaf.dtype))
+              for path, leaf in _flatten(pure) if path not in scales}
     axes = {tuple(path): var.get_metadata().get("logical_axes") for path, var in nnx.to_flat_state(state)}
+    placed_scales: dict[tuple, jax.Array] = {}
+
+    def place_array(path: tuple, array: np.ndarray) -> jax.Array:
+        if mesh is None:
+            return jax.device_put(array)
+        return place_sharded(DummySource(array), logical_sharding(mesh, axes[path], array.shape))
+
+    def place_quantized(path: tuple, q: np.ndarray, scale: np.ndarray) -> jax.Array:
+        placed_scales[scale_path(path)] = place_array(scale_path(path), scale)
+        return place_array(path, q)
 
     def place_one(path: tuple, source: ParamSource) -> jax.Array:
+        if path in quantized:
+            return place_quantized(path, *quantize_rows(np.asarray(source.read()), quantization))
         if place is not None:
             return place(path, source)
         if mesh is None:
@@ -96,13 +140,20 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
         return place_sharded(source, logical_sharding(mesh, axes[path], source.shape))
 
     if load_format == "dummy":
-        placed = _dummy_state(shapes, axes, mesh, place_one, through_host=place is not None)
+        placed = _dummy_state(shapes, axes, mesh, place_one, through_host=place is not None or bool(quantized))
+    elif load_format == "auto" and orbax is not None:
+        # restored where they live; through place_one only where a parameter is packed or quantized from the host
+        placed = restore_state(orbax, dtype, shapes, axes, mesh, config,
+                               place_one if place is not None or quantized else None)
     elif load_format == "auto" and gguf_file is not None:
         placed = load_gguf_state(gguf_file, config, shapes, place_one)
+    elif load_format == "auto" and prequantized is not None:
+        placed = load_compressed_tensors_state(model_dir, config, shapes, quantized, place_one, place_quantized)
     elif load_format == "auto":
         placed = load_state(model_dir, config, shapes, place_one)
     else:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    placed.update(placed_scales)
     for path, array in placed.items():
         _assign(pure, path, array)
     nnx.replace_by_pure_dict(state, pure)

@@ -35,9 +35,10 @@ JSERVE_LAYERS = [
     # the Flax models and their shape under tensor parallelism; what a step carries: a sequence and its scheduled
     # chunk, the packed host arrays, the jitted sampler
     ["jserve.models", "jserve.engine.sequence", "jserve.engine.packing", "jserve.engine.sampler"],
-    # what builds and runs a model: the checkpoint loader (and its GGUF names and config), the executors, the
-    # multi-host executor
-    ["jserve.loading", "jserve.gguf_loading", "jserve.executors", "jserve.distributed"],
+    # what builds and runs a model: the checkpoint loader (and its GGUF names and config, its Orbax checkpoints and
+    # their writer), the executors, the multi-host executor
+    ["jserve.loading", "jserve.gguf_loading", "jserve.orbax_io", "jserve.convert", "jserve.executors",
+     "jserve.distributed"],
     # the engine: scheduler, KV blocks, output processing, the step, data parallelism
     ["jserve.engine"],
     # the Python API and batch jobs; `jserve` re-exports the API (LLM lazily)

@@ -36,6 +36,7 @@ from jserve.executors.base import STOP_IDS_WIDTH, no_stop_ids
 from jserve.executors.cpu_layers import MAX_BLOCK_SIZE as CPU_MAX_BLOCK_SIZE
 from jserve.executors.xla import kv_bytes_per_block
 from jserve.loading import resolve_model_path
+from jserve.models.quantization import compressed_tensors_format, resident_bytes
 from jserve.outputs import RequestOutput
 from jserve.sampling_params import InvalidParameterError, SamplingParams
 from jserve.tokenizer import Tokenizer, load_tokenizer
@@ -119,8 +120,11 @@ class LLMEngine:
         if config.num_processes > 1 and self.mesh.size != jax.device_count():
             raise ValueError(f"multi-host: tensor_parallel_size must cover every process's devices "
                              f"({jax.device_count()} in all), got {config.tensor_parallel_size}")
+        # a compressed-tensors checkpoint's int8 weights need the executor int8 does
+        prequantized = "int8" if config.load_format == "auto" and compressed_tensors_format(model_dir) else None
+        quantization = config.quantization or prequantized
         executor_class, attention, why = choose_executor(config.executor, config.attention_backend,
-                                                         sharded=self.mesh is not None)
+                                                         sharded=self.mesh is not None, quantization=quantization)
         if config.num_processes > 1:  # every process runs the leader's steps
             if executor_class.name != "xla":
                 raise ValueError("multi-host serving runs the XLA executor (executor 'xla' or 'auto')")
@@ -130,8 +134,12 @@ class LLMEngine:
                              f"{executor_class.name!r}, attention 'cpu'): block_size must be in [1, "
                              f"{CPU_MAX_BLOCK_SIZE}]; or choose --attention-backend reference")
         logger.info("executor %s (%s), attention %s", executor_class.name, why, attention)
+        quantized = {"quantization": quantization} if quantization else {}  # XLA executors only
         model = executor_class.load(model_dir, dtype=config.dtype, attention_backend=attention, mesh=self.mesh,
-                                    load_format=config.load_format)
+                                    load_format=config.load_format, **quantized)
+        if executor_class.name != "cpu-layers":  # that one packs its matrices outside the state
+            logger.info("resident weight bytes %d (dtype %s, quantization %s)", resident_bytes(model.state),
+                        config.dtype, quantization or "none")
         self.model_config = model.config
         self.max_model_len = self._max_model_len()
         num_blocks = self._num_kv_blocks()

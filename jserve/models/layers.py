@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from jserve.config import ModelConfig
+from jserve.models.quantization import quantized_matmul
 from pallas_kernels.reference import dot_precision
 
 
@@ -54,13 +55,22 @@ def split_fused(y: jax.Array, sizes: tuple[int, ...], blocks: int) -> list[jax.A
 
 
 class Linear(nnx.Module):
+    quantizable = True  # jserve.models.quantization.quantize_model turns it into an int8 / fp8 matmul
+
     def __init__(self, in_features: int, out_features: int, *, dtype: jnp.dtype, axes: tuple[str, str],
                  bias: bool = False):
         self.weight = param((out_features, in_features), dtype, axes)
         self.bias = param((out_features,), jnp.float32, axes[:1]) if bias else None
+        # Set by jserve.models.quantization on a quantized Linear: per-output-row float32 scales of an int8 / fp8
+        # weight, and the float dtype the weight is converted to inside the dot.
+        self.scale: nnx.Param | None = nnx.data(None)
+        self.compute_dtype = jnp.dtype(dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = matmul(x, self.weight[...])
+        if self.scale is not None:
+            y = quantized_matmul(x, self.weight[...], self.scale[...], self.compute_dtype)
+        else:
+            y = matmul(x, self.weight[...])
         return y if self.bias is None else y + self.bias[...]
 
 
