@@ -103,6 +103,21 @@ def _quantized_paths(model: LoadedModel) -> list[tuple]:
     return [path for path, _ in nnx.to_flat_state(model.state) if path[-1] == "weight" and path[-2] in PROJECTIONS]
 
 
+def _dequantized_float_model(quantized: LoadedModel, model_dir) -> LoadedModel:
+    """The float32 model of model_dir with each quantized projection replaced by NumPy's q * scale of it."""
+    qstate = dict(nnx.to_flat_state(quantized.state))
+    reference = load_model(model_dir, "float32")
+    pure = nnx.to_pure_dict(reference.state)
+    for path in _quantized_paths(quantized):
+        node = pure
+        for key in path[:-1]:
+            node = node[key]
+        node["weight"] = jnp.asarray(dequantize_rows(np.asarray(qstate[path][...]),
+                                                     np.asarray(qstate[(*path[:-1], "scale")][...])))
+    nnx.replace_by_pure_dict(reference.state, pure)
+    return reference
+
+
 def test_loaded_weights_are_the_checkpoint_quantized_per_row(hf_model_dir):
     model_dir = hf_model_dir("llama")
     model = load_model(model_dir, "float32", quantization="int8")
@@ -133,16 +148,7 @@ def test_loaded_weights_are_the_checkpoint_quantized_per_row(hf_model_dir):
 def test_int8_logits_match_float_model_with_dequantized_weights(hf_model_dir, variant):
     model_dir = hf_model_dir(variant)
     quantized = load_model(model_dir, "float32", quantization="int8")
-    reference = load_model(model_dir, "float32")
-    qstate = dict(nnx.to_flat_state(quantized.state))
-    pure = nnx.to_pure_dict(reference.state)
-    for path in _quantized_paths(quantized):
-        node = pure
-        for key in path[:-1]:
-            node = node[key]
-        node["weight"] = jnp.asarray(dequantize_rows(np.asarray(qstate[path][...]),
-                                                     np.asarray(qstate[(*path[:-1], "scale")][...])))
-    nnx.replace_by_pure_dict(reference.state, pure)
+    reference = _dequantized_float_model(quantized, model_dir)
     got = _prefill_then_decode_logits(_runner(quantized))
     want = _prefill_then_decode_logits(_runner(reference))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
@@ -320,15 +326,7 @@ def test_compressed_tensors_w8a16_checkpoint_loads_its_int8_weights(hf_model_dir
             np.testing.assert_array_equal(q, ref_q)
             np.testing.assert_array_equal(scale, ref_scale)
     # logits: the float model holding the dequantized weights (NumPy: q * scale)
-    reference = load_model(src, "float32")
-    pure = nnx.to_pure_dict(reference.state)
-    for path in _quantized_paths(model):
-        node = pure
-        for key in path[:-1]:
-            node = node[key]
-        node["weight"] = jnp.asarray(dequantize_rows(np.asarray(state[path][...]),
-                                                     np.asarray(state[(*path[:-1], "scale")][...])))
-    nnx.replace_by_pure_dict(reference.state, pure)
+    reference = _dequantized_float_model(model, src)
     np.testing.assert_allclose(_prefill_then_decode_logits(_runner(model)),
                                _prefill_then_decode_logits(_runner(reference)), rtol=1e-4, atol=1e-4)
 
