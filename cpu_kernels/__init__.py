@@ -340,15 +340,22 @@ def argmax(x: jax.Array) -> jax.Array:
 
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                            query_start: jax.Array, seq_lens: jax.Array, *, scale: float,
-                           sliding_window: int | None = None, soft_cap: float | None = None) -> jax.Array:
-    """The spec of pallas_kernels.interface.ragged_paged_attention; K/V float32, bfloat16 or uint16 bf16 bits.
-    Pages are read in place: only the pages each sequence uses, never a gathered copy."""
+                           sliding_window: int | None = None, soft_cap: float | None = None,
+                           k_scales: jax.Array | None = None, v_scales: jax.Array | None = None) -> jax.Array:
+    """The spec of pallas_kernels.interface.ragged_paged_attention; K/V float32, bfloat16, uint16 bf16 bits, or
+    int8 with k_scales / v_scales (float32 [N, B, Hkv]: each (token, KV head) row's value = int8 * scale; the kernel
+    widens and scales a row in registers as it reads it). Pages are read in place: only the pages each sequence
+    uses, never a gathered copy."""
     _require()
+    if (k_pages.dtype == jnp.int8) != (k_scales is not None) or (k_scales is None) != (v_scales is None):
+        raise ValueError("ragged_paged_attention: int8 pages take k_scales and v_scales, other pages none")
+    no_scales = jnp.zeros((0,), jnp.float32)
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return jax.ffi.ffi_call("jserve_paged_attention", out)(
         q.astype(jnp.float32), k_pages, v_pages, page_table.astype(jnp.int32), query_start.astype(jnp.int32),
-        seq_lens.astype(jnp.int32), scale=np.float32(scale), sliding_window=np.int64(sliding_window or 0),
-        soft_cap=np.float32(soft_cap or 0.0))
+        seq_lens.astype(jnp.int32), no_scales if k_scales is None else k_scales,
+        no_scales if v_scales is None else v_scales, scale=np.float32(scale),
+        sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0))
 
 
 class PartLayout(NamedTuple):
@@ -421,8 +428,8 @@ def decoder_layers(x: jax.Array, layers: Sequence[LayerWeights] | LayerWeights,
                    positions: jax.Array, slot_mapping: jax.Array, page_table: jax.Array, query_start: jax.Array,
                    seq_lens: jax.Array, inv_freq: np.ndarray, num_heads: int, eps: float, scale: float,
                    sliding_window: int | None = None, soft_cap: float | None = None,
-                   intermediate_size: int | None = None
-                   ) -> tuple[jax.Array, list[jax.Array] | jax.Array, list[jax.Array] | jax.Array]:
+                   intermediate_size: int | None = None, k_scales: Sequence[jax.Array] | jax.Array | None = None,
+                   v_scales: Sequence[jax.Array] | jax.Array | None = None) -> tuple:
     """Llama-family decoder layers, one after another, over a ragged batch in one kernel call
     -> (x_out, k_pages, v_pages), the pages in the form given: a list per layer, or stacked, one
     [L, num_pages, page_size, num_kv_heads, head_dim] array each.
@@ -434,7 +441,10 @@ def decoder_layers(x: jax.Array, layers: Sequence[LayerWeights] | LayerWeights,
     the pages come back updated in place (aliased: inside a jitted step with a donated cache nothing is copied).
     The batch arrays follow pallas_kernels.interface; every layer's matmul weights are all float32, all bfloat16, or
     all packed by pack_weight, with the same shapes in every layer; stacked, they may lie in per-thread parts
-    (LayerWeights.matrix_parts), which need `intermediate_size`."""
+    (LayerWeights.matrix_parts), which need `intermediate_size`.
+    int8 pages come with k_scales and v_scales in the same form (float32, the pages' shape without head_dim: one
+    scale per (token, KV head) row); each new row is quantized as it is written (max|row| / 127) and read widened and
+    scaled in registers. Then the result is (x_out, k_pages, v_pages, k_scales, v_scales)."""
     _require()
     stacked_weights = isinstance(layers, LayerWeights)
     in_parts = stacked_weights and layers.matrix_parts is not None
@@ -447,6 +457,11 @@ def decoder_layers(x: jax.Array, layers: Sequence[LayerWeights] | LayerWeights,
     num_layers = layers.input_norm.shape[0] if stacked_weights else len(layers)
     stacked = isinstance(k_pages, jax.Array | np.ndarray)
     kv_arrays = [k_pages, v_pages] if stacked else [*k_pages, *v_pages]
+    int8 = (k_pages if stacked else k_pages[0]).dtype == jnp.int8
+    if int8 != (k_scales is not None) or (k_scales is None) != (v_scales is None):
+        raise ValueError("decoder_layers: int8 pages take k_scales and v_scales, other pages none")
+    if int8:
+        kv_arrays += [k_scales, v_scales] if stacked else [*k_scales, *v_scales]
     num_kv = k_pages.shape[0] if stacked and k_pages.ndim == 5 else (-1 if stacked else len(k_pages))
     if num_layers == 0 or num_kv != num_layers or stacked != isinstance(v_pages, jax.Array | np.ndarray) or \
             (not stacked and len(v_pages) != num_layers) or (stacked and v_pages.shape != k_pages.shape):
@@ -486,6 +501,6 @@ def decoder_layers(x: jax.Array, layers: Sequence[LayerWeights] | LayerWeights,
         sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0),
         weight_parts=np.int64(layers.qkv.shape[0] if in_parts else 0),
         intermediate_size=np.int64(intermediate_size if in_parts else 0))
-    if stacked:
-        return x_out, pages[0], pages[1]
-    return x_out, pages[:num_layers], pages[num_layers:]
+    n = 1 if stacked else num_layers
+    groups = [pages[i * n] if stacked else pages[i * n: (i + 1) * n] for i in range(len(pages) // n)]
+    return (x_out, *groups)

@@ -301,8 +301,9 @@ ffi::Error AttentionShapes(AttentionArgs& a, int64_t num_heads, int64_t head_dim
   }
   if (k_type != v_type) return ffi::Error::InvalidArgument("jserve: k_pages and v_pages differ in dtype");
   a.kv_bf16 = IsBf16Bits(k_type);
-  if (!a.kv_bf16 && k_type != ffi::DataType::F32) {
-    return ffi::Error::InvalidArgument("jserve: the KV cache must be float32 or bfloat16");
+  a.kv_int8 = k_type == ffi::DataType::S8;
+  if (!a.kv_bf16 && !a.kv_int8 && k_type != ffi::DataType::F32) {
+    return ffi::Error::InvalidArgument("jserve: the KV cache must be float32, bfloat16 or int8");
   }
   a.num_heads = num_heads;
   a.head_dim = head_dim;
@@ -354,6 +355,7 @@ std::array<Phase, 2> AttentionPhases(const AttentionArgs& a, const AttentionPlan
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
                               ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> page_table,
                               ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> seq_lens,
+                              ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales,
                               ffi::ResultBuffer<ffi::F32> out, float scale, int64_t sliding_window, float soft_cap) {
   CallClock call_clock(kAttentionCall);
   const auto q_dims = q.dimensions();
@@ -362,6 +364,16 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   ffi::Error shapes = AttentionShapes(a, q_dims[1], q_dims[2], k_pages.dimensions(), page_table.dimensions(),
                                       k_pages.element_type(), v_pages.element_type());
   if (shapes.failure()) return shapes;
+  if (a.kv_int8) {  // one scale per (token, KV head) row of each cache: [N, B, Hkv]
+    const auto kv_dims = k_pages.dimensions();
+    const int64_t rows = kv_dims[0] * kv_dims[1] * kv_dims[2];
+    if (static_cast<int64_t>(k_scales.element_count()) != rows ||
+        static_cast<int64_t>(v_scales.element_count()) != rows) {
+      return ffi::Error::InvalidArgument("jserve_paged_attention: an int8 cache needs scales[N, B, Hkv]");
+    }
+    a.k_scales = k_scales.typed_data();
+    a.v_scales = v_scales.typed_data();
+  }
   a.q = q.typed_data();
   a.q_stride = q_dims[1] * q_dims[2];
   a.k_pages = k_pages.untyped_data();

@@ -21,6 +21,9 @@ struct AttentionArgs {
   const void* k_pages;         // [N, B, Hkv, D]
   const void* v_pages;
   bool kv_bf16;
+  bool kv_int8 = false;        // int8 values, each (token, KV head) row times its scale:
+  const float* k_scales = nullptr;  // [N, B, Hkv] (kv_int8 only)
+  const float* v_scales = nullptr;
   const int32_t* page_table;   // [S, P]
   const int32_t* query_start;  // [S + 1]
   const int32_t* seq_lens;     // [S]
@@ -47,10 +50,26 @@ struct MergeItem {
   int64_t first, count;
 };
 
-// One page-row of K or V for one KV head, as float32 (widened into `scratch` for a bf16 cache).
+// An int8 row times its scale, widened into `scratch`: 8 values a register, from bytes to float32 in registers.
+inline const float* Int8Row(const int8_t* row, float scale, int64_t d_size, float* scratch) {
+  const __m256 s = _mm256_set1_ps(scale);
+  int64_t d = 0;
+  for (; d + 8 <= d_size; d += 8) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d));
+    _mm256_storeu_ps(scratch + d, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), s));
+  }
+  for (; d < d_size; ++d) scratch[d] = static_cast<float>(row[d]) * scale;
+  return scratch;
+}
+
+// One page-row of K or V for one KV head, as float32 (widened into `scratch` for a bf16 or int8 cache).
 inline const float* KvRow(const AttentionArgs& a, const void* pages, int64_t page, int64_t slot, int64_t kv_head,
                           float* scratch) {
   const int64_t offset = ((page * a.page_size + slot) * a.kv_heads + kv_head) * a.head_dim;
+  if (a.kv_int8) {
+    const float* scales = pages == a.k_pages ? a.k_scales : a.v_scales;
+    return Int8Row(static_cast<const int8_t*>(pages) + offset, scales[offset / a.head_dim], a.head_dim, scratch);
+  }
   if (!a.kv_bf16) return static_cast<const float*>(pages) + offset;
   const uint16_t* row = static_cast<const uint16_t*>(pages) + offset;
   int64_t d = 0;
@@ -67,9 +86,11 @@ inline const float* KvRow(const AttentionArgs& a, const void* pages, int64_t pag
 
 // Asks for a page's K and V ahead of their use: one KV head's rows (each its own short run of lines), or with
 // kv_head < 0 the whole page, every head (one contiguous run each for K and V).
+inline int64_t KvRowBytes(const AttentionArgs& a) { return a.head_dim * (a.kv_int8 ? 1 : a.kv_bf16 ? 2 : 4); }
+
 inline void PrefetchPage(const AttentionArgs& a, int64_t page, int64_t kv_head) {
   if (page < 0 || page >= a.num_pages) return;
-  const int64_t row_bytes = a.head_dim * (a.kv_bf16 ? 2 : 4);
+  const int64_t row_bytes = KvRowBytes(a);
   const int64_t slot_bytes = a.kv_heads * row_bytes;
   for (const void* pages : {a.k_pages, a.v_pages}) {
     const char* base = static_cast<const char*>(pages) + page * a.page_size * slot_bytes;
@@ -89,7 +110,7 @@ inline void PrefetchPage(const AttentionArgs& a, int64_t page, int64_t kv_head) 
 // loads in a loop of nothing else keep many misses in flight, where prefetches interleaved with the arithmetic keep
 // few; the lines then wait in L1/L2 for the arithmetic.
 inline void TouchPages(const AttentionArgs& a, const int32_t* pages, int64_t first, int64_t end, int64_t kv_head) {
-  const int64_t row_bytes = a.head_dim * (a.kv_bf16 ? 2 : 4);
+  const int64_t row_bytes = KvRowBytes(a);
   const int64_t slot_bytes = a.kv_heads * row_bytes;
   uint32_t sink = 0;
   for (int64_t p = first; p < end; ++p) {

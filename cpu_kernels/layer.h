@@ -108,6 +108,24 @@ void SiluMul(const float* gate, const float* up, float* out, int64_t n) {
   for (; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }
 
+// One token's K or V rows (kv_heads rows of d) quantized into an int8 cache: each head's row symmetric, with
+// scale = max|row| / 127 stored at scales[slot * kv_heads + head] (pallas_kernels/quantized.py's quantize_rows, the
+// same float32 operations, so both write the same bytes for the same row).
+void StoreKvInt8(int8_t* pages, float* scales, int64_t slot, const float* src, int64_t kv_heads, int64_t d) {
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    const float* row = src + h * d;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(row[i]));
+    const float scale = amax / 127.0f;
+    const float divisor = scale == 0.0f ? 1.0f : scale;
+    int8_t* dst = pages + (slot * kv_heads + h) * d;
+    for (int64_t i = 0; i < d; ++i) {
+      dst[i] = static_cast<int8_t>(std::clamp(std::nearbyint(row[i] / divisor), -127.0f, 127.0f));
+    }
+    scales[slot * kv_heads + h] = scale;
+  }
+}
+
 void StoreKv(void* pages, bool bf16, int64_t slot, const float* src, int64_t n) {
   if (bf16) {
     StoreRow(static_cast<uint16_t*>(pages) + slot * n, src, n);
@@ -216,7 +234,10 @@ void AppendLayerPhases(std::vector<Phase>& phases, LayerRun<W>& r, const Attenti
     RotateHeads(q, a.num_heads, d, cos, sin);
     RotateHeads(k, a.kv_heads, d, cos, sin);
     const int64_t slot = s.slots[t];
-    if (slot >= 0 && slot < a.num_pages * a.page_size) {
+    if (slot >= 0 && slot < a.num_pages * a.page_size && a.kv_int8) {
+      StoreKvInt8(static_cast<int8_t*>(run->k_pages), const_cast<float*>(a.k_scales), slot, k, a.kv_heads, d);
+      StoreKvInt8(static_cast<int8_t*>(run->v_pages), const_cast<float*>(a.v_scales), slot, v, a.kv_heads, d);
+    } else if (slot >= 0 && slot < a.num_pages * a.page_size) {
       StoreKv(run->k_pages, a.kv_bf16, slot, k, kv_size);
       StoreKv(run->v_pages, a.kv_bf16, slot, v, kv_size);
     }

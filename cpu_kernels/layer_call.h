@@ -52,6 +52,8 @@ bool SamePlan(const AttentionPlan& a, const AttentionPlan& b) {
 template <typename W>
 void KeepLayers(LayerCallCache& cache, std::vector<LayerBuffers>& buffers, const LayerShape& first,
                 ffi::RemainingRets& rets, int64_t stacked_layer_bytes, MatrixPartsOf&& parts, int64_t threads) {
+  // An int8 cache's scales follow its pages in the results: every layer's k scales, then v scales (or stacked).
+  const int64_t stacked_scale_floats = stacked_layer_bytes / cache.args.head_dim;  // int8: 1 byte a value
   const AttentionArgs& shape_args = cache.args;
   auto storage = std::make_shared<LayerStorage<W>>();
   storage->parts = std::move(parts);
@@ -73,6 +75,13 @@ void KeepLayers(LayerCallCache& cache, std::vector<LayerBuffers>& buffers, const
     }
     a.k_pages = k_pages;
     a.v_pages = v_pages;
+    if (a.kv_int8 && stacked_layer_bytes > 0) {
+      a.k_scales = static_cast<float*>((*rets.get<ffi::AnyBuffer>(2))->untyped_data()) + l * stacked_scale_floats;
+      a.v_scales = static_cast<float*>((*rets.get<ffi::AnyBuffer>(3))->untyped_data()) + l * stacked_scale_floats;
+    } else if (a.kv_int8) {
+      a.k_scales = static_cast<float*>((*rets.get<ffi::AnyBuffer>(2 * num_layers + l))->untyped_data());
+      a.v_scales = static_cast<float*>((*rets.get<ffi::AnyBuffer>(3 * num_layers + l))->untyped_data());
+    }
     layers.push_back({s, Weights<W>(buffers[l]), a, k_pages, v_pages});
     if (!storage->parts.layers.empty()) layers.back().w.parts = storage->parts.layers[l].data();
   }
@@ -158,7 +167,8 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   // The weights come per layer (12 operands a layer) or stacked (12 operands, each [L, ...]: see StackedLayerBuffers),
   // then the K/V pages, each array aliased to its result: every layer's k_pages, then every layer's v_pages, or
   // stacked, one k[L, N, B, Hkv, D] and one v. Stacked, they are 14 arrays whatever the depth (a jitted step pays
-  // its dispatch per array).
+  // its dispatch per array). An int8 cache adds its float32 scales after them, [N, B, Hkv] a layer (or stacked),
+  // k's then v's: the pages are then the first half of the K/V arrays.
   const size_t kv_arrays = rets.size();
   ffi::ErrorOr<ffi::AnyBuffer> norms = args.get<ffi::AnyBuffer>(0);
   if (norms.has_error()) return norms.error();
@@ -189,8 +199,11 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   ffi::ErrorOr<ffi::AnyBuffer> k0 = args.get<ffi::AnyBuffer>(weight_args);
   if (k0.has_error()) return k0.error();
   const auto all_kv_dims = k0->dimensions();
-  const bool stacked = kv_arrays == 2 && all_kv_dims.size() == 5;
-  if (stacked ? all_kv_dims[0] != static_cast<int64_t>(num_layers) : kv_arrays != 2 * num_layers) {
+  const bool int8 = k0->element_type() == ffi::DataType::S8;
+  const size_t page_arrays = int8 ? kv_arrays / 2 : kv_arrays;  // the rest: the scales
+  const bool stacked = page_arrays == 2 && all_kv_dims.size() == 5;
+  if ((int8 && kv_arrays % 4 != 0) ||
+      (stacked ? all_kv_dims[0] != static_cast<int64_t>(num_layers) : page_arrays != 2 * num_layers)) {
     return ffi::Error::InvalidArgument("jserve_decoder_layers: expected k/v pages for each layer (or stacked)");
   }
   const auto kv_dims = stacked ? all_kv_dims.last(4) : all_kv_dims;
@@ -233,8 +246,10 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
     if (pages.has_error()) return pages.error();
     if (out.has_error()) return out.error();
     const auto dims = pages->dimensions();
-    if (pages->element_type() != k0->element_type() ||
-        !std::equal(dims.begin(), dims.end(), all_kv_dims.begin(), all_kv_dims.end()) ||
+    const bool scales = kv >= page_arrays;  // an int8 cache's scales: the pages' shape without head_dim
+    const auto want = scales ? all_kv_dims.first(all_kv_dims.size() - 1) : all_kv_dims;
+    if (pages->element_type() != (scales ? ffi::DataType::F32 : k0->element_type()) ||
+        !std::equal(dims.begin(), dims.end(), want.begin(), want.end()) ||
         (*out)->untyped_data() != pages->untyped_data()) {
       return ffi::Error::InvalidArgument("jserve_decoder_layers: every layer's pages must match (and be aliased)");
     }
@@ -255,7 +270,7 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   const LayerShape first{real_tokens, e, i_size, eps, x.typed_data(), x_out->typed_data(),
                          slot_mapping.typed_data(), cache.rotary.data()};
   const int64_t stacked_layer_bytes =
-      stacked ? a.num_pages * a.page_size * kv_size * (a.kv_bf16 ? 2 : 4) : 0;
+      stacked ? a.num_pages * a.page_size * kv_size * (a.kv_int8 ? 1 : a.kv_bf16 ? 2 : 4) : 0;
   cache.args = a;
   if (packed && w_type == ffi::DataType::U32) {
     KeepLayers<uint32_t>(cache, buffers, first, rets, stacked_layer_bytes, std::move(parts), threads);

@@ -1,7 +1,7 @@
 """The `jserve` command. Each subcommand registers itself with `add_parser(subparsers)` and sets `run`.
 
 `generate` runs a batch job over a JSONL file; `convert` writes a checkpoint as an Orbax one (jserve.convert);
-`serve`, `bench`, `eval` live in their own modules.
+`serve`, `bench`, `eval`, `chat` live in their own modules.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 from jserve.bench.cli import add_bench_parser
-from jserve.config import SUPPORTED_DTYPES, ModelLoadError
+from jserve.chat import add_chat_parser
+from jserve.config import QUANTIZATIONS, SUPPORTED_DTYPES, ModelLoadError
 from jserve.engine_args import add_engine_args, engine_config_from_args
 from jserve.eval.cli import add_eval_parser
 from jserve.server.cli import add_serve_parser
@@ -44,19 +45,24 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> None:
     conv.add_argument("--out", required=True, help="a new or empty directory to write")
     conv.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="float32",
                       help="parameter dtype stored (and served: serve it with the same --dtype)")
+    conv.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                      help="store the decoder layers' matrices quantized, with per-row scales (served quantized "
+                           "without --quantization; docs/quantization.md)")
     conv.set_defaults(run=_run_convert)
 
 
 def _run_convert(args: argparse.Namespace) -> int:
     from jserve.convert import convert
 
-    out = convert(args.model, args.out, args.dtype)
-    print(f"wrote {out} ({args.dtype}); serve it with: jserve serve --model {out} --dtype {args.dtype}")
+    out = convert(args.model, args.out, args.dtype, args.quantization)
+    stored = args.dtype if args.quantization is None else f"{args.dtype}, {args.quantization} weights"
+    print(f"wrote {out} ({stored}); serve it with: jserve serve --model {out} --dtype {args.dtype}")
     return 0
 
 
 # Each entry adds one subcommand; the modules import nothing heavy until their command runs.
-SUBCOMMAND_PARSERS = [add_generate_parser, add_serve_parser, add_bench_parser, add_eval_parser, add_convert_parser]
+SUBCOMMAND_PARSERS = [add_generate_parser, add_serve_parser, add_bench_parser, add_eval_parser, add_convert_parser,
+                      add_chat_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,6 +17,7 @@ LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights of config.json's shape
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "pallas", "pallas-interpret", "pallas-interpret-gpu")
 EXECUTORS = ("auto", "xla", "cpu-layers")  # what runs the model (jserve.executors)
 QUANTIZATIONS = ("int8", "fp8")  # weight-only quantization schemes (jserve.models.quantization)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # see pallas_kernels/quantized.py
 
 
 # The model path or its files (config.json, the tokenizer, the weights) cannot be used; the message says which file
@@ -198,6 +199,71 @@ def _sliding_window(cfg: dict, source: str = "config.json") -> int | None:
         "use_sliding_window false")
 
 
+SPECULATIVE_METHODS = ("ngram",)  # how draft tokens are proposed (jserve.engine.speculative); "draft_model" is not yet
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (docs/speculative.md), vLLM's `speculative_config` keys.
+
+    method: "ngram" (prompt lookup: the tokens that followed the first earlier occurrence of the sequence's last
+      n-gram). num_speculative_tokens: the most draft tokens verified per step (k). prompt_lookup_min/max: the
+      shortest and longest n-gram matched (the longest that matches wins). disable_by_batch_size: no speculation in a
+      step whose running batch holds more sequences than this (None: always)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """A config from a dict or its JSON text (`--speculative-config`); ValueError naming the bad field."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict (or its JSON), got {type(value).__name__}")
+        method = value.get("method")
+        if method == "draft_model":
+            raise ValueError("speculative_config.method 'draft_model' is not supported yet (supported: "
+                             f"{SPECULATIVE_METHODS})")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS}, got {method!r}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - fields)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field {unknown[0]!r} (known: {sorted(fields)})")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config.num_speculative_tokens is required")
+        # vLLM: one lookup bound given, the other takes its value
+        low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        if low is None and high is not None:
+            low = high if _positive(high) else 1
+        if high is None and low is not None:
+            high = low if _positive(low) else 1
+        config = cls(method=method, num_speculative_tokens=value["num_speculative_tokens"],
+                     prompt_lookup_min=1 if low is None else low, prompt_lookup_max=3 if high is None else high,
+                     disable_by_batch_size=value.get("disable_by_batch_size"))
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+            field_value = getattr(config, name)
+            if (field_value is not None or name != "disable_by_batch_size") and not _positive(field_value):
+                raise ValueError(f"speculative_config.{name} must be a positive integer, got {field_value!r}")
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({config.prompt_lookup_min}) must not exceed "
+                             f"prompt_lookup_max ({config.prompt_lookup_max})")
+        return config
+
+
+def _positive(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def default_decode_burst(platform: str) -> int:
     """decode_burst where the config leaves it None: on an H200 an 8B model's batch-1 decode reaches 85% of the HBM
     roofline with bursts of 32 steps, 79% with 8 (docs/benchmarks.md); on CPU 8 keeps a newly arrived request's
@@ -246,6 +312,9 @@ class EngineConfig:
       quantization: None (weights in `dtype`) | "int8" (the decoder layers' projection matrices quantized at load
         to int8 with one float32 scale per output channel, dequantized inside each matmul; the XLA executor runs
         it) | "fp8" (float8_e4m3fn weights the same way; GPU only).
+      kv_cache_dtype: "auto" (K/V stored in `dtype`) | "int8" | "fp8" (float8_e4m3fn): K/V stored quantized with one
+        float32 scale per (token, KV head), ~1.9x the tokens in the same kv_cache_memory_bytes; int8 runs on both
+        executors, fp8 on the XLA executor only (docs/quantization.md, KV cache).
       tokenizer: tokenizer directory (or GGUF file) when it differs from `model`.
       tensor_parallel_size: devices a model is split over (1 = no sharding); the mesh's `model` axis.
       data_parallel_size: independent model replicas (each on tensor_parallel_size devices, with its own KV cache
@@ -253,6 +322,8 @@ class EngineConfig:
       coordinator_address: HOST:PORT of process 0 for multi-host serving (jax.distributed); None = one process.
       num_processes: processes in a multi-host run (one per host).
       process_id: this process's rank in a multi-host run (0 runs the scheduler and the HTTP server).
+      speculative_config: speculative decoding as vLLM's dict (or its JSON text: `--speculative-config`), e.g.
+        {"method": "ngram", "num_speculative_tokens": 4}; None: off (SpeculativeConfig, docs/speculative.md).
     """
 
     model: str | None = None
@@ -274,14 +345,17 @@ class EngineConfig:
     attention_backend: str = "auto"
     load_format: str = "auto"
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     tokenizer: str | None = None
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     coordinator_address: str | None = None
     num_processes: int = 1
     process_id: int = 0
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         optional = ("max_model_len", "kv_cache_memory_bytes", "decode_burst")  # None: from the model or device
@@ -305,6 +379,8 @@ class EngineConfig:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

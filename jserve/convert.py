@@ -20,6 +20,7 @@ from flax import nnx
 from jserve.config import SUPPORTED_DTYPES, ModelLoadError
 from jserve.gguf_loading import find_gguf
 from jserve.loading import load_model, resolve_model_path
+from jserve.models.quantization import SCHEMES
 from jserve.orbax_io import (
     FORMAT,
     FORMAT_VERSION,
@@ -39,12 +40,16 @@ _COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tok
                  "chat_template.jinja", "chat_template.json")
 
 
-def convert(model: str, out: str | Path, dtype: str = "float32") -> Path:
+def convert(model: str, out: str | Path, dtype: str = "float32", quantization: str | None = None) -> Path:
     """Write the jserve Orbax checkpoint of `model` (anything --model takes) into the new or empty directory `out`;
-    returns its path. ModelLoadError (naming the path) for a source that is already converted, an output that
-    already holds a checkpoint or anything else, or an unknown dtype."""
+    returns its path. quantization: "int8" / "fp8" stores the decoder layers' matrices quantized with their scales
+    (jserve.models.quantization), as `--quantization` would make them at every load. ModelLoadError (naming the
+    path) for a source that is already converted, an output that already holds a checkpoint or anything else, or
+    an unknown dtype or quantization."""
     if dtype not in SUPPORTED_DTYPES:
         raise ModelLoadError(f"dtype must be one of {', '.join(SUPPORTED_DTYPES)}, got {dtype!r}")
+    if quantization is not None and quantization not in SCHEMES:
+        raise ModelLoadError(f"quantization must be one of {', '.join(SCHEMES)}, got {quantization!r}")
     source = resolve_model_path(model)
     out = Path(out).expanduser()
     if is_orbax_checkpoint(source):
@@ -63,7 +68,7 @@ def convert(model: str, out: str | Path, dtype: str = "float32") -> Path:
         if any(out.iterdir()):
             raise ModelLoadError(f"{out}: not empty; convert into a new or empty directory (nothing in it is "
                                  "overwritten)")
-    loaded = load_model(source, dtype)
+    loaded = load_model(source, dtype, quantization=quantization)
     out.mkdir(parents=True, exist_ok=True)
     _save_params(loaded.state, out / PARAMS_DIR)
     gguf_file = find_gguf(source)
@@ -75,6 +80,8 @@ def convert(model: str, out: str | Path, dtype: str = "float32") -> Path:
         load_tokenizer(gguf_file).hf.save_pretrained(str(out))
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "dtype": dtype, "jserve_version": _jserve_version(),
             "source": str(gguf_file or source), "model_config": config_to_dict(loaded.config)}
+    if quantization is not None:
+        meta["quantization"] = quantization
     (out / MARKER).write_text(json.dumps(meta, indent=1) + "\n")
     return out
 

@@ -13,8 +13,9 @@ import typing
 from jserve.config import EngineConfig
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field, so the CLI, the server and the Python API share every knob."""
+def add_engine_args(parser: argparse.ArgumentParser, *, repeatable: tuple[str, ...] = ()) -> None:
+    """One flag per EngineConfig field, so the CLI, the server and the Python API share every knob. The fields named
+    in `repeatable` may be given several times (a list, None when absent): `jserve serve`'s one per --model."""
     hints = typing.get_type_hints(EngineConfig)
     group = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineConfig):
@@ -25,8 +26,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, default=default, action=argparse.BooleanOptionalAction)
         else:
             base = int if "int" in str(kind) else float if "float" in str(kind) else str
-            group.add_argument(flag, default=default, type=base, metavar=f.name.upper())
+            if f.name in repeatable:
+                group.add_argument(flag, action="append", default=None, type=base, metavar=f.name.upper(),
+                                   help="may be repeated: one per served model, in --model order")
+            else:
+                group.add_argument(flag, default=default, type=base, metavar=f.name.upper())
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
+    """The flags' EngineConfig; `overrides` replace fields (a repeatable flag's one value per model)."""
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)} | overrides)

@@ -70,6 +70,16 @@ def model_config(model_path: str | Path) -> ModelConfig:
     return gguf_model_config(gguf_file) if gguf_file is not None else ModelConfig.from_pretrained(model_path)
 
 
+def stored_quantization(model_dir: str | Path, load_format: str = "auto") -> str | None:
+    """The scheme a checkpoint's weights are stored in, which serving keeps: a compressed-tensors W8A16
+    checkpoint's "int8", a quantized jserve conversion's scheme; None for float weights or dummy ones."""
+    if load_format != "auto":
+        return None
+    if is_orbax_checkpoint(model_dir):
+        return read_checkpoint(model_dir).quantization
+    return "int8" if compressed_tensors_format(model_dir) else None
+
+
 def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend: str = "reference",
                mesh: Mesh | None = None, load_format: str = "auto", place: Place | None = None,
                quantization: str | None = None) -> LoadedModel:
@@ -101,6 +111,13 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
             raise ValueError(f"{model_dir} holds int8 weights (compressed-tensors); quantization {quantization!r} "
                              "does not apply to them")
         quantization = "int8"
+    # A conversion with --quantization holds the quantized weights and their scales: restored as they are.
+    stored_quantized = orbax is not None and orbax.quantization is not None and load_format == "auto"
+    if stored_quantized:
+        if quantization not in (None, orbax.quantization):
+            raise ValueError(f"{model_dir} holds {orbax.quantization} weights (jserve convert --quantization "
+                             f"{orbax.quantization}); quantization {quantization!r} does not apply to them")
+        quantization = orbax.quantization
     if mesh is not None:
         if place is not None:
             raise ValueError("load_model: a custom placement is for unsharded models only")
@@ -113,10 +130,11 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
         quantized = set(quantize_model(abstract, quantization))
     graphdef, state = nnx.split(abstract)
     pure = nnx.to_pure_dict(state)
-    # A quantized weight is read from the checkpoint in `dtype`; its scale is made from it, not read.
-    scales = {scale_path(path) for path in quantized}
+    # A quantized weight is read from the checkpoint in `dtype` and its scale made from it, or, from a quantized
+    # conversion, both are read as stored.
+    scales = set() if stored_quantized else {scale_path(path) for path in quantized}
     read_as = np.dtype(np.int8) if prequantized is not None else np.dtype(dtype)
-    shapes = {path: (leaf.shape, read_as if path in quantized else np.dtype(leaf.dtype))
+    shapes = {path: (leaf.shape, read_as if path in quantized and not stored_quantized else np.dtype(leaf.dtype))
               for path, leaf in _flatten(pure) if path not in scales}
     axes = {tuple(path): var.get_metadata().get("logical_axes") for path, var in nnx.to_flat_state(state)}
     placed_scales: dict[tuple, jax.Array] = {}
@@ -131,7 +149,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
         return place_array(path, q)
 
     def place_one(path: tuple, source: ParamSource) -> jax.Array:
-        if path in quantized:
+        if path in quantized and not stored_quantized:
             return place_quantized(path, *quantize_rows(np.asarray(source.read()), quantization))
         if place is not None:
             return place(path, source)
@@ -144,7 +162,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
     elif load_format == "auto" and orbax is not None:
         # restored where they live; through place_one only where a parameter is packed or quantized from the host
         placed = restore_state(orbax, dtype, shapes, axes, mesh, config,
-                               place_one if place is not None or quantized else None)
+                               place_one if place is not None or (quantized and not stored_quantized) else None)
     elif load_format == "auto" and gguf_file is not None:
         placed = load_gguf_state(gguf_file, config, shapes, place_one)
     elif load_format == "auto" and prequantized is not None:

@@ -29,6 +29,7 @@ from checkpoints.dummy import DummySource
 from checkpoints.safetensors_loader import FUSED_PARTS, fused_row_map
 from jserve.config import SUPPORTED_DTYPES, ModelConfig, ModelLoadError, RopeScaling
 from jserve.models import model_class
+from jserve.models.quantization import SCHEMES, quantize_model
 from sharding import MODEL_AXIS, logical_sharding
 
 FORMAT = "jserve-orbax"
@@ -46,6 +47,7 @@ class OrbaxCheckpoint:
     config: ModelConfig  # the unsharded model's (tensor parallelism reshapes it at load)
     jserve_version: str
     source: str
+    quantization: str | None = None  # "int8" / "fp8": the decoder layers' matrices stored quantized, with scales
 
     @property
     def params_dir(self) -> Path:
@@ -85,7 +87,10 @@ def read_checkpoint(path: str | Path) -> OrbaxCheckpoint:
     if not (path / PARAMS_DIR).is_dir():
         raise ModelLoadError(f"{path}: no {PARAMS_DIR}/ directory (the Orbax checkpoint of the parameters is "
                              "missing)")
-    return OrbaxCheckpoint(path=path, dtype=meta["dtype"], config=config,
+    quantization = meta.get("quantization")
+    if quantization is not None and quantization not in SCHEMES:
+        raise ModelLoadError(f"{marker}: quantization {quantization!r} is not one of {', '.join(SCHEMES)}")
+    return OrbaxCheckpoint(path=path, dtype=meta["dtype"], config=config, quantization=quantization,
                            jserve_version=str(meta.get("jserve_version")), source=str(meta.get("source")))
 
 
@@ -113,9 +118,12 @@ def param_key(path: tuple) -> str:
     return "/".join(map(str, path))
 
 
-def unsharded_shapes(config: ModelConfig, dtype: str) -> dict[tuple, tuple[tuple[int, ...], np.dtype]]:
+def unsharded_shapes(config: ModelConfig, dtype: str,
+                     quantization: str | None = None) -> dict[tuple, tuple[tuple[int, ...], np.dtype]]:
     """{state path: (shape, dtype)} of the unsharded model: what a checkpoint of this config must hold."""
     abstract = nnx.eval_shape(lambda: model_class(config)(config, jnp.dtype(dtype), "reference"))
+    if quantization is not None:
+        quantize_model(abstract, quantization)
     _, state = nnx.split(abstract)
     return {tuple(path): (tuple(var.get_value().shape), np.dtype(var.get_value().dtype))
             for path, var in nnx.to_flat_state(state)}
@@ -154,7 +162,7 @@ def _check_stored(ckpt: OrbaxCheckpoint) -> dict[tuple, tuple[tuple[int, ...], n
     """The stored arrays' shapes, checked against the config's unsharded shapes (ModelLoadError on any mismatch)."""
     import orbax.checkpoint as ocp
 
-    expected = unsharded_shapes(ckpt.config, ckpt.dtype)
+    expected = unsharded_shapes(ckpt.config, ckpt.dtype, ckpt.quantization)
     try:
         with ocp.StandardCheckpointer() as checkpointer:
             tree = checkpointer.metadata(ckpt.params_dir.absolute()).item_metadata

@@ -21,6 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.blocks import MASK_VALUE, block_metadata, pack_q, unpack_out
+from pallas_kernels.quantized import QuantizedPages
 
 
 def _precision(dtype) -> tuple[lax.Precision, lax.Precision] | None:
@@ -33,11 +34,15 @@ def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _attend_page(q, k, v, carry, key_pos0, row_pos, *, scale, soft_cap, sliding_window):
-    """One online-softmax step of the [M, D] query tile against one [B, D] page of keys and values."""
+def _attend_page(q, k, v, carry, key_pos0, row_pos, k_scale=None, v_scale=None, *, scale, soft_cap,
+                 sliding_window):
+    """One online-softmax step of the [M, D] query tile against one [B, D] page of keys and values. Quantized
+    pages bring each key's and value's scale ([B] float32): they multiply the score and probability columns."""
     acc, m_prev, l_prev = carry
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_precision(k.dtype),
                         preferred_element_type=jnp.float32) * scale
+    if k_scale is not None:
+        s = s * k_scale[None, :]
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     key_pos = key_pos0 + jnp.arange(k.shape[0], dtype=jnp.int32)
@@ -48,14 +53,17 @@ def _attend_page(q, k, v, carry, key_pos0, row_pos, *, scale, soft_cap, sliding_
     m_next = jnp.maximum(m_prev, s.max(axis=1))
     p = jnp.exp(s - m_next[:, None])
     correction = jnp.exp(m_prev - m_next)
-    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_precision(v.dtype),
+    weights = p if v_scale is None else p * v_scale[None, :]  # the row sum below stays that of p
+    pv = lax.dot_general(weights.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_precision(v.dtype),
                          preferred_element_type=jnp.float32)
     return acc * correction[:, None] + pv, m_next, l_prev * correction + p.sum(axis=1)
 
 
-def _kernel(seq_ref, q_pos_ref, kv_end_ref, page_table_ref, q_ref, k_ref, v_ref, *out_refs,
+def _kernel(seq_ref, q_pos_ref, kv_end_ref, page_table_ref, q_ref, k_ref, v_ref, *refs,
             scale: float, block_q: int, pages_per_step: int, kv_splits: int, sliding_window: int | None,
-            soft_cap: float | None):
+            soft_cap: float | None, compute_dtype: jnp.dtype | None):
+    # compute_dtype is set for quantized pages: two scale refs ([N, B, Hkv] float32) precede the outputs.
+    k_scale_ref, v_scale_ref, *out_refs = refs if compute_dtype is not None else (None, None, *refs)
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq, q_pos, kv_end = seq_ref[b], q_pos_ref[b], kv_end_ref[b]
     page_size = k_ref.shape[1]
@@ -79,7 +87,13 @@ def _kernel(seq_ref, q_pos_ref, kv_end_ref, page_table_ref, q_ref, k_ref, v_ref,
         pages = page_table_ref[seq, js]
         k = k_ref[pages, :, h, :].reshape(block_k, head_dim)  # a gather of whole pages: one [block_k, D] tile
         v = v_ref[pages, :, h, :].reshape(block_k, head_dim)
-        return attend(q, k, v, carry, first * page_size, row_pos)
+        if compute_dtype is None:
+            return attend(q, k, v, carry, first * page_size, row_pos)
+        # int8 / e4m3 values convert exactly to the compute dtype; their scales apply to the score columns
+        k_scale = k_scale_ref[pages, :, h].reshape(block_k)
+        v_scale = v_scale_ref[pages, :, h].reshape(block_k)
+        return attend(q, k.astype(compute_dtype), v.astype(compute_dtype), carry, first * page_size, row_pos,
+                      k_scale, v_scale)
 
     init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), MASK_VALUE, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
@@ -112,7 +126,8 @@ def auto_kv_splits(num_programs: int, target_programs: int = 256, max_splits: in
     return min(max_splits, _next_pow2(-(-target_programs // num_programs)))
 
 
-def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array | QuantizedPages, v_pages: jax.Array | QuantizedPages,
+                               page_table: jax.Array,
                                query_start: jax.Array, seq_lens: jax.Array, *, scale: float,
                                sliding_window: int | None = None, soft_cap: float | None = None,
                                block_q: int | None = None, pages_per_step: int | None = None,
@@ -128,7 +143,14 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     hold [M, N] scores; larger tiles of D = 128 overflow shared memory (seen: page 64 x 4 pages on an H200).
     kv_splits: programs per (block, KV head), each over its own run of the keys, merged after the kernel (flash
     decoding). None: auto_kv_splits of the grid, so small decode batches still stream at the memory's rate.
+    Quantized pages (QuantizedPages, int8 or float8_e4m3fn values, not uint8 bits) are read as stored and
+    converted to their compute dtype per tile; each key's scale multiplies its score, each value's its probability.
     """
+    quantized = isinstance(k_pages, QuantizedPages)
+    compute_dtype = jnp.dtype(k_pages.dtype) if quantized else None
+    scales = (k_pages.scales, v_pages.scales) if quantized else ()
+    if quantized:
+        k_pages, v_pages = k_pages.values, v_pages.values
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -140,7 +162,8 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
         block_q = 16 if num_tokens > num_seqs else 1
     block_q = max(block_q, 16 // group_pad)  # tl.dot needs M >= 16
     meta = block_metadata(query_start, seq_lens, num_tokens, block_q)
-    q_packed = pack_q(q.astype(k_pages.dtype), meta, num_kv_heads, block_q, group_pad)
+    q_dtype = k_pages.dtype if compute_dtype is None else compute_dtype
+    q_packed = pack_q(q.astype(q_dtype), meta, num_kv_heads, block_q, group_pad)
     nb, _, rows, _ = q_packed.shape
     if kv_splits is None:
         kv_splits = auto_kv_splits(nb * num_kv_heads)
@@ -158,15 +181,16 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
                      jax.ShapeDtypeStruct((nb, num_kv_heads, kv_splits, rows), jnp.float32)]
     out = pl.pallas_call(
         functools.partial(_kernel, scale=scale, block_q=block_q, pages_per_step=pages_per_step,
-                          kv_splits=kv_splits, sliding_window=sliding_window, soft_cap=soft_cap),
+                          kv_splits=kv_splits, sliding_window=sliding_window, soft_cap=soft_cap,
+                          compute_dtype=compute_dtype),
         grid=(nb, num_kv_heads, kv_splits),
-        in_specs=[whole, whole, whole, whole, tile, whole, whole],
+        in_specs=[whole, whole, whole, whole, tile, whole, whole] + [whole] * len(scales),
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention_triton",
-    )(meta.seq, meta.q_pos, meta.kv_end, page_table, q_packed, k_pages, v_pages)
+    )(meta.seq, meta.q_pos, meta.kv_end, page_table, q_packed, k_pages, v_pages, *scales)
     if kv_splits > 1:
         out = _merge_splits(*out)
     return unpack_out(out, query_start, num_tokens, num_heads, block_q)

@@ -16,6 +16,9 @@ dense gather, defines it):
   seq_lens     [S] int32       KV length of each sequence after this step, new tokens included (their K/V are
                                already written). Sequence s's new tokens are its last q_len = query_start[s+1] -
                                query_start[s] positions: seq_lens[s] - q_len .. seq_lens[s] - 1.
+  (quantized)  k_pages/v_pages may each be a QuantizedPages (pallas_kernels/quantized.py): int8 or float8_e4m3fn
+                               values [N, B, Hkv, D] and float32 scales [N, B, Hkv], value = stored * scale,
+                               one scale per (token, KV head) row; attention computes in its `dtype`.
   scale        float           multiplies q.k (usually D ** -0.5).
   sliding_window int | None    a token at position p sees keys p - window + 1 .. p (Mistral's convention).
   soft_cap     float | None    scaled logits s become soft_cap * tanh(s / soft_cap) (Gemma 2's convention).
@@ -39,12 +42,17 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 import cpu_kernels
 from pallas_kernels.gpu import ragged_paged_attention_gpu
+from pallas_kernels.quantized import QuantizedPages
 from pallas_kernels.reference import from_stored, ragged_paged_attention_chunked, write_kv_ref
 from pallas_kernels.tpu import ragged_paged_attention_tpu
-from sharding.kernels import model_parallel_mesh, shard_over_heads
+from sharding.kernels import HEADS, KV_HEADS, model_parallel_mesh, shard_over_heads
+from sharding.mesh import MODEL_AXIS
+
+KV_SCALE_HEADS = P(None, None, MODEL_AXIS)  # a quantized cache's scales: [pages, page_slot, kv_heads]
 
 ENGINE_BACKENDS = ("auto", "reference", "cpu", "pallas", "pallas-interpret", "pallas-interpret-gpu")
 BACKENDS = ("reference", "cpu", "pallas", "pallas-interpret", "pallas-interpret-tpu", "pallas-interpret-gpu")
@@ -81,7 +89,8 @@ def token_positions(query_start: jax.Array, seq_lens: jax.Array, num_tokens: int
     return jnp.where(real, seq, 0), jnp.where(real, pos, 0)
 
 
-def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+def ragged_paged_attention(q: jax.Array, k_pages: jax.Array | QuantizedPages, v_pages: jax.Array | QuantizedPages,
+                           page_table: jax.Array,
                            query_start: jax.Array, seq_lens: jax.Array, *, scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
                            backend: str = "reference") -> jax.Array:
@@ -90,13 +99,25 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     if backend == "reference":  # the engine's pure-JAX attention: the definition's result, chunk by chunk
         token_seq, positions = token_positions(query_start, seq_lens, q.shape[0])
         return ragged_paged_attention_chunked(q, k_pages, v_pages, page_table, token_seq, positions, **kwargs)
+    quantized = isinstance(k_pages, QuantizedPages)
+    if quantized and backend == "cpu" and k_pages.values.dtype != jnp.int8:
+        raise ValueError("attention backend 'cpu' (the C++ kernel) reads int8 pages but not fp8 ones "
+                         "(kv_cache_dtype fp8); use attention_backend 'reference'")
     if model_parallel_mesh() is not None:  # tensor parallelism: each device runs the kernel on its own heads
         attention = functools.partial(ragged_paged_attention, backend=backend, **kwargs)
+        if quantized:  # the scales [N, B, Hkv] split over heads like the values
+            specs = (HEADS, QuantizedPages(KV_HEADS, KV_SCALE_HEADS, k_pages.dtype),
+                     QuantizedPages(KV_HEADS, KV_SCALE_HEADS, v_pages.dtype), P(), P(), P())
+            return jax.shard_map(attention, in_specs=specs, out_specs=HEADS, check_vma=False)(
+                q, k_pages, v_pages, page_table, query_start, seq_lens)
         return shard_over_heads(attention, q, k_pages, v_pages, page_table, query_start, seq_lens)
+    if backend == "cpu" and quantized:  # int8 rows widened and scaled in registers as the kernel reads them
+        return cpu_kernels.ragged_paged_attention(q, k_pages.values, v_pages.values, page_table, query_start, seq_lens,
+                                                  k_scales=k_pages.scales, v_scales=v_pages.scales, **kwargs)
     if backend == "cpu":  # reads a uint16 (bfloat16 bits) cache as it is
         return cpu_kernels.ragged_paged_attention(q, k_pages, v_pages, page_table, query_start, seq_lens, **kwargs)
-    # The kernels read values; a CPU cache stores bfloat16 as uint16 bits (see kv_storage_dtype).
-    args = (q, from_stored(k_pages), from_stored(v_pages), page_table, query_start, seq_lens)
+    # The kernels read values; a CPU cache stores bfloat16 as uint16 bits (see kv_storage_dtype), e4m3 as uint8.
+    args = (q, _kernel_pages(k_pages), _kernel_pages(v_pages), page_table, query_start, seq_lens)
     if backend == "pallas":
         # Chosen by the platform being lowered for, not the host's: jax.export from a CPU host for tpu or cuda
         # gets that platform's kernel (and lowering for CPU fails: there is no branch for it).
@@ -108,6 +129,15 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     if backend == "pallas-interpret-gpu":
         return ragged_paged_attention_gpu(*args, **kwargs, interpret=True)
     raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+
+
+def _kernel_pages(pages: jax.Array | QuantizedPages) -> jax.Array | QuantizedPages:
+    """The cache as the kernels read it: values, not their storage bits."""
+    if not isinstance(pages, QuantizedPages):
+        return from_stored(pages)
+    if pages.values.dtype == jnp.uint8:
+        return QuantizedPages(jax.lax.bitcast_convert_type(pages.values, jnp.float8_e4m3fn), pages.scales, pages.dtype)
+    return pages
 
 
 def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,

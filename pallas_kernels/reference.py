@@ -9,7 +9,9 @@ Layout (shared with the kernels):
   positions    [T]              each token's position in its sequence (its key slot is already written)
 Token t attends to key positions 0..positions[t] of its own sequence (causal), and only to the last
 `sliding_window` of them when a window is set; `soft_cap` squashes scaled logits to cap * tanh(s / cap).
-Padding tokens point at a valid row and position 0.
+Padding tokens point at a valid row and position 0. k_pages / v_pages may be QuantizedPages (quantized.py): the
+stored values are gathered, converted to the compute dtype, and each key's scale multiplies its score column, each
+value's its probability column.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.blocks import MASK_VALUE
+from pallas_kernels.quantized import QuantizedPages, stored_to_compute, write_quantized
 
 
 def dot_precision(dtype: jnp.dtype) -> jax.lax.Precision:
@@ -47,9 +50,26 @@ def from_stored(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x
 
 
-def write_kv_ref(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
-                 slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Scatter new k/v [T, Hkv, D] into flat slots; out-of-range slots (padding tokens) are dropped."""
+def value_dtype(pages: jax.Array | QuantizedPages) -> jnp.dtype:
+    """The dtype attention computes in for this cache: its values' (bfloat16 for uint16 bits), or a quantized
+    cache's compute dtype."""
+    return jnp.dtype(pages.dtype) if isinstance(pages, QuantizedPages) else from_stored(pages[:0]).dtype
+
+
+def gather_pages(pages: jax.Array | QuantizedPages, index: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """pages[index] as values in the compute dtype [..., B, Hkv, D], and for a quantized cache its scales
+    [..., B, Hkv] (None otherwise): only the gathered pages are converted, never the cache."""
+    if isinstance(pages, QuantizedPages):
+        return stored_to_compute(pages.values[index], pages.dtype), pages.scales[index]
+    return from_stored(pages[index]), None
+
+
+def write_kv_ref(k_pages: jax.Array | QuantizedPages, v_pages: jax.Array | QuantizedPages, k: jax.Array,
+                 v: jax.Array, slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Scatter new k/v [T, Hkv, D] into flat slots; out-of-range slots (padding tokens) are dropped. A quantized
+    cache quantizes each (token, KV head) row with its own scale as it writes it."""
+    if isinstance(k_pages, QuantizedPages):
+        return write_quantized(k_pages, k, slot_mapping), write_quantized(v_pages, v, slot_mapping)
     num_pages, page_size, kv_heads, head_dim = k_pages.shape
     flat_shape = (num_pages * page_size, kv_heads, head_dim)
 
@@ -60,20 +80,37 @@ def write_kv_ref(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Ar
     return write(k_pages, k), write(v_pages, v)
 
 
+def _page_shape(pages: jax.Array | QuantizedPages) -> tuple[int, ...]:
+    return pages.values.shape if isinstance(pages, QuantizedPages) else pages.shape
+
+
+def _scale_keys(x: jax.Array, scales: jax.Array | None) -> jax.Array:
+    """x [T, Hkv, G, L] times each key's scale (gathered scales [T, ..., Hkv] flatten to [T, L, Hkv]); None: x."""
+    if scales is None:
+        return x
+    num_tokens, kv_heads = x.shape[0], x.shape[1]
+    per_key = scales.reshape(num_tokens, -1, kv_heads).transpose(0, 2, 1)  # [T, Hkv, L]
+    return x * per_key[:, :, None, :]
+
+
 def ragged_paged_attention_ref(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                                token_seq: jax.Array, positions: jax.Array, *, scale: float,
                                sliding_window: int | None = None, soft_cap: float | None = None) -> jax.Array:
-    """Attention of each token over its own sequence's cached keys; returns float32 [T, H, D]."""
+    """Attention of each token over its own sequence's cached keys; returns float32 [T, H, D]. A quantized cache
+    (QuantizedPages) scales each key's score and each value's probability by its row's scale."""
     num_tokens, num_heads, head_dim = q.shape
-    _, page_size, kv_heads, _ = k_pages.shape
+    _, page_size, kv_heads, _ = _page_shape(k_pages)
     group = num_heads // kv_heads
     token_pages = page_table[token_seq]  # [T, P]: each token reads only its own sequence's pages
     width = token_pages.shape[1] * page_size
-    k = from_stored(k_pages[token_pages]).reshape(num_tokens, width, kv_heads, head_dim)
-    v = from_stored(v_pages[token_pages]).reshape(num_tokens, width, kv_heads, head_dim)
+    k, k_scale = gather_pages(k_pages, token_pages)
+    v, v_scale = gather_pages(v_pages, token_pages)
+    k = k.reshape(num_tokens, width, kv_heads, head_dim)
+    v = v.reshape(num_tokens, width, kv_heads, head_dim)
     qg = q.reshape(num_tokens, kv_heads, group, head_dim).astype(k.dtype)
     precision = dot_precision(k.dtype)
     scores = jnp.einsum("tkgd,tlkd->tkgl", qg, k, precision=precision, preferred_element_type=jnp.float32) * scale
+    scores = _scale_keys(scores, k_scale)
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     key_pos = jnp.arange(width, dtype=jnp.int32)[None, :]
@@ -81,7 +118,7 @@ def ragged_paged_attention_ref(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     if sliding_window is not None:
         mask &= key_pos > positions[:, None] - sliding_window
     scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
+    probs = _scale_keys(jax.nn.softmax(scores, axis=-1), v_scale)
     out = jnp.einsum("tkgl,tlkd->tkgd", probs.astype(v.dtype), v, precision=precision,
                      preferred_element_type=jnp.float32)
     return out.reshape(num_tokens, num_heads, head_dim)
@@ -95,15 +132,15 @@ def ragged_paged_attention_chunked(q: jax.Array, k_pages: jax.Array, v_pages: ja
     online softmax, up to the chunk of the furthest position in the batch (a data-dependent loop): its cost follows
     the longest sequence, not the table's width, so one full-width table serves every step."""
     num_tokens, num_heads, head_dim = q.shape
-    _, page_size, kv_heads, _ = k_pages.shape
+    _, page_size, kv_heads, _ = _page_shape(k_pages)
     group = num_heads // kv_heads
     chunk = min(pages_per_chunk, page_table.shape[1])
     if page_table.shape[1] % chunk:  # whole chunks; the extra columns lie past every sequence and are masked
         page_table = jnp.pad(page_table, ((0, 0), (0, chunk - page_table.shape[1] % chunk)))
     width = chunk * page_size
-    value_dtype = from_stored(k_pages[:0]).dtype
-    qg = q.reshape(num_tokens, kv_heads, group, head_dim).astype(value_dtype)
-    precision = dot_precision(value_dtype)
+    compute_dtype = value_dtype(k_pages)
+    qg = q.reshape(num_tokens, kv_heads, group, head_dim).astype(compute_dtype)
+    precision = dot_precision(compute_dtype)
     first = 0
     if sliding_window is not None:  # chunks wholly before every token's window hold nothing it sees
         first = jnp.maximum(jnp.min(positions) - sliding_window + 1, 0) // width
@@ -112,9 +149,12 @@ def ragged_paged_attention_chunked(q: jax.Array, k_pages: jax.Array, v_pages: ja
     def body(i, carry):
         acc, m_prev, l_prev = carry
         pages = jax.lax.dynamic_slice_in_dim(page_table, i * chunk, chunk, axis=1)[token_seq]  # [T, chunk]
-        k = from_stored(k_pages[pages]).reshape(num_tokens, width, kv_heads, head_dim)
-        v = from_stored(v_pages[pages]).reshape(num_tokens, width, kv_heads, head_dim)
+        k, k_scale = gather_pages(k_pages, pages)
+        v, v_scale = gather_pages(v_pages, pages)
+        k = k.reshape(num_tokens, width, kv_heads, head_dim)
+        v = v.reshape(num_tokens, width, kv_heads, head_dim)
         s = jnp.einsum("tkgd,tlkd->tkgl", qg, k, precision=precision, preferred_element_type=jnp.float32) * scale
+        s = _scale_keys(s, k_scale)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         key_pos = i * width + jnp.arange(width, dtype=jnp.int32)[None, :]
@@ -125,7 +165,7 @@ def ragged_paged_attention_chunked(q: jax.Array, k_pages: jax.Array, v_pages: ja
         m_next = jnp.maximum(m_prev, s.max(axis=-1))
         p = jnp.exp(s - m_next[..., None])
         correction = jnp.exp(m_prev - m_next)
-        pv = jnp.einsum("tkgl,tlkd->tkgd", p.astype(v.dtype), v, precision=precision,
+        pv = jnp.einsum("tkgl,tlkd->tkgd", _scale_keys(p, v_scale).astype(v.dtype), v, precision=precision,
                         preferred_element_type=jnp.float32)
         return acc * correction[..., None] + pv, m_next, l_prev * correction + p.sum(axis=-1)
 

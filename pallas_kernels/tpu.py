@@ -19,6 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.blocks import MASK_VALUE, block_metadata, pack_q, unpack_out
+from pallas_kernels.quantized import QuantizedPages
 
 
 def _precision(dtype) -> tuple | None:
@@ -26,9 +27,11 @@ def _precision(dtype) -> tuple | None:
     return (lax.Precision.HIGHEST, lax.Precision.HIGHEST) if dtype == jnp.float32 else None
 
 
-def _chunk_copies(k_hbm, v_hbm, k_buf, v_buf, sems, page_table_ref, *, row, h, first_page, last_page, chunk,
-                  slot, pages_per_chunk, pages_per_seq):
-    """The DMA descriptors that bring KV chunk `chunk` of head h into buffer `slot` (start, then wait, each)."""
+def _chunk_copies(k_hbm, v_hbm, k_buf, v_buf, sems, page_table_ref, scale_refs, *, row, h, first_page, last_page,
+                  chunk, slot, pages_per_chunk, pages_per_seq):
+    """The DMA descriptors that bring KV chunk `chunk` of head h into buffer `slot` (start, then wait, each);
+    scale_refs: for quantized pages (k_scale_hbm, v_scale_hbm, k_scale_buf, v_scale_buf), each page's [B, 1]
+    column of head h's scales into the [C, 1] buffers, else None."""
     page_size = k_hbm.shape[1]
     copies = []
     for i in range(pages_per_chunk):
@@ -38,6 +41,11 @@ def _chunk_copies(k_hbm, v_hbm, k_buf, v_buf, sems, page_table_ref, *, row, h, f
         dst = pl.ds(i * page_size, page_size)
         copies.append(pltpu.make_async_copy(k_hbm.at[page, :, h, :], k_buf.at[slot, dst, :], sems.at[0, slot]))
         copies.append(pltpu.make_async_copy(v_hbm.at[page, :, h, :], v_buf.at[slot, dst, :], sems.at[1, slot]))
+        if scale_refs is not None:
+            ks_hbm, vs_hbm, ks_buf, vs_buf = scale_refs
+            heads = pl.ds(h, 1)
+            copies.append(pltpu.make_async_copy(ks_hbm.at[page, :, heads], ks_buf.at[slot, dst, :], sems.at[0, slot]))
+            copies.append(pltpu.make_async_copy(vs_hbm.at[page, :, heads], vs_buf.at[slot, dst, :], sems.at[1, slot]))
     return copies
 
 
@@ -63,10 +71,16 @@ def _attend_chunk(q, k, v, carry, key_pos0, row_pos, *, scale, soft_cap, sliding
 
 def _kernel(seq_ref, q_pos_ref, kv_end_ref, page_table_ref,  # scalar prefetch (SMEM)
             q_ref, k_hbm, v_hbm,  # inputs: q tile in VMEM, caches in HBM
-            o_ref,  # output tile
-            k_buf, v_buf, sems,  # scratch: [2, C, D] double buffers and their DMA semaphores
-            *, scale: float, block_q: int, pages_per_chunk: int, pages_per_seq: int,
-            sliding_window: int | None, soft_cap: float | None):
+            *refs,  # [k_scale_hbm, v_scale_hbm] (quantized), o_ref, k_buf, v_buf, sems, [k/v scale bufs]
+            scale: float, block_q: int, pages_per_chunk: int, pages_per_seq: int,
+            sliding_window: int | None, soft_cap: float | None, compute_dtype: jnp.dtype | None):
+    # Quantized pages add their scales in HBM (inputs) and two [2, C, 1] float32 scale buffers (scratch).
+    if compute_dtype is None:
+        o_ref, k_buf, v_buf, sems = refs
+        scale_refs = None
+    else:
+        ks_hbm, vs_hbm, o_ref, k_buf, v_buf, sems, ks_buf, vs_buf = refs
+        scale_refs = (ks_hbm, vs_hbm, ks_buf, vs_buf)
     h, b = pl.program_id(0), pl.program_id(1)
     row, q_pos, kv_end = seq_ref[b], q_pos_ref[b], kv_end_ref[b]
     page_size = k_hbm.shape[1]
@@ -75,7 +89,8 @@ def _kernel(seq_ref, q_pos_ref, kv_end_ref, page_table_ref,  # scalar prefetch (
     first_page = 0 if sliding_window is None else lax.div(jnp.maximum(q_pos - sliding_window + 1, 0), page_size)
     last_page = lax.div(kv_end + page_size - 1, page_size)
     num_chunks = lax.div(last_page - first_page + pages_per_chunk - 1, pages_per_chunk)
-    copies = functools.partial(_chunk_copies, k_hbm, v_hbm, k_buf, v_buf, sems, page_table_ref, row=row, h=h,
+    copies = functools.partial(_chunk_copies, k_hbm, v_hbm, k_buf, v_buf, sems, page_table_ref, scale_refs, row=row,
+                               h=h,
                                first_page=first_page, last_page=last_page, pages_per_chunk=pages_per_chunk,
                                pages_per_seq=pages_per_seq)
     q = q_ref[...]
@@ -101,7 +116,13 @@ def _kernel(seq_ref, q_pos_ref, kv_end_ref, page_table_ref,  # scalar prefetch (
         for copy in copies(chunk=c, slot=slot):
             copy.wait()
         key_pos0 = (first_page + c * pages_per_chunk) * page_size
-        return attend(q, k_buf[slot], v_buf[slot], carry, key_pos0, row_pos)
+        k, v = k_buf[slot], v_buf[slot]
+        if compute_dtype is not None:
+            # Dequantize the chunk in VMEM: a [C, 1] column of scales broadcasts along the lanes of each row
+            # (scaling the score columns instead would need the scales as a [1, C] row: a transpose).
+            k = (k.astype(jnp.float32) * ks_buf[slot]).astype(compute_dtype)
+            v = (v.astype(jnp.float32) * vs_buf[slot]).astype(compute_dtype)
+        return attend(q, k, v, carry, key_pos0, row_pos)
 
     init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows, 1), MASK_VALUE, jnp.float32),
             jnp.zeros((rows, 1), jnp.float32))
@@ -109,7 +130,8 @@ def _kernel(seq_ref, q_pos_ref, kv_end_ref, page_table_ref,  # scalar prefetch (
     o_ref[...] = acc / jnp.where(denom == 0, 1.0, denom)  # padding blocks (no keys) write zeros
 
 
-def ragged_paged_attention_tpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+def ragged_paged_attention_tpu(q: jax.Array, k_pages: jax.Array | QuantizedPages, v_pages: jax.Array | QuantizedPages,
+                               page_table: jax.Array,
                                query_start: jax.Array, seq_lens: jax.Array, *, scale: float,
                                sliding_window: int | None = None, soft_cap: float | None = None,
                                block_q: int = 16, pages_per_chunk: int = 8, interpret: bool = False) -> jax.Array:
@@ -118,34 +140,44 @@ def ragged_paged_attention_tpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     block_q: query tokens per block, a power of two; group * block_q rows should be a multiple of 16 (bf16
     sublane tiling). pages_per_chunk: pages per DMA chunk; the chunk (pages_per_chunk * page_size keys) is the
     N of the QK^T matmul, so 128+ keys keep the MXU busy, and each buffer costs chunk * D * itemsize of VMEM.
+    Quantized pages (QuantizedPages, int8 or float8_e4m3fn values) are copied as stored, a chunk's scales beside
+    them, and dequantized per chunk in VMEM.
     """
     assert block_q & (block_q - 1) == 0, "block_q must be a power of two"
+    quantized = isinstance(k_pages, QuantizedPages)
+    compute_dtype = jnp.dtype(k_pages.dtype) if quantized else None
+    scales = (k_pages.scales, v_pages.scales) if quantized else ()
+    if quantized:
+        k_pages, v_pages = k_pages.values, v_pages.values
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, page_size = k_pages.shape[2], k_pages.shape[1]
     num_seqs, pages_per_seq = page_table.shape
     pages_per_chunk = min(pages_per_chunk, pages_per_seq)
     meta = block_metadata(query_start, seq_lens, num_tokens, block_q)
-    q_packed = pack_q(q.astype(k_pages.dtype), meta, num_kv_heads, block_q, num_heads // num_kv_heads)
+    q_packed = pack_q(q.astype(k_pages.dtype if compute_dtype is None else compute_dtype), meta, num_kv_heads,
+                      block_q, num_heads // num_kv_heads)
     nb, _, rows, _ = q_packed.shape
     tile = pl.BlockSpec((None, None, rows, head_dim), lambda h, b, *_: (b, h, 0, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     chunk_len = pages_per_chunk * page_size
     kernel = functools.partial(_kernel, scale=scale, block_q=block_q, pages_per_chunk=pages_per_chunk,
-                               pages_per_seq=pages_per_seq, sliding_window=sliding_window, soft_cap=soft_cap)
+                               pages_per_seq=pages_per_seq, sliding_window=sliding_window, soft_cap=soft_cap,
+                               compute_dtype=compute_dtype)
+    scale_scratch = [pltpu.VMEM((2, chunk_len, 1), jnp.float32)] * 2 if quantized else []
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(num_kv_heads, nb),
-            in_specs=[tile, hbm, hbm],
+            in_specs=[tile, hbm, hbm] + [hbm] * len(scales),
             out_specs=tile,
             scratch_shapes=[pltpu.VMEM((2, chunk_len, head_dim), k_pages.dtype),
                             pltpu.VMEM((2, chunk_len, head_dim), v_pages.dtype),
-                            pltpu.SemaphoreType.DMA((2, 2))],
+                            pltpu.SemaphoreType.DMA((2, 2)), *scale_scratch],
         ),
         out_shape=jax.ShapeDtypeStruct((nb, num_kv_heads, rows, head_dim), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
         name="ragged_paged_attention_mosaic",
-    )(meta.seq, meta.q_pos, meta.kv_end, page_table.reshape(-1), q_packed, k_pages, v_pages)
+    )(meta.seq, meta.q_pos, meta.kv_end, page_table.reshape(-1), q_packed, k_pages, v_pages, *scales)
     return unpack_out(out, query_start, num_tokens, num_heads, block_q)

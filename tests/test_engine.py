@@ -546,3 +546,18 @@ def test_start_up_pauses_the_collector_and_always_turns_it_back_on(hf_model_dir,
     with pytest.raises(ValueError):  # a failure inside the paused part
         LLMEngine(EngineConfig(model=model, max_model_len=256, kv_cache_memory_bytes=1))
     assert gc.isenabled()
+
+
+def test_the_gpu_compiler_options_are_options_xla_knows():
+    """The executables' GPU options are set per executable, so a misspelt name would first fail on a GPU: XLA checks
+    the names on any platform."""
+    import jax
+    import jax.numpy as jnp
+
+    from jserve.executors.xla import burst_compiler_options, step_compiler_options
+
+    step, burst = step_compiler_options("gpu"), burst_compiler_options("gpu")
+    assert step["xla_gpu_enable_triton_gemm"] is False and step.items() <= burst.items()
+    for options in (step, burst):
+        assert float(jax.jit(lambda a: a @ a, compiler_options=options)(jnp.ones((4, 4)))[0, 0]) == 4.0
+    assert step_compiler_options("cpu") is None and burst_compiler_options("cpu") is None

@@ -33,8 +33,9 @@ JSERVE_LAYERS = [
     ["jserve.config", "jserve.sampling_params", "jserve.outputs", "jserve.arg_types", "jserve.engine_args",
      "jserve.tokenizer", "jserve.gguf_tokenizer"],
     # the Flax models and their shape under tensor parallelism; what a step carries: a sequence and its scheduled
-    # chunk, the packed host arrays, the jitted sampler
-    ["jserve.models", "jserve.engine.sequence", "jserve.engine.packing", "jserve.engine.sampler"],
+    # chunk, the packed host arrays, the jitted sampler and its speculative drafts' rejection sampler
+    ["jserve.models", "jserve.engine.sequence", "jserve.engine.packing", "jserve.engine.sampler",
+     "jserve.engine.rejection"],
     # what builds and runs a model: the checkpoint loader (and its GGUF names and config, its Orbax checkpoints and
     # their writer), the executors, the multi-host executor
     ["jserve.loading", "jserve.gguf_loading", "jserve.orbax_io", "jserve.convert", "jserve.executors",
@@ -43,8 +44,9 @@ JSERVE_LAYERS = [
     ["jserve.engine"],
     # the Python API and batch jobs; `jserve` re-exports the API (LLM lazily)
     ["jserve.llm", "jserve.batch", "jserve"],
-    # the OpenAI-compatible server, the benchmarks and the evaluations (all drive the API or the engine)
-    ["jserve.server", "jserve.bench", "jserve.eval"],
+    # the OpenAI-compatible server, the benchmarks, the evaluations and the terminal chat (all drive the API or the
+    # engine)
+    ["jserve.server", "jserve.bench", "jserve.eval", "jserve.chat"],
     # the `jserve` command
     ["jserve.cli", "jserve.__main__"],
 ]

@@ -87,6 +87,33 @@ def test_greedy_tokens_match_the_source(sources, converted, llm_factory, kind, e
     assert restored.engine.model_config.eos_token_ids == source.engine.model_config.eos_token_ids
 
 
+def test_an_int8_conversion_restores_the_quantized_weights_and_serves_them(sources, llm_factory, tmp_path, capsys):
+    """`jserve convert --quantization int8` stores what `--quantization int8` makes at every load: the restored int8
+    weights and scales are bitwise the load-time ones, serving needs no flag and gives the same greedy tokens, and
+    the C++ layer executor or another scheme is refused naming the checkpoint."""
+    out = tmp_path / "int8"
+    assert main(["convert", "--model", str(sources["safetensors"]), "--out", str(out), "--dtype", "bfloat16",
+                 "--quantization", "int8"]) == 0
+    assert "int8 weights" in capsys.readouterr().out
+    assert json.loads((out / MARKER).read_text())["quantization"] == "int8"
+    want = _flat(load_model(sources["safetensors"], "bfloat16", quantization="int8").state)
+    got = _flat(load_model(out, "bfloat16").state)
+    assert want.keys() == got.keys()
+    assert sum(array.dtype == np.int8 for array in got.values()) >= 2  # the layers' matrices, with their scales
+    for path, array in want.items():
+        assert got[path].dtype == array.dtype, path
+        np.testing.assert_array_equal(got[path].view(np.uint8), array.view(np.uint8), err_msg=str(path))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    quantized = llm_factory(sources["safetensors"], dtype="bfloat16", quantization="int8", executor="xla")
+    restored = llm_factory(out, dtype="bfloat16")
+    assert ([o.outputs[0].token_ids for o in restored.generate(PROMPTS, params, use_tqdm=False)]
+            == [o.outputs[0].token_ids for o in quantized.generate(PROMPTS, params, use_tqdm=False)])
+    with pytest.raises(ValueError, match=rf"{out} holds int8 weights.*quantization 'fp8'"):
+        load_model(out, "bfloat16", quantization="fp8")
+    with pytest.raises(ValueError, match="executor 'cpu-layers' has no int8 matmul"):
+        llm_factory(out, dtype="bfloat16", executor="cpu-layers")
+
+
 def test_dtype_flag_must_match_the_checkpoint(converted):
     out = converted("safetensors", "bfloat16")
     with pytest.raises(ModelLoadError, match=rf"{out}.*holds bfloat16 parameters.*--dtype bfloat16"):
@@ -169,8 +196,10 @@ _TP_WORKER = textwrap.dedent("""
     from sharding import make_mesh
 
     source, converted, tp = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    quantization = json.loads(sys.argv[4])
     mesh = make_mesh(tp)
-    want = {tuple(p): v.get_value() for p, v in nnx.to_flat_state(load_model(source, mesh=mesh).state)}
+    want = {tuple(p): v.get_value()
+            for p, v in nnx.to_flat_state(load_model(source, mesh=mesh, quantization=quantization).state)}
     got = {tuple(p): v.get_value() for p, v in nnx.to_flat_state(load_model(converted, mesh=mesh).state)}
     problems = []
     for path, array in want.items():
@@ -184,21 +213,24 @@ _TP_WORKER = textwrap.dedent("""
             if not np.array_equal(np.asarray(shard.data), np.asarray(array[shard.index])):
                 problems.append(f"{path}: device {shard.device} holds other values")
     sharded = sum(len({str(s.index) for s in a.addressable_shards}) > 1 for a in got.values())
-    tokens = {name: greedy_tokens(LLM(path, tensor_parallel_size=size, executor="xla", **ENGINE_ARGS))
-              for name, path, size in [("source_tp1", source, 1), ("converted_tp", converted, tp)]}
+    tokens = {"source_tp1": greedy_tokens(LLM(source, tensor_parallel_size=1, executor="xla",
+                                              quantization=quantization, **ENGINE_ARGS)),
+              "converted_tp": greedy_tokens(LLM(converted, tensor_parallel_size=tp, executor="xla", **ENGINE_ARGS))}
     print(json.dumps({"devices": jax.device_count(), "problems": problems, "sharded": sharded, "tokens": tokens}))
 """)
 
 
-def test_sharded_restore_under_tensor_parallelism(hf_model_dir, tmp_path):
-    """TP 4 over a model with 8 heads and 2 KV heads (each KV head repeated twice): every parameter restores into
-    the loader's own sharding, each device holding exactly its shard, and greedy tokens match TP 1 of the source."""
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_sharded_restore_under_tensor_parallelism(hf_model_dir, tmp_path, quantization):
+    """TP 4 over a model with 8 heads and 2 KV heads (each KV head repeated twice): every parameter (an int8
+    conversion's scales included) restores into the loader's own sharding, each device holding exactly its shard,
+    and greedy tokens match TP 1 of the source (quantized at load the same way)."""
     source = hf_model_dir("llama", num_attention_heads=8)
-    out = convert(str(source), tmp_path / "tp-out", "float32")
+    out = convert(str(source), tmp_path / "tp-out", "float32", quantization)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"),
                                                         os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", _TP_WORKER, str(source), str(out), "4"], capture_output=True,
-                          text=True, timeout=300, cwd=REPO, env=env)
+    proc = subprocess.run([sys.executable, "-c", _TP_WORKER, str(source), str(out), "4", json.dumps(quantization)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["devices"] == 8

@@ -17,12 +17,12 @@ from pathlib import Path
 from benchmarks.gpu_check.common import REPO
 from benchmarks.gpu_check.report import markdown
 
-SECTIONS = ("env", "kernels", "parity", "speed", "hf", "warmup", "decode", "decode_autotune")
+SECTIONS = ("env", "kernels", "parity", "speed", "hf", "warmup", "decode", "gemm")
 MODULES = {"env": "env", "kernels": "kernels", "parity": "parity", "speed": "speed", "hf": "hf_peer",
-           "warmup": "speed", "decode": "decode", "decode_autotune": "decode"}
+           "warmup": "speed", "decode": "decode", "gemm": "gemm"}
 # Seconds each section may take at most on a GPU (the deadline may leave less); a CPU run gets 10x.
 CAPS = {"env": 30, "kernels": 120, "parity": 90, "speed": 180, "hf": 60, "warmup": 200, "decode": 120,
-        "decode_autotune": 150}
+        "gemm": 150}
 
 
 def section_env(device: str, section: str) -> dict:
@@ -31,14 +31,6 @@ def section_env(device: str, section: str) -> dict:
     env["JAX_PLATFORMS"] = "cuda" if device == "gpu" else "cpu"
     if section == "parity":  # torch shares the device with jax here
         env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "0.5"
-    if device == "gpu" and section in ("speed", "warmup", "decode", "decode_autotune"):
-        # cuBLAS by its heuristics: XLA's default autotunes each matmul shape's Triton GEMM on the device, one
-        # compile at a time, and an 8B model's 27 warm-up shapes took over 135 s that way on an H200.
-        # decode_autotune lets XLA time cuBLAS's own algorithms for each shape (no Triton GEMM to compile).
-        flags = "--xla_gpu_enable_triton_gemm=false"
-        if section != "decode_autotune":
-            flags += " --xla_gpu_autotune_level=0"
-        env["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS"), flags]))
     return env
 
 
@@ -49,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
     parser.add_argument("--model", default=None, help="llama3-8b (default on gpu), demo (default on cpu) or a path")
     parser.add_argument("--sections", default=",".join(SECTIONS[:6]),
-                        help=f"of {','.join(SECTIONS)} (the decode sections only when named)")
+                        help=f"of {','.join(SECTIONS)} (the decode and gemm sections only when named)")
     parser.add_argument("--deadline", type=float, default=480.0, help="seconds for the whole check")
     parser.add_argument("--concurrency", default=None, help="comma-separated request counts (gpu: 64,256)")
     parser.add_argument("--io", default=None, help="comma-separated input/output lengths (gpu: 128/128,1024/128)")
@@ -83,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
             merged["sections"][section] = {"status": "skipped: deadline"}
             continue
         env_results = merged["sections"].get("env", {})
-        args["hbm_gb_per_s"] = env_results.get("hbm_bandwidth", {}).get("gb_per_s")
+        # The roofline's bandwidth: the larger of the copy and read rates the device reached.
+        rates = [env_results.get(k, {}).get("gb_per_s") for k in ("hbm_bandwidth", "hbm_read_bandwidth")]
+        args["hbm_gb_per_s"] = max(filter(None, rates), default=None)
         args["matmul_tflops"] = env_results.get("bf16_matmul", {}).get("tflops")
         out_json = opts.out / f"{section}.json"
         out_json.unlink(missing_ok=True)

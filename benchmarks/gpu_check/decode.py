@@ -1,13 +1,11 @@
-"""Section decode (and decode_autotune, the same with XLA autotuning cuBLAS's GEMM algorithms): where batch-1
-decode time goes.
+"""Section decode: where batch-1 decode time goes.
 
 One engine on the speed section's model runs one request of 128 + N tokens under several settings in turn, each
 measured on its second run: the steps a decode burst holds (decode_burst) and the smallest token bucket (a lone
 decode padded to 8 rows, as on CPU, or run as 1). Both are changed on the live engine (its scheduler's burst length,
 its executor's bucket list), so the weights load once and only the burst shapes a setting needs compile. Each row
-splits the engine calls' time into the host's work and the wait for the device. Then each weight matrix shape of
-one layer and the LM head is timed alone as the model multiplies it (layers.matmul: x[rows, in] @ w[out, in]^T,
-float32 out) with 1 and 8 rows: the share of the bandwidth the GEMMs that read a token's bytes reach.
+splits the engine calls' time into the host's work and the wait for the device. The gemm section times each weight
+matrix alone.
 """
 
 from __future__ import annotations
@@ -34,30 +32,6 @@ def set_variant(engine, decode_burst: int, smallest_bucket: int) -> None:
     buckets[:] = sorted({b for b in buckets if b >= smallest_bucket} | {smallest_bucket})
 
 
-def time_matmuls(engine, rows: tuple[int, ...], bandwidth: float | None) -> list[dict]:
-    """Each 2-D weight shape (layer 0's projections, the LM head) as the model multiplies it, in a jitted loop."""
-    import jax
-    import jax.numpy as jnp
-
-    from benchmarks.gpu_check.kernels import time_attention
-    from jserve.models.layers import matmul
-
-    seen, out = set(), []
-    for w in engine.executor.params:
-        if not isinstance(w, jax.Array) or w.ndim != 2 or w.shape in seen:
-            continue
-        seen.add(w.shape)  # the embedding table has the LM head's shape: timed once, as the LM head
-        for m in rows:
-            x = jnp.ones((m, w.shape[1]), w.dtype)
-            reps = max(4, min(200, int(4e9 / w.nbytes)))
-            seconds = time_attention(matmul, (x, w), reps)  # the loop sums each product
-            entry = {"shape": list(w.shape), "rows": m, "us": seconds * 1e6, "gb_per_s": w.nbytes / seconds / 1e9}
-            if bandwidth:
-                entry["share_of_hbm"] = entry["gb_per_s"] / bandwidth
-            out.append(entry)
-    return out
-
-
 def main() -> None:
     import jax
 
@@ -81,13 +55,19 @@ def main() -> None:
     rng = np.random.default_rng(0)
     vocab = min(engine.model_config.vocab_size, 32000)
     names = args.get("decode_variants") or DEFAULT_VARIANTS
+    # The same prompts for every variant: the measured run's tokens are compared with the first variant's.
+    cold_prompt, prompt_ids = (rng.integers(10, vocab, (1, prompt)).tolist() for _ in range(2))
+    first_tokens = None
     for name in names:
         set_variant(engine, *VARIANTS[name])
         cold_start = time.perf_counter()
-        run_requests(llm, rng.integers(10, vocab, (1, prompt)).tolist(), new_tokens)
+        run_requests(llm, cold_prompt, new_tokens)
         cold = time.perf_counter() - cold_start
         before = dataclasses.replace(engine.stats)
-        outputs, _ = run_requests(llm, rng.integers(10, vocab, (1, prompt)).tolist(), new_tokens)
+        outputs, _ = run_requests(llm, prompt_ids, new_tokens)
+        tokens = list(outputs[0].outputs[0].token_ids)
+        first_tokens = first_tokens or tokens
+        agreement = sum(a == b for a, b in zip(tokens, first_tokens, strict=True)) / max(len(first_tokens), 1)
         m = outputs[0].metrics
         tok_s = (new_tokens - 1) / (m["finished_time"] - m["first_token_time"])
         split = step_split(before, engine.stats)
@@ -95,12 +75,11 @@ def main() -> None:
         device_ms = split["device_wait_ms_per_call"] * split["engine_calls"] / max(split["model_steps"], 1)
         entry = {"variant": name, "decode_burst": VARIANTS[name][0], "smallest_bucket": VARIANTS[name][1],
                  "tok_s": tok_s, "ms_per_token": 1e3 / tok_s, "device_ms_per_step": device_ms,
-                 "cold_seconds": cold, **split}
+                 "cold_seconds": cold, "tokens_equal_first_variant": agreement, **split}
         if bandwidth:
             floor_ms = bytes_per_token / (bandwidth * 1e9) * 1e3
             entry.update(roofline_ms=floor_ms, share_of_roofline=floor_ms * tok_s / 1e3)
         results.append("variants", entry)
-    results.record("matmuls", time_matmuls(engine, (1, 8), bandwidth))
 
 
 if __name__ == "__main__":

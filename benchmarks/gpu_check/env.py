@@ -1,5 +1,5 @@
-"""Section env: the device, driver and library versions, and the two ceilings measured here (HBM copy bandwidth,
-bf16 matmul rate) that the speed sections are held against."""
+"""Section env: the device, driver and library versions, and the ceilings measured here (HBM copy and read
+bandwidth, bf16 matmul rate) that the speed sections are held against."""
 
 from __future__ import annotations
 
@@ -48,6 +48,17 @@ def main() -> None:
     scale = jax.jit(lambda a: a * 1.000001)
     seconds = time_calls(lambda: scale(x).block_until_ready(), repeats=20, warmup=3)
     results.record("hbm_bandwidth", {"bytes": 2 * 4 * n, "seconds": seconds, "gb_per_s": 2 * 4 * n / seconds / 1e9})
+    # Read bandwidth, what a decode step spends its time on: a jitted loop of 8 reductions over the same 4 GiB
+    # (perturbed per pass, so nothing is hoisted), no writes. The roofline uses the larger of the two rates.
+    def read_passes(a):
+        def body(i, acc):
+            return acc + jnp.sum(a * (1 + i.astype(jnp.float32) * 1e-7))
+
+        return jax.lax.fori_loop(0, 8, body, jnp.float32(0))
+
+    reads = jax.jit(read_passes)
+    seconds = time_calls(lambda: reads(x).block_until_ready(), repeats=5, warmup=2) / 8
+    results.record("hbm_read_bandwidth", {"bytes": 4 * n, "seconds": seconds, "gb_per_s": 4 * n / seconds / 1e9})
     x = None  # the 4 GiB buffer is not needed by the matmul
     # Matmul rate: bf16 [m, k] x [k, n] with float32 accumulation, on random data.
     size = 8192 if on_gpu else 1024

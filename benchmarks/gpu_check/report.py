@@ -105,14 +105,22 @@ def markdown(merged: dict) -> str:
             flags = decode.get("settings", {}).get("xla_flags")
             out += [f"## Batch-1 decode by burst length and smallest token bucket (XLA_FLAGS {flags!r})", ""]
             out += _table(["variant", "tok/s", "ms/token", "roofline ms", "share of roofline", "engine calls",
-                           "device wait ms per call"],
+                           "device wait ms per call", "tokens = first variant's"],
                           [[v["variant"], v.get("tok_s"), v.get("ms_per_token"), v.get("roofline_ms"),
-                            v.get("share_of_roofline"), v.get("engine_calls"), v.get("device_wait_ms_per_call")]
+                            v.get("share_of_roofline"), v.get("engine_calls"), v.get("device_wait_ms_per_call"),
+                            v.get("tokens_equal_first_variant")]
                            for v in decode["variants"]])
-        if decode.get("matmuls"):
-            out += _table(["weight shape", "rows", "µs", "GB/s", "share of HBM"],
-                          [["x".join(map(str, m["shape"])), m["rows"], m["us"], m["gb_per_s"], m.get("share_of_hbm")]
-                           for m in decode["matmuls"]])
+    gemm = sections.get("gemm", {})
+    if gemm.get("matmuls"):
+        out += ["## Decode GEMMs, Llama-3-8B weights (bf16, 8 rows), by XLA setting and Pallas tiling", ""]
+        out += _table(["matrix", "shape", "variant", "µs", "GB/s", "share of HBM", "rel. error"],
+                      [[m["matrix"], "x".join(map(str, m["shape"])), m["variant"], m.get("us"), m.get("gb_per_s"),
+                        m.get("share_of_hbm"), m.get("rel_error", m.get("error", "")[:80])]
+                       for m in gemm["matmuls"]])
+    if gemm.get("decode_step_gemms"):
+        out += _table(["variant", "one step's GEMMs ms", "GB/s", "share of HBM"],
+                      [[name, v.get("step_ms"), v.get("gb_per_s"), v.get("share_of_hbm")]
+                       for name, v in gemm["decode_step_gemms"].items()])
     out += ["## Sections", ""]
     out += _table(["section", "status", "seconds"],
                   [[name, s.get("status"), s.get("seconds")] for name, s in sections.items()])

@@ -79,7 +79,19 @@ def measure(args: Namespace) -> dict:
     return {"ttft_s": ttft, "decode_s": decode, "prefill_tokens_per_s": args.input_len / ttft,
             "decode_tokens_per_s": (args.output_len - 1) / decode, "decode_s_each": decodes,
             "bandwidth_each": bandwidths, "stream_buffer_bytes": buffer, "model_config": engine.model_config,
-            **warmup_report(engine.stats)}
+            **warmup_report(engine.stats), **speculation_report(engine)}
+
+
+def speculation_report(engine) -> dict:
+    """Speculative decoding's counters over every iteration (warm-up ones included); {} when it is off."""
+    stats = engine.stats
+    if engine.config.speculative_config is None:
+        return {}
+    return {"spec_num_drafts": stats.spec_num_drafts, "spec_num_draft_tokens": stats.spec_num_draft_tokens,
+            "spec_num_accepted_tokens": stats.spec_num_accepted_tokens,
+            "spec_acceptance_rate": stats.spec_acceptance_rate,
+            "spec_mean_accepted_length": stats.spec_mean_accepted_length,
+            "spec_accepted_per_pos": list(stats.spec_accepted_per_pos)}
 
 
 def mean_context(input_len: int, output_len: int) -> float:
@@ -126,6 +138,10 @@ def run_latency(args: Namespace) -> int:
           f"{report['weight_bytes_per_token'] / 1e6:.1f} MB + KV at {report['mean_context']:.0f} tokens of context); "
           f"decode reaches {report['decode_fraction_of_roofline']:.0%} of it (median over the iterations, each against "
           f"the bandwidth measured before it)")
+    if "spec_num_drafts" in report:
+        print(f"Speculative decoding: {report['spec_num_drafts']} drafted steps, {report['spec_num_draft_tokens']} "
+              f"draft tokens, acceptance {report['spec_acceptance_rate']:.1%}, mean accepted length "
+              f"{report['spec_mean_accepted_length']:.2f}, accepted per position {report['spec_accepted_per_pos']}")
     cache = report["last_level_cache_bytes"]
     if cache and report["bytes_per_decode_token"] < CACHE_NOTE_MULTIPLE * cache:
         print(f"Note: the {report['bytes_per_decode_token'] / 1e6:.1f} MB read per token is under "

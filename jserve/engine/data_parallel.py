@@ -41,7 +41,7 @@ class DataParallelEngine:
     def snapshot(self) -> EngineSnapshot:
         """The replicas' snapshots added up."""
         parts = [vars(e.snapshot()) for e in self.replicas]
-        return EngineSnapshot(**{name: sum(p[name] for p in parts) for name in parts[0]})
+        return EngineSnapshot(**{name: _add([p[name] for p in parts]) for name in parts[0]})
 
     def request_started(self, request_id: str) -> bool:
         engine = self._owner.get(request_id)
@@ -52,7 +52,7 @@ class DataParallelEngine:
         totals = EngineStats()
         for engine in self.replicas:
             for name in vars(totals):
-                setattr(totals, name, getattr(totals, name) + getattr(engine.stats, name))
+                setattr(totals, name, _add([getattr(totals, name), getattr(engine.stats, name)]))
         return totals
 
     def add_request(self, request_id: str, prompt, params=None, **kwargs) -> None:
@@ -93,3 +93,12 @@ class DataParallelEngine:
 
     def warmup(self) -> None:
         list(self._pool.map(LLMEngine.warmup, self.replicas))
+
+
+def _add(values: list):
+    """The sum of the replicas' values; per-position counts (speculative decoding) add position by position."""
+    if isinstance(values[0], (list, tuple)):
+        longest = max(len(v) for v in values)
+        summed = [sum(v[i] for v in values if i < len(v)) for i in range(longest)]
+        return type(values[0])(summed)
+    return sum(values)

@@ -27,16 +27,18 @@ from jserve.config import EngineConfig, ModelLoadError, default_decode_burst
 from jserve.distributed import MultiHostExecutor
 from jserve.engine.kv_cache import BlockManager
 from jserve.engine.output_processor import OutputProcessor
+from jserve.engine.rejection import logits_rows_for
 from jserve.engine.sampler import MetadataCache, SamplingMetadata, for_burst
 from jserve.engine.scheduler import Scheduler, SchedulerOutput
 from jserve.engine.sequence import Sequence
+from jserve.engine.speculative import expand_metadata, make_proposer, spec_layout, split_rows
 from jserve.engine.structured import GrammarCompiler, fill_bitmask
 from jserve.executors import choose_executor
 from jserve.executors.base import STOP_IDS_WIDTH, no_stop_ids
 from jserve.executors.cpu_layers import MAX_BLOCK_SIZE as CPU_MAX_BLOCK_SIZE
 from jserve.executors.xla import kv_bytes_per_block
-from jserve.loading import resolve_model_path
-from jserve.models.quantization import compressed_tensors_format, resident_bytes
+from jserve.loading import resolve_model_path, stored_quantization
+from jserve.models.quantization import resident_bytes
 from jserve.outputs import RequestOutput
 from jserve.sampling_params import InvalidParameterError, SamplingParams
 from jserve.tokenizer import Tokenizer, load_tokenizer
@@ -59,6 +61,21 @@ class EngineStats:
     warmup_seconds: float = 0.0  # LLMEngine.warmup: compiling every step shape up front
     warmup_step_shapes: int = 0
     warmup_burst_shapes: int = 0
+    # speculative decoding, vLLM's counters: sequences that carried drafts into a step, their draft tokens, the
+    # drafts accepted, and how often the draft at each position was accepted
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a sequence emits per speculative step (its accepted drafts plus the one the target samples)."""
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +93,10 @@ class EngineSnapshot:
     num_preemptions: int = 0
     prompt_tokens: int = 0  # computed so far
     generation_tokens: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:
@@ -120,11 +141,12 @@ class LLMEngine:
         if config.num_processes > 1 and self.mesh.size != jax.device_count():
             raise ValueError(f"multi-host: tensor_parallel_size must cover every process's devices "
                              f"({jax.device_count()} in all), got {config.tensor_parallel_size}")
-        # a compressed-tensors checkpoint's int8 weights need the executor int8 does
-        prequantized = "int8" if config.load_format == "auto" and compressed_tensors_format(model_dir) else None
+        # stored int8 weights (compressed-tensors, a quantized conversion) need the executor int8 does
+        prequantized = stored_quantization(model_dir, config.load_format)
         quantization = config.quantization or prequantized
         executor_class, attention, why = choose_executor(config.executor, config.attention_backend,
-                                                         sharded=self.mesh is not None, quantization=quantization)
+                                                         sharded=self.mesh is not None, quantization=quantization,
+                                                         kv_cache_dtype=config.kv_cache_dtype)
         if config.num_processes > 1:  # every process runs the leader's steps
             if executor_class.name != "xla":
                 raise ValueError("multi-host serving runs the XLA executor (executor 'xla' or 'auto')")
@@ -147,14 +169,16 @@ class LLMEngine:
         self.executor = executor_class(model, dtype=config.dtype, num_blocks=num_blocks, block_size=config.block_size,
                                        max_num_batched_tokens=config.max_num_batched_tokens,
                                        max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                                       mesh=self.mesh)
+                                       mesh=self.mesh, kv_cache_dtype=config.kv_cache_dtype)
         # Decode-only steps run forward and sample in one device call (a burst of 1 or more steps) where the
         # executor can: one dispatch instead of two, and the logits never leave the device.
+        spec = config.speculative_config
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
-                                   burst_buckets=self.executor.token_buckets if self.executor.supports_burst else None)
+                                   burst_buckets=self.executor.token_buckets if self.executor.supports_burst else None,
+                                   proposer=make_proposer(spec) if spec is not None else None)
         self.eos_token_ids = self._eos_token_ids()
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
-        self.stats = EngineStats()
+        self.stats = EngineStats(spec_accepted_per_pos=[0] * (spec.num_speculative_tokens if spec else 0))
         self._rng = random.Random(config.seed)
         self._metadata = MetadataCache()
         self._grammars: GrammarCompiler | None = None
@@ -174,7 +198,8 @@ class LLMEngine:
     def _num_kv_blocks(self) -> int:
         cfg = self.config
         # The budget is per device: tensor parallelism splits each block's KV heads over the model axis.
-        per_block = kv_bytes_per_block(self.model_config, cfg.block_size, cfg.dtype) // cfg.tensor_parallel_size
+        per_block = kv_bytes_per_block(self.model_config, cfg.block_size, cfg.dtype,
+                                       cfg.kv_cache_dtype) // cfg.tensor_parallel_size
         budget = cfg.kv_cache_memory_bytes or _device_kv_budget(cfg.kv_cache_fraction) or DEFAULT_KV_CACHE_BYTES
         num_blocks = distributed.agree_on_min(budget // per_block)  # multi-host: one cache shape on every host
         blocks_per_request = math.ceil(self.max_model_len / cfg.block_size)
@@ -196,7 +221,7 @@ class LLMEngine:
     def warmup(self) -> None:
         """Compile every step shape now, so serving never waits on the compiler."""
         start = time.perf_counter()
-        report = self.executor.warmup(self.config.decode_burst)
+        report = self.executor.warmup(self.config.decode_burst, speculative=self.config.speculative_config is not None)
         stats = self.stats
         stats.warmup_seconds = time.perf_counter() - start
         stats.warmup_step_shapes, stats.warmup_burst_shapes = report.step_shapes, report.burst_shapes
@@ -306,7 +331,11 @@ class LLMEngine:
                               num_free_blocks=bm.num_free_blocks, prefix_cache_queries=bm.prefix_cache_queries,
                               prefix_cache_hits=bm.prefix_cache_hits, num_preemptions=sched.num_preemptions,
                               prompt_tokens=self.stats.num_computed_prompt_tokens,
-                              generation_tokens=self.stats.num_generated_tokens)
+                              generation_tokens=self.stats.num_generated_tokens,
+                              spec_num_drafts=self.stats.spec_num_drafts,
+                              spec_num_draft_tokens=self.stats.spec_num_draft_tokens,
+                              spec_num_accepted_tokens=self.stats.spec_num_accepted_tokens,
+                              spec_accepted_per_pos=tuple(self.stats.spec_accepted_per_pos))
 
     # ----- the step -----
 
@@ -374,6 +403,8 @@ class LLMEngine:
         wanted = [_wants_prompt_logprobs(c) for c in plan.scheduled]
         batch = self.executor.prepare(plan.scheduled, all_logits=any(wanted))
         next_ids = _prompt_next_ids(plan, wanted, batch.query_start, len(batch.token_ids)) if any(wanted) else None
+        if any(c.draft_token_ids for c in plan.scheduled):
+            return self._execute_speculative(plan, batch, next_ids, wanted)
         meta = self._metadata.build(seqs, pad_to=self.executor.seq_rows_for(len(batch.token_ids)))
         if any(seq.grammar is not None for seq in seqs):
             meta = functools.partial(self._with_token_masks, meta, [seq.grammar for seq in seqs])
@@ -384,6 +415,48 @@ class LLMEngine:
         self.stats.num_steps += 1
         logprobs = _logprob_rows(out.sampled) if any(s.params.logprobs is not None for s in seqs) else None
         return [[t] for t in token_ids[:len(seqs)].tolist()], logprobs, None
+
+    def _execute_speculative(self, plan: SchedulerOutput, batch, next_ids: np.ndarray | None,
+                             wanted: list[bool]) -> tuple[list[list[int]], list | None, None]:
+        """A step where some sequences verify draft tokens: every chunk's logits rows (its drafts + 1) go through the
+        rejection sampler -> each chunk's emitted tokens (and their logprobs per token where asked)."""
+        chunks, seqs = plan.scheduled, [c.seq for c in plan.scheduled]
+        num_tokens = len(batch.token_ids)
+        rows_needed = sum(1 + len(c.draft_token_ids) for c in chunks)
+        num_rows = logits_rows_for(rows_needed, num_tokens, self.executor.seq_rows_for(num_tokens))
+        layout = spec_layout(chunks, batch.query_start, num_rows)
+        base = self._metadata.build(seqs, pad_to=len(seqs) + 1)  # the last row: padding rows' no-op parameters
+
+        def metadata() -> SamplingMetadata:
+            meta = base
+            if any(seq.grammar is not None for seq in seqs):
+                meta = self._with_token_masks(meta, [seq.grammar for seq in seqs])
+            # one executable per row bucket: the draw and the filters compiled in, skipped at run time where unused
+            return for_burst(expand_metadata(meta, layout, chunks))
+
+        out = self.executor.execute(batch, metadata, next_ids, spec=layout.step)
+        rows = self._fetch(out.sampled.token_ids)
+        if out.prompt_logprobs is not None:
+            self.outputs.record_prompt_logprobs(chunks, wanted, batch.query_start, *out.prompt_logprobs)
+        self.stats.num_steps += 1
+        tokens = split_rows(rows, layout)
+        self._count_speculation(chunks, tokens)
+        logprobs = None
+        if any(s.params.logprobs is not None for s in seqs):
+            per_row = _logprob_rows(out.sampled)
+            logprobs = [per_row[start: start + len(t)] for start, t in zip(layout.row_start, tokens, strict=True)]
+        return tokens, logprobs, None
+
+    def _count_speculation(self, chunks: list, tokens: list[list[int]]) -> None:
+        stats = self.stats
+        for chunk, emitted in zip(chunks, tokens, strict=True):
+            if chunk.draft_token_ids:
+                accepted = len(emitted) - 1
+                stats.spec_num_drafts += 1
+                stats.spec_num_draft_tokens += len(chunk.draft_token_ids)
+                stats.spec_num_accepted_tokens += accepted
+                for pos in range(accepted):
+                    stats.spec_accepted_per_pos[pos] += 1
 
     def _with_token_masks(self, meta: SamplingMetadata, grammars: list) -> SamplingMetadata:
         """meta with the constrained rows' token masks, filled on the host (the executor calls this once the step's

@@ -103,8 +103,9 @@ class OutputProcessor:
     def append(self, scheduled: list[ScheduledSeq], tokens: list[list[int]],
                logprobs: list[tuple | None] | None = None) -> tuple[list[int], list[Finished], list[RequestState]]:
         """Append each scheduled sequence's new tokens (a row of `tokens` per chunk: one token for a single step, a
-        burst's tokens in order; chunks that do not sample are skipped), stopping a sequence at its first stop
-        condition -> (tokens appended per chunk, the sequences that ended, the requests that changed)."""
+        burst's tokens in order, or a speculative step's accepted drafts and the token after them; chunks that do not
+        sample are skipped; a chunk's logprobs are one tuple, or a list of one per token), stopping a sequence at its
+        first stop condition -> (tokens appended per chunk, the sequences that ended, the requests that changed)."""
         appended, finished, changed = [], [], {}
         now = time.monotonic()
         for row, chunk in enumerate(scheduled):
@@ -115,9 +116,11 @@ class OutputProcessor:
             state = self.requests[seq.request_id]
             stream = state.streams[seq.index]
             count = 0
+            row_logprobs = None if logprobs is None else logprobs[row]  # a list: one per token (speculative step)
             for token in tokens[row]:
+                token_logprobs = row_logprobs[count] if isinstance(row_logprobs, list) else row_logprobs
                 count += 1
-                reason = self._append_token(stream, token, None if logprobs is None else logprobs[row])
+                reason = self._append_token(stream, token, token_logprobs)
                 if reason is not None:
                     finished.append(Finished(seq, reason))
                     break

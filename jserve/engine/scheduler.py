@@ -5,7 +5,10 @@ yet (a whole prompt, a prompt chunk, one decoded token, or everything again afte
 scheduler hands out a token budget. Running sequences are served first, in precedence order, so decodes are
 never starved by new prompts; waiting sequences are then admitted in order while tokens, seats and
 blocks last. When every scheduled sequence is decoding, it also decides how many decode steps the executor runs in
-one device call (a burst), and allocates their slots. It alone allocates blocks and advances what is computed.
+one device call (a burst), and allocates their slots. With speculative decoding a decoding sequence may also carry
+draft tokens from the proposer, computed (verified) as extra query tokens of the step; those steps never burst, and
+a sequence advances only past the drafts the sampler accepted. It alone allocates blocks and advances what is
+computed.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from jserve.config import EngineConfig
 from jserve.engine.kv_cache import BlockManager
 from jserve.engine.sampler import has_penalty
 from jserve.engine.sequence import ScheduledSeq, Sequence, SequenceStatus
+from jserve.engine.speculative import Proposer
 from jserve.sampling_params import RequestOutputKind
 
 
@@ -42,8 +46,9 @@ class Scheduler:
     """Owns the waiting and running queues. Each step: schedule(), run the model, update()."""
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
-                 burst_buckets: list[int] | None = None):
-        """burst_buckets: the padded batch sizes the executor's decode bursts run at (None: no bursts)."""
+                 burst_buckets: list[int] | None = None, proposer: Proposer | None = None):
+        """burst_buckets: the padded batch sizes the executor's decode bursts run at (None: no bursts); proposer:
+        what proposes draft tokens (speculative decoding; config.speculative_config bounds how many)."""
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.max_num_seqs = config.max_num_seqs
@@ -52,6 +57,10 @@ class Scheduler:
         self.decode_burst, self.decode_burst_ms = config.decode_burst, config.decode_burst_ms
         self.burst_buckets = burst_buckets
         self.decode_step_seconds: dict[int, float] = {}  # the last burst's time a step, by batch bucket
+        spec = config.speculative_config
+        self.proposer = proposer if spec is not None else None
+        self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
+        self.disable_spec_batch_size = spec.disable_by_batch_size if spec is not None else None
         # Both queues stay sorted by precedence, so the preemption victim is always running[-1].
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -178,10 +187,19 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
+        limit = self.disable_spec_batch_size
+        speculate = self.proposer is not None and (limit is None or len(self.running) <= limit)
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = self._chunk(seq, budget)
             if num_new == 0:
+                i += 1
+                continue
+            drafts = self._drafts(seq, budget) if speculate and num_new == 1 else []
+            # Drafts only take free blocks: a sequence that cannot get their slots decodes plainly instead.
+            if drafts and self.block_manager.allocate_slots(seq, 1 + len(drafts)):
+                out.scheduled.append(ScheduledSeq(seq, 1 + len(drafts), sample=True, draft_token_ids=drafts))
+                budget -= 1 + len(drafts)
                 i += 1
                 continue
             while not self.block_manager.allocate_slots(seq, num_new):
@@ -194,6 +212,18 @@ class Scheduler:
             budget -= num_new
             i += 1
         return budget
+
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """The proposer's draft tokens for a decoding sequence: none for a constrained one (its token masks come one
+        step at a time) or one with min_tokens pending (its EOS ban lifts mid-draft); never past the step's budget,
+        its max_tokens or max_model_len (the token after the last draft is always emitted too)."""
+        params = seq.params
+        if seq.num_output_tokens == 0 or seq.num_computed_tokens != seq.num_tokens - 1 or seq.grammar is not None \
+                or seq.num_output_tokens < params.min_tokens:
+            return []
+        k = min(self.num_speculative_tokens, budget - 1, params.max_tokens - seq.num_output_tokens - 1,
+                self.max_model_len - seq.num_tokens - 1)
+        return list(self.proposer.propose(seq, k))[:k] if k > 0 else []
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         bm = self.block_manager
@@ -237,11 +267,23 @@ class Scheduler:
                step_seconds: float | None = None) -> None:
         """The model ran the step: advance each sequence past the tokens it computed, then retire the ones that
         ended. appended: tokens each chunk's sequence took from the step (a burst computes one more token of a
-        sequence for each it appended); step_seconds: a burst's time a step, which bounds later bursts."""
+        sequence for each it appended, and so does a chunk with drafts: its last known token and the drafts accepted);
+        step_seconds: a burst's time a step, which bounds later bursts."""
+        bm = self.block_manager
         for chunk, count in zip(output.scheduled, appended, strict=True):
-            if chunk.seq.is_finished:  # aborted while the step ran; its blocks are already gone
+            seq = chunk.seq
+            if seq.is_finished:  # aborted while the step ran; its blocks are already gone
                 continue
-            self.block_manager.mark_computed(chunk.seq, count if output.burst else chunk.num_new_tokens)
+            if not chunk.draft_token_ids:
+                bm.mark_computed(seq, count if output.burst else chunk.num_new_tokens)
+                continue
+            # The K/V of rejected drafts is left to be overwritten: the sequence is computed only as far as its
+            # accepted tokens (so only they are hashed into the prefix cache), and blocks that held nothing but
+            # rejected drafts go back (the next step's own token needs num_tokens positions).
+            bm.mark_computed(seq, count)
+            keep = bm.num_blocks_for(seq.num_tokens)
+            while len(seq.block_table) > keep:
+                bm._release(seq.block_table.pop())
         for seq, reason in finished:
             self.finish(seq, reason)
         if output.burst and step_seconds is not None:

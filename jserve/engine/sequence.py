@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jserve.sampling_params import SamplingParams
 
@@ -84,8 +84,10 @@ class Sequence:
 
 @dataclass
 class ScheduledSeq:
-    """Compute `seq.token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens]` this step."""
+    """Compute `seq.token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens]` this step; with draft tokens
+    (speculative decoding) the last len(draft_token_ids) of the chunk's tokens are those drafts, verified this step."""
 
     seq: Sequence
     num_new_tokens: int
     sample: bool  # the chunk reaches the last known token, so its logits yield the next token
+    draft_token_ids: list[int] = field(default_factory=list)  # proposed tokens after the last known one

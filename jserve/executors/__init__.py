@@ -16,9 +16,12 @@ logger = logging.getLogger(__name__)
 
 
 def choose_executor(executor: str, attention_backend: str, *, sharded: bool = False,
-                    platform: str | None = None, quantization: str | None = None) -> tuple[type[XlaExecutor], str, str]:
+                    platform: str | None = None, quantization: str | None = None,
+                    kv_cache_dtype: str = "auto") -> tuple[type[XlaExecutor], str, str]:
     """-> (executor class, concrete attention backend, why) for the EngineConfig settings `executor`,
-    `attention_backend` and `quantization` on this platform; sharded: the model is split over a mesh."""
+    `attention_backend`, `quantization` and `kv_cache_dtype` on this platform; sharded: the model is split over a
+    mesh. The C++ kernels read an int8 KV cache but not an fp8 one: fp8 runs on the XLA executor, whose "auto"
+    attention on CPU is then the reference."""
     platform = platform or jax.default_backend()
     if quantization == "fp8" and platform != "gpu":
         raise ValueError(f"fp8 weights need a GPU (platform is {platform!r}); use int8")
@@ -31,6 +34,8 @@ def choose_executor(executor: str, attention_backend: str, *, sharded: bool = Fa
             executor, why = "xla", "the model is sharded (the layer kernel runs on one device)"
         elif quantization is not None:
             executor, why = "xla", f"{quantization} weights (the C++ layer kernels have no {quantization} matmul)"
+        elif kv_cache_dtype == "fp8":
+            executor, why = "xla", "kv_cache_dtype fp8 (the C++ kernels read int8 pages, not fp8 ones)"
         elif not cpu_kernels.available():
             executor, why = "xla", f"the C++ kernels are unavailable ({cpu_kernels.unavailable_reason()})"
         else:
@@ -45,12 +50,20 @@ def choose_executor(executor: str, attention_backend: str, *, sharded: bool = Fa
         if quantization is not None:
             raise ValueError(f"executor 'cpu-layers' has no {quantization} matmul kernels; quantization "
                              f"{quantization!r} needs executor 'xla' (or 'auto')")
+        if kv_cache_dtype == "fp8":
+            raise ValueError("executor 'cpu-layers' reads an int8 KV cache but not an fp8 one; kv_cache_dtype "
+                             "'fp8' needs executor 'xla' (or 'auto')")
         if attention_backend not in ("auto", "cpu"):
             raise ValueError(f"executor 'cpu-layers' runs its own attention (the C++ kernel); attention_backend "
                              f"{attention_backend!r} needs executor 'xla'")
         return CpuLayerExecutor, "cpu", why
     if executor != "xla":
         raise ValueError(f"unknown executor {executor!r}")
+    if kv_cache_dtype == "fp8" and attention_backend == "cpu":
+        raise ValueError("attention_backend 'cpu' (the C++ kernel) reads int8 pages but not fp8 ones; "
+                         "kv_cache_dtype 'fp8' needs attention_backend 'reference' or 'auto'")
+    if kv_cache_dtype == "fp8" and attention_backend == "auto" and platform == "cpu":
+        return XlaExecutor, "reference", why
     return XlaExecutor, resolve_backend(attention_backend, platform), why
 
 

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from jserve.engine.rejection import SpecStep
 from jserve.engine.sampler import SamplerOutput, SamplingMetadata
 from jserve.engine.sequence import ScheduledSeq
 from jserve.models.batch import StepBatch
@@ -61,9 +62,11 @@ class Executor(ABC):
 
     @abstractmethod
     def execute(self, batch: StepBatch, meta: SamplingMetadata | Callable[[], SamplingMetadata],
-                prompt_next_ids: np.ndarray | None = None) -> StepOutput:
+                prompt_next_ids: np.ndarray | None = None, spec: SpecStep | None = None) -> StepOutput:
         """Run one step and sample one token per sequence row. With prompt_next_ids (i32[T], the batch prepared with
-        all_logits) also the logprob of each token's successor. `meta` may be a function that makes the metadata:
+        all_logits) also the logprob of each token's successor. With spec (a step whose chunks carry draft tokens)
+        every logits row's token comes from the rejection sampler (jserve.engine.rejection): -1 past a sequence's
+        first non-accepted row. `meta` may be a function that makes the metadata:
         it is called once the forward is dispatched, so its host work (structured-output masks) overlaps the
         device's."""
 
@@ -75,8 +78,9 @@ class Executor(ABC):
         i32[max_steps, S] on the device (rows of steps not run are -1)."""
 
     @abstractmethod
-    def warmup(self, decode_burst: int) -> WarmupReport:
-        """Compile every step shape, decode burst and sampler variant a step can need."""
+    def warmup(self, decode_burst: int, speculative: bool = False) -> WarmupReport:
+        """Compile every step shape, decode burst and sampler variant a step can need (with speculative, also the
+        speculative steps' logits rows and rejection sampler)."""
 
     @abstractmethod
     def seq_rows_for(self, num_tokens_bucket: int) -> int:

@@ -31,6 +31,7 @@ from jserve.executors.xla import XlaExecutor
 from jserve.loading import LoadedModel, load_model, model_config
 from jserve.models.batch import KVCache, StepBatch
 from jserve.models.layers import embed_lookup, matmul, rms_norm, rope_inv_freq
+from pallas_kernels.quantized import QuantizedPages, zeros_pages
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,9 @@ class CpuLayerExecutor(XlaExecutor):
                               attention_backend=attention_backend, layer_stack=_layer_stack(stacks))
 
     def __init__(self, model: LoadedModel, *, max_num_batched_tokens: int, mesh: Mesh | None = None, **kwargs):
+        if kwargs.get("kv_cache_dtype", "auto") == "fp8":  # the C++ kernels read int8 pages, not e4m3 ones
+            raise ValueError("executor 'cpu-layers' reads an int8 KV cache but not an fp8 one; kv_cache_dtype "
+                             "'fp8' needs executor 'xla' (or 'auto')")
         # Where the layer kernel takes every step (one device, no bucket larger than it takes), the cache is one
         # stacked array for K and one for V, and so are the layers' weights where the loader stacked them: a step
         # then dispatches ~14 arrays instead of a few per layer.
@@ -115,6 +119,9 @@ class CpuLayerExecutor(XlaExecutor):
         if not self.every_step_fused:
             return super()._new_kv_cache(shape, dtype)
         stacked = (self.config.num_layers, *shape)
+        if self.kv_cache_dtype != "auto":  # int8: one QuantizedPages each, its arrays stacked
+            return KVCache(k=zeros_pages(stacked, self.dtype, self.kv_cache_dtype, "cpu"),
+                           v=zeros_pages(stacked, self.dtype, self.kv_cache_dtype, "cpu"))
         return KVCache(k=jnp.zeros(stacked, dtype), v=jnp.zeros(stacked, dtype))
 
     def layer_kernel_takes(self, num_tokens: int) -> bool:
@@ -134,11 +141,25 @@ class CpuLayerExecutor(XlaExecutor):
         cfg = self.config
         x = cpu_kernels.packed_rows(embed, batch.token_ids) if cpu_kernels.is_packed(embed) \
             else embed_lookup(embed, batch.token_ids)
-        x, k_cache, v_cache = cpu_kernels.decoder_layers(
-            x, layers, kv_cache.k, kv_cache.v, positions=batch.positions, slot_mapping=batch.slot_mapping,
+        k_cache, v_cache, scales = kv_cache.k, kv_cache.v, {}
+        quantized = self.kv_cache_dtype != "auto"
+        if quantized:  # an int8 cache: the kernel takes the values and the scales as arrays (or lists of them)
+            split = (lambda c, f: getattr(c, f)) if kv_cache.stacked else (lambda c, f: [getattr(p, f) for p in c])
+            k_cache, v_cache = split(kv_cache.k, "values"), split(kv_cache.v, "values")
+            scales = {"k_scales": split(kv_cache.k, "scales"), "v_scales": split(kv_cache.v, "scales")}
+        x, k_cache, v_cache, *new_scales = cpu_kernels.decoder_layers(
+            x, layers, k_cache, v_cache, positions=batch.positions, slot_mapping=batch.slot_mapping,
             page_table=batch.page_table, query_start=batch.query_start, seq_lens=batch.seq_lens,
             inv_freq=rope_inv_freq(cfg), num_heads=cfg.num_heads, eps=cfg.rms_norm_eps, scale=cfg.head_dim**-0.5,
-            sliding_window=cfg.sliding_window, intermediate_size=cfg.intermediate_size)
+            sliding_window=cfg.sliding_window, intermediate_size=cfg.intermediate_size, **scales)
+        if quantized:
+            k_scales, v_scales = new_scales
+            if kv_cache.stacked:
+                k_cache = QuantizedPages(k_cache, k_scales, self.dtype)
+                v_cache = QuantizedPages(v_cache, v_scales, self.dtype)
+            else:
+                k_cache = [QuantizedPages(v, s, self.dtype) for v, s in zip(k_cache, k_scales, strict=True)]
+                v_cache = [QuantizedPages(v, s, self.dtype) for v, s in zip(v_cache, v_scales, strict=True)]
         last = rms_norm(x[batch.logits_indices], norm, cfg.rms_norm_eps)  # only the positions that predict a token
         head = embed if lm_head is None else lm_head
         if cpu_kernels.is_packed(head) or last.shape[0] <= cpu_kernels.max_kernel_rows():

@@ -24,6 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jserve.engine.packing import PackedLayout, pack, unpack
+from jserve.engine.rejection import SpecRows, SpecStep, chunk_logits_rows, logits_rows_for, rejection_sample_packed
 from jserve.engine.sampler import (
     SamplingMetadata,
     for_burst,
@@ -45,6 +46,7 @@ from jserve.executors.base import (
 )
 from jserve.loading import LoadedModel, load_model
 from jserve.models.batch import KVCache, StepBatch
+from pallas_kernels.quantized import QuantizedPages, kv_bytes_per_token_head, zeros_pages
 from pallas_kernels.reference import kv_storage_dtype
 from sharding import KV_CACHE_AXES, logical_sharding, replicated
 
@@ -59,17 +61,29 @@ def reads_only_used_pages(backend: str, platform: str | None = None) -> bool:
     return backend in ("cpu", "reference", "pallas-interpret-gpu") or (backend == "pallas" and platform == "gpu")
 
 
-def burst_compiler_options(platform: str) -> dict[str, str] | None:
-    """XLA options for a decode burst's executable. On a GPU, XLA's command buffers (CUDA graphs) take the burst's
-    data-dependent while loop whole, as conditional nodes, where by default the host launches each step and reads
-    its loop predicate back: on an H200 an 8B model's batch-1 decode went from 85% to 88% of the HBM roofline."""
+def step_compiler_options(platform: str) -> dict[str, bool | int] | None:
+    """XLA options for a step's executable. On a GPU, matmuls go to cuBLAS by its heuristics: XLA's default
+    autotunes a Triton GEMM for every matmul shape on the device, one compile at a time, which took an 8B model's
+    warm-up past 135 s on an H200 for 2% faster batch-1 decode (4.70 against 4.80 ms a token)."""
     if platform != "gpu":
         return None
-    return {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"}
+    return {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
 
 
-def kv_bytes_per_block(config, block_size: int, dtype: str) -> int:
-    return 2 * config.num_layers * block_size * config.kv_size * jnp.dtype(dtype).itemsize
+def burst_compiler_options(platform: str) -> dict[str, str | bool | int] | None:
+    """XLA options for a decode burst's executable: a step's, and on a GPU, XLA's command buffers (CUDA graphs)
+    take the burst's data-dependent while loop whole, as conditional nodes, where by default the host launches
+    each step and reads its loop predicate back (on an H200, an 8B model's batch-1 decode 5.02 -> 4.85 ms)."""
+    if platform != "gpu":
+        return None
+    return {**step_compiler_options(platform),
+            "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"}
+
+
+def kv_bytes_per_block(config, block_size: int, dtype: str, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one KV block over every layer, K and V, a quantized cache's scales included."""
+    per_token_head = kv_bytes_per_token_head(config.head_dim, dtype, kv_cache_dtype)
+    return 2 * config.num_layers * block_size * config.num_kv_heads * per_token_head
 
 
 class XlaExecutor(Executor):
@@ -87,8 +101,11 @@ class XlaExecutor(Executor):
                           quantization=quantization)
 
     def __init__(self, model: LoadedModel, *, dtype: str, num_blocks: int, block_size: int,
-                 max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, mesh: Mesh | None = None):
-        """mesh: the [data=1, model] mesh the model was loaded onto (None: one device, no sharding)."""
+                 max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, mesh: Mesh | None = None,
+                 kv_cache_dtype: str = "auto"):
+        """mesh: the [data=1, model] mesh the model was loaded onto (None: one device, no sharding).
+        kv_cache_dtype: "auto" (K/V in `dtype`) | "int8" | "fp8": each layer's K and V a QuantizedPages
+        (pallas_kernels/quantized.py), quantized as written and read by attention as stored."""
         self.config = model.config
         self.graphdef = model.graphdef
         self.attention_backend = model.attention_backend
@@ -104,6 +121,7 @@ class XlaExecutor(Executor):
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         storage = kv_storage_dtype(dtype, jax.default_backend())
         self._kv_shape, self._kv_storage = shape, storage
+        self.dtype, self.kv_cache_dtype = dtype, kv_cache_dtype
         if mesh is None:
             # Committed to the device: a step's outputs are then committed whichever way the weights were placed,
             # and jit keys its cache on that (the sampler compiled at warm-up must be the one steps call).
@@ -113,14 +131,16 @@ class XlaExecutor(Executor):
             # The cache too: a burst returns it committed, and a step compiled for an uncommitted one would
             # compile again for the first step after a burst.
             self.kv_cache = self._allocate_kv_cache()
-            self._step = jax.jit(self._packed_forward, donate_argnums=(1,), static_argnums=(3,))
+            self._step = jax.jit(self._packed_forward, donate_argnums=(1,), static_argnums=(3,),
+                                 compiler_options=step_compiler_options(jax.default_backend()))
         else:
             self.kv_cache = self._allocate_kv_cache()
             # The cache keeps its layout across steps and logits come back whole (the sampler runs unsharded);
             # parameters keep the shardings they were loaded with, and GSPMD propagates them through the step.
             cache_shardings = jax.tree.map(lambda a: a.sharding, self.kv_cache)
             self._step = jax.jit(self._packed_forward, donate_argnums=(1,), static_argnums=(3,),
-                                 out_shardings=(cache_shardings, replicated(mesh)))
+                                 out_shardings=(cache_shardings, replicated(mesh)),
+                                 compiler_options=step_compiler_options(jax.default_backend()))
         smallest = self.smallest_token_bucket
         self.token_buckets = pow2_buckets(min(smallest, max_num_batched_tokens), max_num_batched_tokens)
         self.max_seq_rows = min(max_num_seqs, max_num_batched_tokens)
@@ -153,6 +173,13 @@ class XlaExecutor(Executor):
             return jax.device_put(self._new_kv_cache(shape, storage), jax.devices()[0])
         zeros = jax.jit(lambda: jnp.zeros(shape, storage),
                         out_shardings=logical_sharding(self.mesh, KV_CACHE_AXES, shape))
+        if self.kv_cache_dtype != "auto":  # values sharded like an unquantized cache, scales by their KV heads
+            def zeros(mesh=self.mesh):
+                def sharded_zeros(array_shape, dtype):
+                    axes = KV_CACHE_AXES[:len(array_shape)]
+                    return jax.jit(lambda: jnp.zeros(array_shape, dtype),
+                                   out_shardings=logical_sharding(mesh, axes, array_shape))()
+                return zeros_pages(shape, self.dtype, self.kv_cache_dtype, jax.default_backend(), sharded_zeros)
         layers = self.config.num_layers
         return KVCache(k=[zeros() for _ in range(layers)], v=[zeros() for _ in range(layers)])
 
@@ -167,8 +194,13 @@ class XlaExecutor(Executor):
         self.kv_cache = self._allocate_kv_cache()
 
     def _new_kv_cache(self, shape: tuple[int, ...], dtype: jnp.dtype) -> KVCache:
-        """A single device's cache: one [num_blocks, block_size, num_kv_heads, head_dim] array a layer."""
+        """A single device's cache: one [num_blocks, block_size, num_kv_heads, head_dim] array a layer (or a
+        QuantizedPages of that shape)."""
         layers = self.config.num_layers
+        if self.kv_cache_dtype != "auto":
+            def zeros() -> QuantizedPages:
+                return zeros_pages(shape, self.dtype, self.kv_cache_dtype, jax.default_backend())
+            return KVCache(k=[zeros() for _ in range(layers)], v=[zeros() for _ in range(layers)])
         return KVCache(k=[jnp.zeros(shape, dtype) for _ in range(layers)],
                        v=[jnp.zeros(shape, dtype) for _ in range(layers)])
 
@@ -236,14 +268,16 @@ class XlaExecutor(Executor):
     # ----- the executor interface -----
 
     def execute(self, batch: StepBatch, meta: SamplingMetadata | Callable[[], SamplingMetadata],
-                prompt_next_ids: np.ndarray | None = None) -> StepOutput:
+                prompt_next_ids: np.ndarray | None = None, spec: SpecStep | None = None) -> StepOutput:
         logits = self.run(batch)  # dispatched: the device computes while the host makes a deferred meta
         if callable(meta):
             meta = meta()
         prompt = None
         if prompt_next_ids is not None:  # logits for every token: the prompt's logprobs, then each row's last
             prompt = PromptLogprobs(*(np.asarray(a) for a in token_logprobs(logits, prompt_next_ids)))
-            logits = logits[np.maximum(batch.query_start[1:] - 1, 0)]
+            logits = logits[np.maximum(batch.query_start[1:] - 1, 0) if spec is None else spec.logits_rows]
+        if spec is not None:  # the drafts' rows verified by rejection sampling (jserve.engine.rejection)
+            return StepOutput(rejection_sample_packed(logits, *pack((meta, spec.rows)), self.argmax), prompt)
         return StepOutput(sample_packed(logits, *pack(meta), self.argmax), prompt)
 
     def execute_burst(self, batch: StepBatch, meta: SamplingMetadata, num_steps: int, max_steps: int,
@@ -266,7 +300,9 @@ class XlaExecutor(Executor):
         """Flatten the scheduled chunks into one padded ragged batch (host-side numpy, then one transfer).
 
         With all_logits the step returns logits for every token (for prompt logprobs), not one row per sequence.
-        lookahead: tokens past this step the page table must reach (a decode burst's later steps).
+        lookahead: tokens past this step the page table must reach (a decode burst's later steps). A chunk's draft
+        tokens (speculative decoding) end its tokens, and it gets a logits row for each of them after its last known
+        token's, rows back to back (jserve.engine.rejection.logits_rows_for pads them).
         """
         num_tokens = sum(c.num_new_tokens for c in chunks)
         t_pad = pick_bucket(self.token_buckets, num_tokens)
@@ -286,7 +322,16 @@ class XlaExecutor(Executor):
         for row, chunk in enumerate(chunks):
             seq, n = chunk.seq, chunk.num_new_tokens
             start, blocks = seq.num_computed_tokens, seq.block_table
-            if n == 1:  # a decode: scalar writes (per-row numpy calls would cost more than the row's work)
+            drafts = chunk.draft_token_ids
+            if drafts:  # the last known token, then the drafts it is to verify
+                pos = np.arange(start, start + n, dtype=np.int32)
+                token_ids[offset] = seq.token_at(start)
+                token_ids[offset + 1: offset + n] = drafts
+                positions[offset: offset + n] = pos
+                slot_mapping[offset: offset + n] = (np.asarray(blocks, np.int32)[pos // block_size] * block_size
+                                                    + pos % block_size)
+                token_seq[offset: offset + n] = row
+            elif n == 1:  # a decode: scalar writes (per-row numpy calls would cost more than the row's work)
                 token_ids[offset] = seq.token_at(start)
                 positions[offset] = start
                 slot_mapping[offset] = blocks[start // block_size] * block_size + start % block_size
@@ -307,6 +352,10 @@ class XlaExecutor(Executor):
         query_start[len(chunks) + 1:] = offset
         if all_logits:
             logits_indices = np.arange(t_pad, dtype=np.int32)
+        elif any(c.draft_token_ids for c in chunks):
+            rows = chunk_logits_rows(query_start, np.array([len(c.draft_token_ids) for c in chunks], np.int32))
+            logits_indices = np.zeros(logits_rows_for(len(rows), t_pad, s_pad), np.int32)
+            logits_indices[:len(rows)] = rows
         return StepBatch(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
                          token_seq=token_seq, page_table=page_table, seq_lens=seq_lens,
                          query_start=query_start, logits_indices=logits_indices)
@@ -338,23 +387,29 @@ class XlaExecutor(Executor):
         self._compiled_bursts.update(burst_executables)
         return [tuple(exe.out_info[1].shape) for _, exe in steps]
 
-    def warmup(self, decode_burst: int) -> WarmupReport:
+    def warmup(self, decode_burst: int, speculative: bool = False) -> WarmupReport:
         batches = list(self.warmup_batches())
+        if speculative:  # steps whose drafts' logits rows outnumber the sequence rows take one row per token
+            batches += list(self.speculative_batches())
         bursts = [(b, for_burst(warmup_metadata(len(b.seq_lens))[0]), decode_burst) for b in self.burst_batches()]
         vocab = self.config.vocab_size
+        rows = sorted({len(b.seq_lens) for b in batches})
+        spec_rows = sorted({len(b.logits_indices) for b in batches}) if speculative else []
         if self.mesh is None:
             # The sampler's variants compile on a thread of their own while the steps compile (XLA releases the
             # GIL): its logits are (rows, vocab) for each token bucket's rows.
-            rows = sorted({len(b.seq_lens) for b in batches})
             with ThreadPoolExecutor(1, thread_name_prefix="jserve-sampler") as pool:
-                sampler = pool.submit(lambda: [self._warm_sampler((n, vocab)) for n in rows])
+                sampler = pool.submit(lambda: [self._warm_sampler((n, vocab)) for n in rows]
+                                      + [self._warm_rejection_sampler((n, vocab)) for n in spec_rows])
                 logits_shapes = set(self.compile_ahead(batches, bursts))
                 sampler.result()
-            assert logits_shapes == {(n, vocab) for n in rows}, logits_shapes
+            assert logits_shapes == {(len(b.logits_indices), vocab) for b in batches}, logits_shapes
         else:  # a sharded (or multi-process) step compiles on its first run, in lockstep on every process
             logits_shapes = {tuple(self.run(batch).shape) for batch in batches}
-            for shape in sorted(logits_shapes):
-                self._warm_sampler(shape)
+            for n in rows:
+                self._warm_sampler((n, vocab))
+            for n in spec_rows:
+                self._warm_rejection_sampler((n, vocab))
         return WarmupReport(step_shapes=len(batches), burst_shapes=len(bursts))
 
     def _warm_sampler(self, shape: tuple[int, int]) -> None:
@@ -363,6 +418,13 @@ class XlaExecutor(Executor):
         logits = jax.device_put(jnp.zeros(shape, jnp.float32), self.devices_of_logits())
         for meta in warmup_metadata(shape[0]):
             jax.block_until_ready(sample_packed(logits, *pack(meta), self.argmax))
+
+    def _warm_rejection_sampler(self, shape: tuple[int, int]) -> None:
+        # A speculative step's sampler, for_burst's one variant (the engine sends that metadata), no drafts.
+        logits = jax.device_put(jnp.zeros(shape, jnp.float32), self.devices_of_logits())
+        rows = SpecRows(draft_ids=np.full(shape[0], -1, np.int32), seg_start=np.arange(shape[0], dtype=np.int32))
+        meta = for_burst(warmup_metadata(shape[0])[0])
+        jax.block_until_ready(rejection_sample_packed(logits, *pack((meta, rows)), self.argmax))
 
     def devices_of_logits(self) -> jax.sharding.Sharding:
         """Where a step's logits live: the one device, or replicated over the mesh."""
@@ -382,6 +444,13 @@ class XlaExecutor(Executor):
     def burst_batches(self):
         """The warm-up batches a decode burst can take: one token per sequence row."""
         return (b for b in self.warmup_batches() if self.supports_burst and len(b.token_ids) <= len(b.seq_lens))
+
+    def speculative_batches(self):
+        """The warm-up batches of speculative steps that need more logits rows than sequence rows: one per token."""
+        for batch in self.warmup_batches():
+            t_pad = len(batch.token_ids)
+            if len(batch.seq_lens) < t_pad:
+                yield dataclasses.replace(batch, logits_indices=np.zeros(t_pad, np.int32))
 
     def warmup_batches(self):
         """One all-padding batch per (tokens, pages) bucket: compiling them all up front means no step recompiles."""

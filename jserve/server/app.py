@@ -4,7 +4,7 @@ background on start-up (so /health answers 503 meanwhile) and stops it on shut-d
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -18,7 +18,9 @@ from jserve.server import routes
 from jserve.server.auth import KeyRing, load_api_keys
 from jserve.server.http import EventStreamResponse, RequestContextMiddleware, error_response
 from jserve.server.limits import Limits
+from jserve.server.multi_model import ServedModel
 from jserve.server.openapi import openapi_spec
+from jserve.server.playground import playground_routes
 from jserve.server.protocol import APIError
 from jserve.server.state import ServerSettings, ServerState
 
@@ -56,16 +58,16 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return error_response(APIError(status, f"{message}: {request.method} {request.url.path}"[:300]))
 
 
-def build_app(config: EngineConfig | None = None, settings: ServerSettings | None = None, *,
+def build_app(config: EngineConfig | Sequence[ServedModel] | None = None, settings: ServerSettings | None = None, *,
               on_load_error: Callable[[BaseException], None] | None = None) -> Starlette:
-    """An OpenAI-compatible app serving `config`'s model; `app.state.server` is its ServerState."""
+    """An OpenAI-compatible app serving `config`'s model, or several models routed by the requests' `model`;
+    `app.state.server` is its ServerState."""
     state = ServerState(config or EngineConfig(), settings or ServerSettings(), on_load_error)
     settings = state.settings
     # A bad keys file stops start-up here, with ApiKeysFileError naming the file and the entry.
     key_list = load_api_keys(settings.api_keys_file) if settings.api_keys_file else []
     keys = KeyRing.from_settings(settings.api_key, key_list)
-    limits = Limits(key_list, max_queue_delay=settings.max_queue_delay,
-                    salt_by_key=settings.prefix_cache_salt_by_key, metrics=state.metrics)
+    limits = state.make_limits(key_list)  # one per model, sharing the keys' buckets
     spec = openapi_spec()
 
     async def openapi(request: Request, _: ServerState) -> Response:
@@ -91,7 +93,7 @@ def build_app(config: EngineConfig | None = None, settings: ServerSettings | Non
 
     app = Starlette(routes=[Route(path, _endpoint(state, handler, auth=auth, keys=keys, limits=limits),
                                   methods=methods)
-                            for path, methods, handler, auth in table],
+                            for path, methods, handler, auth in table] + playground_routes(),
                     middleware=[Middleware(RequestContextMiddleware)],
                     exception_handlers={HTTPException: _http_error}, lifespan=lifespan)
     app.state.server = state

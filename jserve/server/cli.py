@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import json
 import logging
 import signal
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 from jserve.arg_types import integer, non_negative_float, positive_float
+from jserve.config import EngineConfig
 from jserve.engine_args import add_engine_args, engine_config_from_args
+from jserve.server.multi_model import ServedModel, check_names, default_name
 from jserve.server.settings import (
     DEFAULT_MAX_QUEUED_REQUESTS,
     DEFAULT_MAX_REQUEST_BYTES,
@@ -46,8 +51,16 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                             "own key's")
     group.add_argument("--max-queue-delay", type=positive_float, default=None, metavar="SECONDS",
                        help="refuse (503 + Retry-After) a request whose estimated queue wait is longer")
-    group.add_argument("--served-model-name", default=None,
-                       help="the model name clients use (default: --model, or jserve-demo)")
+    group.add_argument("--served-model-name", action="append", default=None,
+                       help="the model name clients use (default: --model, or jserve-demo); with several --model, "
+                            "one per --model in order (default: each model's directory name)")
+    group.add_argument("--fallback", default=None, metavar="NAME",
+                       help="with several models: the model that serves a request whose model's queue is over its "
+                            "limit (the response's model field names it; header x-jserve-fallback the model asked)")
+    group.add_argument("--config", default=None, metavar="PATH",
+                       help='JSON or YAML {"models": [{"model": ..., "served_model_name": ..., any engine setting: '
+                            '"max_model_len": 2048, ...}, ...]}: several models with their own settings (the engine '
+                            "flags are the defaults); instead of --model")
     group.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
                        help="sequences that may wait beyond the max_num_seqs running ones; more get 429")
     group.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
@@ -64,8 +77,78 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                             'Hermes, Qwen) or llama3_json (a JSON object: Llama 3.1+); without it only "required" '
                             "and named tool choices are served")
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    add_engine_args(serve)
+    add_engine_args(serve, repeatable=("model", "kv_cache_memory_bytes"))
     serve.set_defaults(run=run_serve)
+
+
+def _per_model(values: list | None, count: int, flag: str) -> list:
+    if values is None:
+        return [None] * count
+    if len(values) != count:
+        raise ValueError(f"{flag} is given {len(values)} times for {count} models: give it once per --model, in "
+                         "order" + (", or once for all" if flag == "--kv-cache-memory-bytes" else ""))
+    return values
+
+
+def _config_file_models(path: str, base: EngineConfig) -> list[ServedModel]:
+    text = Path(path).read_text()
+    data = json.loads(text) if path.endswith(".json") else _yaml(text)
+    entries = data.get("models") if isinstance(data, dict) else None
+    if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
+        raise ValueError(f"{path}: expected {{'models': [{{'model': ..., ...}}, ...]}}")
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    models = []
+    for i, entry in enumerate(entries):
+        entry = dict(entry)
+        name = entry.pop("served_model_name", None)
+        unknown = sorted(set(entry) - fields)
+        if unknown or not entry.get("model"):
+            raise ValueError(f"{path}: models[{i}] " + (f"has unknown settings {unknown}" if unknown
+                                                       else "needs a 'model'"))
+        models.append(ServedModel(name or default_name(str(entry["model"])), base.replace(**entry)))
+    return models
+
+
+def _yaml(text: str):
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def models_from_args(args: argparse.Namespace) -> EngineConfig | list[ServedModel]:
+    """One model's EngineConfig (served as always), or the models of a several-model server. Raises ValueError
+    for flags that do not add up (a --served-model-name or --kv-cache-memory-bytes per --model, names unique)."""
+    paths, names = args.model or [], args.served_model_name
+    budgets = args.kv_cache_memory_bytes
+    if args.config is not None:
+        if paths or names:
+            raise ValueError("--config lists the models: leave out --model and --served-model-name")
+        if budgets is not None:
+            raise ValueError("with --config, set each model's kv_cache_memory_bytes in the file")
+        models = _config_file_models(args.config, engine_config_from_args(args, model=None,
+                                                                          kv_cache_memory_bytes=None))
+        check_names(models, args.fallback)
+        return models
+    if len(paths) <= 1:
+        if names is not None and len(names) > 1:
+            raise ValueError(f"--served-model-name is given {len(names)} times for one model")
+        if budgets is not None and len(budgets) > 1:
+            raise ValueError(f"--kv-cache-memory-bytes is given {len(budgets)} times for one model")
+        if args.fallback is not None:
+            raise ValueError("--fallback needs several models (--model A --model B)")
+        return engine_config_from_args(args, model=paths[0] if paths else None,
+                                       kv_cache_memory_bytes=budgets[0] if budgets else None)
+    names = _per_model(names, len(paths), "--served-model-name")
+    if budgets is not None and len(budgets) == 1:
+        logger.info("KV cache: --kv-cache-memory-bytes %d split evenly: %d bytes for each of %d models", budgets[0],
+                    budgets[0] // len(paths), len(paths))
+        budgets = [budgets[0] // len(paths)] * len(paths)
+    budgets = _per_model(budgets, len(paths), "--kv-cache-memory-bytes")
+    models = [ServedModel(name or default_name(path), engine_config_from_args(args, model=path,
+                                                                              kv_cache_memory_bytes=budget))
+              for path, name, budget in zip(paths, names, budgets, strict=True)]
+    check_names(models, args.fallback)
+    return models
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -73,14 +156,17 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from jserve.server.app import build_app
 
-    settings = ServerSettings(served_model_name=args.served_model_name, api_key=args.api_key,
+    models = models_from_args(args)
+    single = isinstance(models, EngineConfig)
+    settings = ServerSettings(served_model_name=args.served_model_name[0] if single and args.served_model_name
+                              else None, fallback_model=args.fallback, api_key=args.api_key,
                               api_keys_file=args.api_keys_file,
                               prefix_cache_salt_by_key=args.prefix_cache_salt_by_key,
                               max_queue_delay=args.max_queue_delay,
                               max_queued_requests=args.max_queued_requests, tool_call_parser=args.tool_call_parser,
                               max_request_bytes=args.max_request_bytes, max_step_failures=args.max_step_failures,
                               step_failure_window_s=args.step_failure_window)
-    config = engine_config_from_args(args)
+    config = models if single else models[0].config
     logging.getLogger().setLevel(args.log_level.upper())
     if config.process_id > 0:  # multi-host follower: no HTTP server, only process 0's steps (jserve/distributed.py)
         from jserve.distributed import LeaderFailedError
@@ -103,7 +189,7 @@ def run_serve(args: argparse.Namespace) -> int:
         server.should_exit = True  # what was in flight has been failed; a supervisor restarts the process
 
     engine_failed: list[BaseException] = []
-    app = build_app(config, settings, on_load_error=on_load_error)
+    app = build_app(models, settings, on_load_error=on_load_error)
     app.state.server.on_fatal = on_fatal
     server = _server_class(uvicorn)(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            access_log=False, timeout_graceful_shutdown=args.shutdown_timeout,

@@ -160,8 +160,11 @@ class Limits:
     """One server's rate limits (per key), load shedding and deadlines."""
 
     def __init__(self, keys: list[ApiKey], *, max_queue_delay: float | None = None, salt_by_key: bool = False,
-                 metrics: ServerMetrics | None = None, clock: Callable[[], float] = time.monotonic):
-        self._states = {key.id: _KeyState(key, clock) for key in keys}
+                 metrics: ServerMetrics | None = None, clock: Callable[[], float] = time.monotonic,
+                 keys_from: Limits | None = None):
+        """keys_from: another Limits whose keys' buckets these share (each model of a server has its own queue
+        but a key's limits span every model)."""
+        self._states = keys_from._states if keys_from is not None else {key.id: _KeyState(key, clock) for key in keys}
         self.max_queue_delay = max_queue_delay
         self.salt_by_key = salt_by_key
         self.metrics = metrics

@@ -52,6 +52,18 @@ class _SnapshotCollector(Collector):
         yield self._counter("jserve:num_preemptions", "Sequences preempted to free KV cache.", s.num_preemptions)
         yield self._counter("jserve:prompt_tokens", "Prefill tokens computed.", s.prompt_tokens)
         yield self._counter("jserve:generation_tokens", "Tokens generated.", s.generation_tokens)
+        # speculative decoding (docs/speculative.md), vLLM's names
+        yield self._counter("jserve:spec_decode_num_drafts", "Sequence steps that verified draft tokens.",
+                            s.spec_num_drafts)
+        yield self._counter("jserve:spec_decode_num_draft_tokens", "Draft tokens proposed.", s.spec_num_draft_tokens)
+        yield self._counter("jserve:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                            s.spec_num_accepted_tokens)
+        per_pos = CounterMetricFamily("jserve:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted at each draft position.",
+                                      labels=[*self._labels, "position"])
+        for position, count in enumerate(s.spec_accepted_per_pos):
+            per_pos.add_metric([*self._labels.values(), str(position)], count)
+        yield per_pos
 
 
 class ServerMetrics:

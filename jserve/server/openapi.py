@@ -116,7 +116,7 @@ def openapi_spec() -> dict:
             "/v1/completions": _post("Create a completion", "CompletionRequest", "Completion", "Completion"),
             "/v1/chat/completions": _post("Create a chat completion", "ChatCompletionRequest", "ChatCompletion",
                                           "ChatCompletionChunk"),
-            "/v1/models": {"get": {**_get("List the served model", _ref("ModelList"))["get"],
+            "/v1/models": {"get": {**_get("List the served models", _ref("ModelList"))["get"],
                                    "security": [{"bearer": []}]}},
             "/tokenize": _post("Tokenize a prompt or chat messages", "TokenizeRequest", "TokenizeResponse"),
             "/detokenize": _post("Turn token ids into text", "DetokenizeRequest", "DetokenizeResponse"),

@@ -18,6 +18,7 @@ from jserve.server import responses as R
 from jserve.server.async_engine import AsyncEngine, EngineDeadError, Generation, QueueFullError
 from jserve.server.http import EventStreamResponse, read_json, unless_disconnected
 from jserve.server.limits import TIMEOUT_HEADER, Admission, Limits, MeteredGeneration
+from jserve.server.multi_model import FALLBACK_HEADER
 from jserve.server.protocol import (
     DETOKENIZE_FIELDS,
     REQUIRED,
@@ -31,7 +32,7 @@ from jserve.server.protocol import (
     parse_chat,
     parse_completion,
 )
-from jserve.server.state import ServerState
+from jserve.server.state import ModelState, ServerState
 from jserve.server.tokenizer_worker import TokenizerWorker
 from jserve.server.tools import ToolRequest, parse_tool_request
 
@@ -45,26 +46,45 @@ RETRY_AFTER_SECONDS = 1
 
 # ----- admission -----
 
+class _QueueFull(APIError):
+    """The model's queue is full: a 429, or the fallback model's turn."""
+
+
 @contextlib.contextmanager
 def _admission_errors() -> Iterator[None]:
     try:
         yield
     except QueueFullError as e:
-        raise APIError(429, str(e), code="rate_limit_exceeded",
-                       headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+        raise _QueueFull(429, str(e), code="rate_limit_exceeded",
+                         headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
     except EngineDeadError as e:
         raise APIError(503, str(e), code="engine_dead") from None
     except ValueError as e:
         raise bad_request(str(e), "n") from None
 
 
-def _precheck(request: Request, engine: AsyncEngine, num_prompts: int, req: GenerationRequest) -> Admission:
-    """Refuse what cannot be admitted before spending time on tokenization: the server's capacity, then the API
+def _precheck(request: Request, state: ServerState, model: ModelState, num_prompts: int,
+              req: GenerationRequest) -> tuple[ModelState, Admission]:
+    """The model that serves the request and its admission: `model`, or the server's fallback model where
+    `model`'s queue is over its limit (full, or its estimated wait over --max-queue-delay)."""
+    try:
+        return model, _begin(request, model, num_prompts, req)
+    except APIError as e:
+        fallback = state.fallback_for(model)
+        if fallback is None or not (isinstance(e, _QueueFull) or e.code == "queue_delay_exceeded"):
+            raise
+        logger.info("%s is over its queue limit (%s): %s serves the request", model.name, e.code, fallback.name)
+        return fallback, _begin(request, fallback, num_prompts, req)
+
+
+def _begin(request: Request, model: ModelState, num_prompts: int, req: GenerationRequest) -> Admission:
+    """Refuse what cannot be admitted before spending time on tokenization: the model's capacity, then the API
     key's limits, the queue delay and the deadline header (jserve/server/limits.py). The caller must end or
     refuse the returned Admission."""
+    engine = model.engine
     with _admission_errors():
         engine.check_admissible(num_prompts, req.params.n)
-    limits: Limits = request.state.limits
+    limits: Limits = model.limits or request.state.limits
     admission = limits.begin(request.state.api_key, req.priority, num_prompts * req.params.n,
                              engine.engine.config.max_num_seqs, request.headers.get(TIMEOUT_HEADER))
     salt = admission.cache_salt(req.params.cache_salt)
@@ -136,6 +156,17 @@ def _stream(gen: Generation, events: AsyncIterator[bytes]) -> EventStreamRespons
     return EventStreamResponse(guarded(), on_close=gen.close)
 
 
+def _mark_fallback(response: Response | EventStreamResponse, asked: ModelState, served: ModelState) -> Response:
+    """A response from the fallback model names the model asked for in a header (its `model` field says which
+    model served it)."""
+    if served is not asked:
+        if isinstance(response, EventStreamResponse):
+            response.headers = [*response.headers, (FALLBACK_HEADER.encode(), asked.name.encode())]
+        else:
+            response.headers[FALLBACK_HEADER] = asked.name
+    return response
+
+
 async def _respond(request: Request, gen: Generation, stream: bool, make, args: tuple) -> Response:
     """Stream SSE events from make(*args), or await its JSON body (aborting if the client goes away)."""
     if stream:
@@ -155,19 +186,21 @@ async def _respond(request: Request, gen: Generation, stream: bool, make, args: 
 # ----- completions -----
 
 async def create_completion(request: Request, state: ServerState) -> Response:
-    engine, tokenizer = state.ready()
+    state.ready()
     req = parse_completion(await read_json(request, state.settings.max_request_bytes))
-    state.check_model(req.model)
-    admission = _precheck(request, engine, len(req.prompts), req)
+    asked = state.route(req.model)
+    served, admission = _precheck(request, state, asked, len(req.prompts), req)
+    engine, tokenizer = served.engine, served.tokenizer
     try:
         prompts = [await tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
-        header = R.ResponseHeader(R.new_id("cmpl"), state.model_name)
+        header = R.ResponseHeader(R.new_id("cmpl"), served.name)
         gen = await _admit(engine, header.id, prompts, req, admission)
     except BaseException:
         admission.refuse()
         raise
-    return await _respond(request, gen, req.stream, _completion_events if req.stream else _completion_body,
-                          (gen, req, header, tokenizer))
+    response = await _respond(request, gen, req.stream, _completion_events if req.stream else _completion_body,
+                              (gen, req, header, tokenizer))
+    return _mark_fallback(response, asked, served)
 
 
 async def _completion_events(gen: Generation, req: CompletionRequest, header: R.ResponseHeader,
@@ -198,27 +231,29 @@ async def _completion_body(gen: Generation, req: CompletionRequest, header: R.Re
 # ----- chat -----
 
 async def create_chat_completion(request: Request, state: ServerState) -> Response:
-    engine, tokenizer = state.ready()
+    state.ready()
     body = await read_json(request, state.settings.max_request_bytes)
     req = parse_chat(body)
-    state.check_model(req.model)
+    asked = state.route(req.model)
     req.tools = parse_tool_request(body, state.settings.tool_call_parser)
     if req.tools is not None and (constraint := req.tools.constraint()) is not None:
         if req.params.structured_outputs is not None:
             raise bad_request("a required or named tool_choice constrains the output itself: drop "
                               "response_format/structured_outputs", "tool_choice")
         req.params = req.params.clone(structured_outputs=constraint)
-    admission = _precheck(request, engine, 1, req)
+    served, admission = _precheck(request, state, asked, 1, req)
+    engine, tokenizer = served.engine, served.tokenizer
     try:
         prompt = await tokenizer.chat(req.messages, req.add_generation_prompt,
                                       req.tools.tools if req.tools is not None else None)
-        header = R.ResponseHeader(R.new_id("chatcmpl"), state.model_name)
+        header = R.ResponseHeader(R.new_id("chatcmpl"), served.name)
         gen = await _admit(engine, header.id, [prompt], req, admission)
     except BaseException:
         admission.refuse()
         raise
-    return await _respond(request, gen, req.stream, _chat_events if req.stream else _chat_body,
-                          (gen, req, header, tokenizer))
+    response = await _respond(request, gen, req.stream, _chat_events if req.stream else _chat_body,
+                              (gen, req, header, tokenizer))
+    return _mark_fallback(response, asked, served)
 
 
 async def _chat_events(gen: Generation, req: ChatRequest, header: R.ResponseHeader,
@@ -274,17 +309,19 @@ def _tool_message(choice: dict, tools: ToolRequest) -> None:
 # ----- the rest of the API -----
 
 async def list_models(request: Request, state: ServerState) -> Response:
-    engine, _ = state.ready()
-    card = {"id": state.model_name, "object": "model", "created": int(engine.started_at), "owned_by": "jserve",
-            "root": str(engine.engine.model_dir), "max_model_len": engine.engine.max_model_len}
-    return JSONResponse({"object": "list", "data": [card]})
+    state.ready()
+    cards = [{"id": m.name, "object": "model", "created": int(m.engine.started_at), "owned_by": "jserve",
+              "root": str(m.engine.engine.model_dir), "max_model_len": m.engine.engine.max_model_len}
+             for m in state.models.values()]
+    return JSONResponse({"object": "list", "data": cards})
 
 
 async def tokenize(request: Request, state: ServerState) -> Response:
-    engine, tokenizer = state.ready()
+    state.ready()
     values = check_fields(await read_json(request, state.settings.max_request_bytes), TOKENIZE_FIELDS,
                           REQUIRED["tokenize"])
-    state.check_model(values.get("model"))
+    model = state.route(values.get("model"))
+    engine, tokenizer = model.engine, model.tokenizer
     if ("prompt" in values) == ("messages" in values):
         raise bad_request("give exactly one of 'prompt' or 'messages'", "prompt")
     if "prompt" in values:
@@ -296,10 +333,10 @@ async def tokenize(request: Request, state: ServerState) -> Response:
 
 
 async def detokenize(request: Request, state: ServerState) -> Response:
-    _, tokenizer = state.ready()
+    state.ready()
     values = check_fields(await read_json(request, state.settings.max_request_bytes), DETOKENIZE_FIELDS,
                           REQUIRED["detokenize"])
-    state.check_model(values.get("model"))
+    tokenizer = state.route(values.get("model")).tokenizer
     return JSONResponse({"prompt": await tokenizer.decode(values["tokens"])})
 
 
@@ -313,7 +350,7 @@ async def health(request: Request, state: ServerState) -> Response:
 
 
 async def metrics(request: Request, state: ServerState) -> Response:
-    return Response(await asyncio.to_thread(state.metrics.render), media_type=CONTENT_TYPE_LATEST)
+    return Response(await asyncio.to_thread(state.render_metrics), media_type=CONTENT_TYPE_LATEST)
 
 
 async def version(request: Request, state: ServerState) -> Response:

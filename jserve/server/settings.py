@@ -28,6 +28,8 @@ class ServerSettings:
     # exits non-zero (so a supervisor restarts it).
     max_step_failures: int = DEFAULT_MAX_STEP_FAILURES
     step_failure_window_s: float = DEFAULT_STEP_FAILURE_WINDOW_S
+    # On a several-model server: the model that serves a request whose own model's queue is over its limit.
+    fallback_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_queued_requests < 0:

@@ -1,75 +1,54 @@
-"""What one server holds: its settings, the engine (loaded in the background so /health can say 503 while it
-loads), the front-end tokenizer and the metrics."""
+"""What one server holds: its settings and its models, each with its engine (loaded in the background so /health
+can say 503 while it loads), front-end tokenizer, metrics and queue limits. A request is routed to a model by its
+`model` field (jserve/server/multi_model.py: names, the KV-cache split, the merged metrics)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from checkpoints import DEFAULT_MODEL_NAME, default_model
 from jserve.config import EngineConfig
 from jserve.server.async_engine import AsyncEngine
+from jserve.server.auth import ApiKey
+from jserve.server.limits import Limits
 from jserve.server.metrics import ServerMetrics
+from jserve.server.multi_model import ServedModel, check_names, plan_kv_budgets, render_merged
 from jserve.server.protocol import APIError
 from jserve.server.settings import DEMO_MODEL_NAME, ServerSettings
 from jserve.server.tokenizer_worker import TokenizerWorker
 
 logger = logging.getLogger(__name__)
 
-class ServerState:
-    def __init__(self, config: EngineConfig, settings: ServerSettings,
-                 on_load_error: Callable[[BaseException], None] | None = None):
-        self.config = config
-        self.settings = settings
-        self.model_name = settings.served_model_name or config.model or \
-            (DEFAULT_MODEL_NAME if default_model() is not None else DEMO_MODEL_NAME)
+
+class ModelState:
+    """One served model: its engine and tokenizer once loaded, its metrics and its queue limits."""
+
+    def __init__(self, model: ServedModel):
+        self.name = model.name
+        self.config = model.config
         self.engine: AsyncEngine | None = None
         self.tokenizer: TokenizerWorker | None = None
-        self.load_error: BaseException | None = None
-        self.metrics = ServerMetrics(self.model_name, lambda: self.engine.snapshot if self.engine else None)
-        self._on_load_error = on_load_error
-        # Called on the event loop when the engine dies for good (the CLI stops the server and exits non-zero).
-        self.on_fatal: Callable[[BaseException], None] | None = None
-        self._load_task: asyncio.Task | None = None
+        self.metrics = ServerMetrics(self.name, lambda: self.engine.snapshot if self.engine else None)
+        self.limits: Limits | None = None  # set by ServerState.make_limits (build_app)
 
-    # ----- lifecycle -----
+    async def load(self, settings: ServerSettings, on_fatal: Callable[[BaseException], None]) -> None:
+        from jserve.engine.data_parallel import create_engine
+        from jserve.tokenizer import load_tokenizer
 
-    def start_loading(self) -> None:
-        self._load_task = asyncio.ensure_future(self._load())
-
-    async def _load(self) -> None:
-        try:
-            from jserve.engine.data_parallel import create_engine
-            from jserve.tokenizer import load_tokenizer
-
-            engine = await asyncio.to_thread(create_engine, self.config)
-            tokenizer = await asyncio.to_thread(load_tokenizer, str(self.config.tokenizer or engine.model_dir))
-            vocab = max(engine.model_config.vocab_size, engine.tokenizer.vocab_size)
-            self.tokenizer = TokenizerWorker(tokenizer, vocab)
-            async_engine = AsyncEngine(engine, max_queued_requests=self.settings.max_queued_requests,
-                                       metrics=self.metrics, max_step_failures=self.settings.max_step_failures,
-                                       step_failure_window_s=self.settings.step_failure_window_s,
-                                       on_fatal=self._engine_died)
-            async_engine.start()
-            self.engine = async_engine
-            logger.info("serving %s (max_model_len %d)", self.model_name, engine.max_model_len)
-        except Exception as e:
-            logger.exception("the model failed to load")
-            self.load_error = e
-            if self._on_load_error is not None:
-                self._on_load_error(e)
-
-    def _engine_died(self, error: BaseException) -> None:
-        logger.critical("the engine cannot go on (%s: %s): everything in flight has been failed", type(error).__name__,
-                        error)
-        if self.on_fatal is not None:
-            self.on_fatal(error)
+        engine = await asyncio.to_thread(create_engine, self.config)
+        tokenizer = await asyncio.to_thread(load_tokenizer, str(self.config.tokenizer or engine.model_dir))
+        vocab = max(engine.model_config.vocab_size, engine.tokenizer.vocab_size)
+        self.tokenizer = TokenizerWorker(tokenizer, vocab)
+        async_engine = AsyncEngine(engine, max_queued_requests=settings.max_queued_requests, metrics=self.metrics,
+                                   max_step_failures=settings.max_step_failures,
+                                   step_failure_window_s=settings.step_failure_window_s, on_fatal=on_fatal)
+        async_engine.start()
+        self.engine = async_engine
+        logger.info("serving %s (max_model_len %d)", self.name, engine.max_model_len)
 
     def health(self) -> tuple[str, str | None]:
-        """("loading" | "ready" | "dead", why it is not ready)."""
-        if self.load_error is not None:
-            return "dead", f"the model failed to load: {self.load_error}"
         if self.engine is None or self.tokenizer is None:
             return "loading", "the model is still loading"
         if self.engine.error is not None:
@@ -79,6 +58,104 @@ class ServerState:
             return "dead", "the engine is not running (the server is shutting down)"
         return "ready", None
 
+
+class ServerState:
+    """The server's models (the first also answers requests that name none) and their shared lifecycle. The
+    single-model attributes (engine, tokenizer, metrics, model_name, config) are the first model's."""
+
+    def __init__(self, models: EngineConfig | Sequence[ServedModel], settings: ServerSettings,
+                 on_load_error: Callable[[BaseException], None] | None = None):
+        self.settings = settings
+        if isinstance(models, EngineConfig):
+            name = settings.served_model_name or models.model or \
+                (DEFAULT_MODEL_NAME if default_model() is not None else DEMO_MODEL_NAME)
+            models = [ServedModel(name, models)]
+        check_names(models, settings.fallback_model)
+        self._served = list(models)
+        self.models = {m.name: ModelState(m) for m in models}
+        self.primary = self.models[models[0].name]
+        self.load_error: BaseException | None = None
+        self._failed_model: str | None = None
+        self._on_load_error = on_load_error
+        # Called on the event loop when an engine dies for good (the CLI stops the server and exits non-zero).
+        self.on_fatal: Callable[[BaseException], None] | None = None
+        self._load_task: asyncio.Task | None = None
+
+    # The first model's, as a one-model server has always had them.
+    @property
+    def engine(self) -> AsyncEngine | None:
+        return self.primary.engine
+
+    @property
+    def tokenizer(self) -> TokenizerWorker | None:
+        return self.primary.tokenizer
+
+    @property
+    def metrics(self) -> ServerMetrics:
+        return self.primary.metrics
+
+    @property
+    def model_name(self) -> str:
+        return self.primary.name
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.primary.config
+
+    def make_limits(self, keys: list[ApiKey]) -> Limits:
+        """Each model's queue limits (queue delay, drain rate), all sharing the API keys' buckets; the first
+        model's is returned."""
+        first: Limits | None = None
+        for model in self.models.values():
+            model.limits = Limits(keys, max_queue_delay=self.settings.max_queue_delay,
+                                  salt_by_key=self.settings.prefix_cache_salt_by_key, metrics=model.metrics,
+                                  keys_from=first)
+            first = first or model.limits
+        return first
+
+    # ----- lifecycle -----
+
+    def start_loading(self) -> None:
+        self._load_task = asyncio.ensure_future(self._load())
+
+    async def _load(self) -> None:
+        model = self.primary
+        try:
+            if len(self.models) > 1:  # every budget explicit, and checked, before any model takes memory
+                for served in await asyncio.to_thread(plan_kv_budgets, self._served):
+                    self.models[served.name].config = served.config
+            for model in self.models.values():
+                await model.load(self.settings, self._engine_died)
+        except Exception as e:
+            logger.exception("the model %s failed to load", model.name)
+            self.load_error, self._failed_model = e, model.name
+            if self._on_load_error is not None:
+                self._on_load_error(e)
+
+    def _engine_died(self, error: BaseException) -> None:
+        logger.critical("the engine cannot go on (%s: %s): everything in flight has been failed", type(error).__name__,
+                        error)
+        if self.on_fatal is not None:
+            self.on_fatal(error)
+
+    def _which(self, name: str) -> str:
+        return f"the model {name}" if len(self.models) > 1 else "the model"
+
+    def health(self) -> tuple[str, str | None]:
+        """("loading" | "ready" | "dead", why it is not ready): ready only when every model is."""
+        if self.load_error is not None:
+            return "dead", f"{self._which(self._failed_model)} failed to load: {self.load_error}"
+        worst = ("ready", None)
+        for model in self.models.values():
+            status, reason = model.health()
+            if len(self.models) > 1 and reason is not None:
+                reason = f"{model.name}: {reason}"
+            if status == "dead":
+                return status, reason
+            if status == "loading" and worst[0] == "ready":
+                worst = (status, reason)
+        return worst
+
     async def wait_loaded(self) -> None:
         if self._load_task is not None:
             await asyncio.shield(self._load_task)
@@ -86,25 +163,43 @@ class ServerState:
     async def shutdown(self) -> None:
         if self._load_task is not None and not self._load_task.done():
             await asyncio.gather(self._load_task, return_exceptions=True)  # a model half loaded cannot be cancelled
-        if self.engine is not None:
-            await self.engine.shutdown()
-        if self.tokenizer is not None:
-            self.tokenizer.close()
+        for model in self.models.values():
+            if model.engine is not None:
+                await model.engine.shutdown()
+            if model.tokenizer is not None:
+                model.tokenizer.close()
+
+    def render_metrics(self) -> bytes:
+        if len(self.models) == 1:
+            return self.primary.metrics.render()
+        return render_merged([m.metrics.registry for m in self.models.values()])
 
     # ----- per request -----
 
-    def ready(self) -> tuple[AsyncEngine, TokenizerWorker]:
-        """The engine and tokenizer, or a 503 while loading or after the engine stopped."""
+    def ready(self) -> None:
+        """A 503 unless every model is serving: while one loads, after a load failed, after an engine stopped."""
         if self.load_error is not None:
-            raise APIError(503, f"the model failed to load: {self.load_error}", code="model_load_failed")
-        if self.engine is None or self.tokenizer is None:
-            raise APIError(503, "the model is still loading; retry shortly", code="model_loading",
-                           headers={"Retry-After": "5"})
-        if not self.engine.healthy:
-            raise APIError(503, "the engine is not running", code="engine_dead")
-        return self.engine, self.tokenizer
+            raise APIError(503, f"{self._which(self._failed_model)} failed to load: {self.load_error}",
+                           code="model_load_failed")
+        for model in self.models.values():
+            if model.engine is None or model.tokenizer is None:
+                raise APIError(503, f"{self._which(model.name)} is still loading; retry shortly",
+                               code="model_loading", headers={"Retry-After": "5"})
+            if not model.engine.healthy:
+                raise APIError(503, "the engine is not running", code="engine_dead")
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model[:200]}` does not exist.", param="model",
-                           code="model_not_found")
+    def route(self, model: str | None) -> ModelState:
+        """The model a request names (the first where it names none), once every model is serving; 404 for a name
+        not served."""
+        self.ready()
+        if model is None:
+            return self.primary
+        served = self.models.get(model)
+        if served is None:
+            raise APIError(404, f"The model `{model[:200]}` does not exist.", param="model", code="model_not_found")
+        return served
+
+    def fallback_for(self, model: ModelState) -> ModelState | None:
+        """Where a request for `model` goes when that model's queue is over its limit."""
+        name = self.settings.fallback_model
+        return self.models[name] if name is not None and name != model.name else None
