@@ -47,6 +47,7 @@ from jserve.bench.roofline import (
     kv_bytes_per_token,
     last_level_cache_bytes,
     stream_buffer_bytes,
+    weight_bytes_read_per_token,
     weight_params_read_per_token,
 )
 from jserve.bench.throughput import static_batches
@@ -231,6 +232,24 @@ def test_roofline_bytes_for_the_135m_shape():
     assert weight_params_read_per_token(SMOLLM_135M) == 134_515_008 + 576
     assert kv_bytes_per_token(SMOLLM_135M, "float32", 100) == 2 * 30 * 192 * 4 * 100
     assert decode_bytes_per_token(SMOLLM_135M, "bfloat16", 0) == (134_515_008 + 576) * 2
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_roofline_weight_bytes_are_the_loaded_arrays_bytes(hf_model_dir, quantization):
+    """The bytes a decode step reads, against the loaded model's own arrays: the same parameters, less the
+    embedding table but one row (plus the table where the LM head is not tied to it), with the norms that the
+    model keeps in float32 counted in bfloat16 by the roofline."""
+    from jserve.loading import load_model
+    from jserve.models.quantization import resident_bytes
+
+    loaded = load_model(hf_model_dir("llama"), "bfloat16", quantization=quantization)
+    cfg = loaded.config
+    norms = 2 * cfg.num_layers * cfg.hidden_size + cfg.hidden_size
+    table = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * 2
+    read = weight_bytes_read_per_token(cfg, "bfloat16", quantization)
+    assert read - cfg.hidden_size * 2 + table + norms * 2 == resident_bytes(loaded.state)
+    assert decode_bytes_per_token(cfg, "bfloat16", 10, quantization, "int8") == read + 2 * cfg.num_layers * \
+        cfg.num_kv_heads * (cfg.head_dim + 4) * 10
 
 
 def test_last_level_cache_is_the_largest_data_level_sysfs_lists(tmp_path):

@@ -459,6 +459,30 @@ def test_no_recompilation_after_warmup(hf_model_dir, executor):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_fewer_sequence_rows_than_the_smallest_token_bucket_warm_their_bursts(hf_model_dir):
+    """max_num_seqs 3 puts up to 3 decoding rows in the smallest token bucket (8 tokens): warm-up compiles the
+    burst of that shape, so decoding compiles nothing."""
+    import jax
+    from jax._src import dispatch
+
+    from jserve import LLM
+
+    llm = LLM(str(hf_model_dir("llama")), max_model_len=128, kv_cache_memory_bytes=1 << 20, max_num_seqs=3,
+              executor="xla", compilation_cache_dir="")
+    assert llm.engine.stats.warmup_burst_shapes > 0
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: compiles.append(event) if event == dispatch.BACKEND_COMPILE_EVENT else None)
+    try:
+        outputs = llm.generate(["def f(", "import os", "class A"], SamplingParams(max_tokens=24, temperature=0,
+                                                                                 ignore_eos=True), use_tqdm=False)
+    finally:
+        jax.monitoring.clear_event_listeners()
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [24, 24, 24]
+    stats = llm.engine.stats
+    assert stats.num_steps > stats.num_engine_steps and compiles == []  # bursts ran, and nothing compiled
+
+
 def test_without_warmup_each_shape_compiles_once(hf_model_dir):
     """Without warm-up a shape compiles on first use, once: the prompt step after a decode burst (which returns the
     KV cache committed to its device) runs the executable compiled for the first prompt."""

@@ -22,14 +22,13 @@ import numpy as np
 
 from jserve.bench.datasets import ordinary_token_ids, random_prompt
 from jserve.bench.roofline import (
-    DTYPE_BYTES,
     decode_bytes_per_token,
     last_level_cache_bytes,
     stream_bandwidth,
     stream_buffer_bytes,
-    weight_params_read_per_token,
+    weight_bytes_read_per_token,
 )
-from jserve.bench.throughput import warmup_line, warmup_report
+from jserve.bench.throughput import speculation_line, speculation_report, warmup_line, warmup_report
 
 # Bytes read per token under this multiple of the last-level cache may partly come from it. The roofline's buffer is
 # that size, so the cache's part is in it, but a decode can keep more of itself there than one plain pass does (a 269
@@ -63,7 +62,9 @@ def measure(args: Namespace) -> dict:
     engine = llm.engine
     rng = np.random.default_rng(args.seed)
     vocab = ordinary_token_ids(engine.tokenizer, engine.tokenizer.special_token_ids)
-    per_token = decode_bytes_per_token(engine.model_config, args.dtype, mean_context(args.input_len, args.output_len))
+    stored = {"quantization": engine.quantization, "kv_cache_dtype": engine.config.kv_cache_dtype}
+    per_token = decode_bytes_per_token(engine.model_config, args.dtype, mean_context(args.input_len, args.output_len),
+                                       **stored)
     buffer = stream_buffer_bytes(per_token, last_level_cache_bytes())
     ttfts, decodes, bandwidths = [], [], []
     for i in range(args.num_iters_warmup + args.num_iters):
@@ -78,20 +79,8 @@ def measure(args: Namespace) -> dict:
     ttft, decode = statistics.median(ttfts), statistics.median(decodes)
     return {"ttft_s": ttft, "decode_s": decode, "prefill_tokens_per_s": args.input_len / ttft,
             "decode_tokens_per_s": (args.output_len - 1) / decode, "decode_s_each": decodes,
-            "bandwidth_each": bandwidths, "stream_buffer_bytes": buffer, "model_config": engine.model_config,
+            "bandwidth_each": bandwidths, "stream_buffer_bytes": buffer, "model_config": engine.model_config, **stored,
             **warmup_report(engine.stats), **speculation_report(engine)}
-
-
-def speculation_report(engine) -> dict:
-    """Speculative decoding's counters over every iteration (warm-up ones included); {} when it is off."""
-    stats = engine.stats
-    if engine.config.speculative_config is None:
-        return {}
-    return {"spec_num_drafts": stats.spec_num_drafts, "spec_num_draft_tokens": stats.spec_num_draft_tokens,
-            "spec_num_accepted_tokens": stats.spec_num_accepted_tokens,
-            "spec_acceptance_rate": stats.spec_acceptance_rate,
-            "spec_mean_accepted_length": stats.spec_mean_accepted_length,
-            "spec_accepted_per_pos": list(stats.spec_accepted_per_pos)}
 
 
 def mean_context(input_len: int, output_len: int) -> float:
@@ -100,16 +89,16 @@ def mean_context(input_len: int, output_len: int) -> float:
 
 
 def roofline(cfg, dtype: str, input_len: int, output_len: int, decode_s_each: list[float],
-             bandwidth_each: list[float]) -> dict:
+             bandwidth_each: list[float], quantization: str | None = None, kv_cache_dtype: str = "auto") -> dict:
     """The roofline at the median of the bandwidths measured before each iteration, and the median over iterations
     of each decode's share of the roofline at its own bandwidth."""
     context = mean_context(input_len, output_len)
-    per_token = decode_bytes_per_token(cfg, dtype, context)
+    per_token = decode_bytes_per_token(cfg, dtype, context, quantization, kv_cache_dtype)
     bandwidth = statistics.median(bandwidth_each)
     shares = [(output_len - 1) / seconds / (bw / per_token) for seconds, bw in zip(decode_s_each, bandwidth_each,
                                                                                      strict=True)]
     return {"stream_bandwidth_gb_s": bandwidth / 1e9, "stream_bandwidth_gb_s_each": [bw / 1e9 for bw in bandwidth_each],
-            "weight_bytes_per_token": weight_params_read_per_token(cfg) * DTYPE_BYTES[dtype],
+            "weight_bytes_per_token": weight_bytes_read_per_token(cfg, dtype, quantization),
             "bytes_per_decode_token": per_token, "mean_context": context,
             "roofline_decode_tokens_per_s": bandwidth / per_token,
             "decode_fraction_of_roofline": statistics.median(shares),
@@ -124,7 +113,8 @@ def run_latency(args: Namespace) -> int:
     bandwidth_each = result.pop("bandwidth_each")
     report = {"model": args.model, "dtype": args.dtype, "input_len": args.input_len, "output_len": args.output_len,
               "num_iters": args.num_iters, **result,
-              **roofline(cfg, args.dtype, args.input_len, args.output_len, result["decode_s_each"], bandwidth_each)}
+              **roofline(cfg, args.dtype, args.input_len, args.output_len, result["decode_s_each"], bandwidth_each,
+                         result["quantization"], result["kv_cache_dtype"])}
     print(warmup_line(report))
     print(f"Prefill: {report['prefill_tokens_per_s']:.1f} tokens/s (TTFT {report['ttft_s'] * 1000:.1f} ms for "
           f"{args.input_len} tokens)")
@@ -139,9 +129,7 @@ def run_latency(args: Namespace) -> int:
           f"decode reaches {report['decode_fraction_of_roofline']:.0%} of it (median over the iterations, each against "
           f"the bandwidth measured before it)")
     if "spec_num_drafts" in report:
-        print(f"Speculative decoding: {report['spec_num_drafts']} drafted steps, {report['spec_num_draft_tokens']} "
-              f"draft tokens, acceptance {report['spec_acceptance_rate']:.1%}, mean accepted length "
-              f"{report['spec_mean_accepted_length']:.2f}, accepted per position {report['spec_accepted_per_pos']}")
+        print(speculation_line(report))
     cache = report["last_level_cache_bytes"]
     if cache and report["bytes_per_decode_token"] < CACHE_NOTE_MULTIPLE * cache:
         print(f"Note: the {report['bytes_per_decode_token'] / 1e6:.1f} MB read per token is under "

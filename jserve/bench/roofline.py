@@ -15,6 +15,7 @@ import cpu_kernels
 from jserve.config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+SCALE_BYTES = 4  # a float32 scale of a quantized weight row or KV row
 
 
 def weight_params_read_per_token(cfg: ModelConfig) -> int:
@@ -26,13 +27,29 @@ def weight_params_read_per_token(cfg: ModelConfig) -> int:
     return cfg.num_layers * layer + hidden + cfg.vocab_size * hidden + hidden
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: str, context_len: float) -> float:
-    """KV cache read by one decode step attending over context_len tokens (keys and values, all layers)."""
-    return 2 * cfg.num_layers * cfg.kv_size * DTYPE_BYTES[dtype] * context_len
+def weight_bytes_read_per_token(cfg: ModelConfig, dtype: str, quantization: str | None = None) -> int:
+    """Bytes of the parameters a decode step reads: in dtype, or with the decoder layers' matrices in one byte a
+    weight plus a float32 scale a row (int8 / fp8, jserve.models.quantization)."""
+    total = weight_params_read_per_token(cfg) * DTYPE_BYTES[dtype]
+    if quantization is None:
+        return total
+    hidden, inter, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    matrix_params = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter
+    matrix_rows = (q + 2 * kv) + hidden + 2 * inter + hidden
+    return total - cfg.num_layers * (matrix_params * (DTYPE_BYTES[dtype] - 1) - matrix_rows * SCALE_BYTES)
 
 
-def decode_bytes_per_token(cfg: ModelConfig, dtype: str, context_len: float) -> float:
-    return weight_params_read_per_token(cfg) * DTYPE_BYTES[dtype] + kv_bytes_per_token(cfg, dtype, context_len)
+def kv_bytes_per_token(cfg: ModelConfig, dtype: str, context_len: float, kv_cache_dtype: str = "auto") -> float:
+    """KV cache read by one decode step attending over context_len tokens (keys and values, all layers); a quantized
+    cache holds a byte a value and a float32 scale a (token, KV head) row."""
+    row = cfg.head_dim * DTYPE_BYTES[dtype] if kv_cache_dtype == "auto" else cfg.head_dim + SCALE_BYTES
+    return 2 * cfg.num_layers * cfg.num_kv_heads * row * context_len
+
+
+def decode_bytes_per_token(cfg: ModelConfig, dtype: str, context_len: float, quantization: str | None = None,
+                           kv_cache_dtype: str = "auto") -> float:
+    return (weight_bytes_read_per_token(cfg, dtype, quantization)
+            + kv_bytes_per_token(cfg, dtype, context_len, kv_cache_dtype))
 
 
 _SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}  # sysfs cache sizes: "48K", "2048K", "266240K"

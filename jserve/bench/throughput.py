@@ -46,7 +46,7 @@ def run_jserve(args: Namespace, requests: list[SampleRequest]) -> dict:
             **warmup_report(stats),
             "output_tokens": generated, "generated_tokens": generated,
             "engine_steps": stats.num_steps - before.num_steps, "engine_calls": engine_steps,
-            "host_ms_per_engine_call": 1e3 * host / max(engine_steps, 1)}
+            "host_ms_per_engine_call": 1e3 * host / max(engine_steps, 1), **speculation_report(llm.engine)}
 
 
 def static_batches(requests: list[SampleRequest], batch_size: int, sort: bool) -> list[list[SampleRequest]]:
@@ -127,6 +127,8 @@ def run_throughput(args: Namespace) -> int:
     if "host_ms_per_engine_call" in report:
         print(f"Host work: {report['host_ms_per_engine_call']:.3f} ms per engine step ({report['engine_calls']} "
               f"steps running {report['engine_steps']} model steps; the rest of each step waited for the device)")
+    if "spec_num_drafts" in report:
+        print(speculation_line(report))
     if args.result_json:
         Path(args.result_json).write_text(json.dumps(report, indent=2) + "\n")
     return 0
@@ -141,3 +143,21 @@ def warmup_report(stats) -> dict:
 def warmup_line(report: dict) -> str:
     return (f"Warm-up: {report['warmup_step_shapes']} step shapes and {report['warmup_burst_shapes']} decode bursts "
             f"compiled in {report['warmup_s']:.1f} s")
+
+
+def speculation_report(engine) -> dict:
+    """Speculative decoding's counters over every iteration (warm-up ones included); {} when it is off."""
+    stats = engine.stats
+    if engine.config.speculative_config is None:
+        return {}
+    return {"spec_num_drafts": stats.spec_num_drafts, "spec_num_draft_tokens": stats.spec_num_draft_tokens,
+            "spec_num_accepted_tokens": stats.spec_num_accepted_tokens,
+            "spec_acceptance_rate": stats.spec_acceptance_rate,
+            "spec_mean_accepted_length": stats.spec_mean_accepted_length,
+            "spec_accepted_per_pos": list(stats.spec_accepted_per_pos)}
+
+
+def speculation_line(report: dict) -> str:
+    return (f"Speculative decoding: {report['spec_num_drafts']} drafted steps, {report['spec_num_draft_tokens']} "
+            f"draft tokens, acceptance {report['spec_acceptance_rate']:.1%}, mean accepted length "
+            f"{report['spec_mean_accepted_length']:.2f}, accepted per position {report['spec_accepted_per_pos']}")

@@ -144,6 +144,7 @@ class LLMEngine:
         # stored int8 weights (compressed-tensors, a quantized conversion) need the executor int8 does
         prequantized = stored_quantization(model_dir, config.load_format)
         quantization = config.quantization or prequantized
+        self.quantization = quantization  # the weights' scheme as served (None: dtype)
         executor_class, attention, why = choose_executor(config.executor, config.attention_backend,
                                                          sharded=self.mesh is not None, quantization=quantization,
                                                          kv_cache_dtype=config.kv_cache_dtype)

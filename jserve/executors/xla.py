@@ -442,8 +442,12 @@ class XlaExecutor(Executor):
         return (layout, max_steps), self._burst.lower(self.params, self.kv_cache, packed, layout, max_steps)
 
     def burst_batches(self):
-        """The warm-up batches a decode burst can take: one token per sequence row."""
-        return (b for b in self.warmup_batches() if self.supports_burst and len(b.token_ids) <= len(b.seq_lens))
+        """The warm-up batches a decode burst can take: the token bucket of every count of decoding sequences up to
+        the sequence rows (with fewer rows than the smallest token bucket, that bucket with fewer rows)."""
+        if not self.supports_burst:
+            return iter(())
+        buckets = {pick_bucket(self.token_buckets, n) for n in range(1, self.max_seq_rows + 1)}
+        return (b for b in self.warmup_batches() if len(b.token_ids) in buckets)
 
     def speculative_batches(self):
         """The warm-up batches of speculative steps that need more logits rows than sequence rows: one per token."""
