@@ -291,7 +291,7 @@ def _write_stdout(text: str) -> None:
 
 
 def _setup_readline(path: str) -> None:
-    """Arrow-key editing, and history kept across sessions in `path` ("" keeps none), where readline exists."""
+    """Arrow-key editing, and history kept from one run to the next in `path` ("" keeps none), where readline exists."""
     try:
         import atexit
         import readline
@@ -332,7 +332,7 @@ def add_chat_parser(sub: argparse._SubParsersAction) -> None:
     group.add_argument("--top-p", type=float, default=1.0)
     group.add_argument("--max-tokens", type=int, default=256, help="longest reply, in tokens")
     group.add_argument("--history-file", default=DEFAULT_HISTORY_FILE,
-                       help="readline history of what you typed, kept across sessions ('' keeps none)")
+                       help="readline history of what you typed, kept from one run to the next ('' keeps none)")
     add_engine_args(chat)  # --model and every engine flag, for the in-process model; with --url, --model NAME picks
     # one of the server's models (default: the first GET /v1/models lists)
     chat.set_defaults(run=run_chat_command)

@@ -214,6 +214,13 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks past the ones num_tokens positions need (a speculative step's rejected drafts held
+        the slots of the tail blocks; nothing was hashed there, as only computed tokens are)."""
+        keep = self.num_blocks_for(num_tokens)
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
+
     # ----- single blocks -----
 
     def _take(self, block_id: int) -> None:

@@ -281,9 +281,7 @@ class Scheduler:
             # accepted tokens (so only they are hashed into the prefix cache), and blocks that held nothing but
             # rejected drafts go back (the next step's own token needs num_tokens positions).
             bm.mark_computed(seq, count)
-            keep = bm.num_blocks_for(seq.num_tokens)
-            while len(seq.block_table) > keep:
-                bm._release(seq.block_table.pop())
+            bm.trim(seq, seq.num_tokens)
         for seq, reason in finished:
             self.finish(seq, reason)
         if output.burst and step_seconds is not None:
