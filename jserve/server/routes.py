@@ -190,16 +190,27 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     req = parse_completion(await read_json(request, state.settings.max_request_bytes))
     asked = state.route(req.model)
     served, admission = _precheck(request, state, asked, len(req.prompts), req)
-    engine, tokenizer = served.engine, served.tokenizer
+
+    async def prompts(tokenizer: TokenizerWorker) -> list:
+        return [await tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
+
+    return await _generate(request, req, asked, served, admission, "cmpl", prompts, _completion_events,
+                           _completion_body)
+
+
+async def _generate(request: Request, req, asked: str, served, admission, id_prefix: str, prompts_of, events,
+                    body) -> Response:
+    """Tokenize (prompts_of), admit into the served model's engine, and answer streamed (events) or whole (body);
+    the admission is given back if anything before the engine fails."""
     try:
-        prompts = [await tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
-        header = R.ResponseHeader(R.new_id("cmpl"), served.name)
-        gen = await _admit(engine, header.id, prompts, req, admission)
+        prompts = await prompts_of(served.tokenizer)
+        header = R.ResponseHeader(R.new_id(id_prefix), served.name)
+        gen = await _admit(served.engine, header.id, prompts, req, admission)
     except BaseException:
         admission.refuse()
         raise
-    response = await _respond(request, gen, req.stream, _completion_events if req.stream else _completion_body,
-                              (gen, req, header, tokenizer))
+    response = await _respond(request, gen, req.stream, events if req.stream else body,
+                              (gen, req, header, served.tokenizer))
     return _mark_fallback(response, asked, served)
 
 
@@ -242,18 +253,12 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
                               "response_format/structured_outputs", "tool_choice")
         req.params = req.params.clone(structured_outputs=constraint)
     served, admission = _precheck(request, state, asked, 1, req)
-    engine, tokenizer = served.engine, served.tokenizer
-    try:
-        prompt = await tokenizer.chat(req.messages, req.add_generation_prompt,
-                                      req.tools.tools if req.tools is not None else None)
-        header = R.ResponseHeader(R.new_id("chatcmpl"), served.name)
-        gen = await _admit(engine, header.id, [prompt], req, admission)
-    except BaseException:
-        admission.refuse()
-        raise
-    response = await _respond(request, gen, req.stream, _chat_events if req.stream else _chat_body,
-                              (gen, req, header, tokenizer))
-    return _mark_fallback(response, asked, served)
+
+    async def prompts(tokenizer: TokenizerWorker) -> list:
+        return [await tokenizer.chat(req.messages, req.add_generation_prompt,
+                                     req.tools.tools if req.tools is not None else None)]
+
+    return await _generate(request, req, asked, served, admission, "chatcmpl", prompts, _chat_events, _chat_body)
 
 
 async def _chat_events(gen: Generation, req: ChatRequest, header: R.ResponseHeader,
