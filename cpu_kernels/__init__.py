@@ -175,8 +175,31 @@ def pack_weight(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(rows.reshape(n_pad // PACKED_ROWS, PACKED_ROWS, -1).transpose(0, 2, 1))
 
 
+INT8_SCALE_ROWS = 4  # an int8 block's 32 float32 scales: 128 bytes, 4 rows of its [K + 4, 32] bytes
+
+
+def pack_weight_int8(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """An int8 [N, K] weight and its float32 [N] per-row scales (jserve.models.quantization: w = q * scale) in the
+    kernels' packed layout, int8 [N_pad / 32, K + 4, 32]: block b holds rows 32b .. 32b + 31 k-major (w[32b + j, k]
+    at byte 32 k + j), then their 32 scales as float32 bytes (padding rows: zero weights, zero scales). The kernels
+    widen each int8 in registers and multiply each output by its row's scale once, after the sum (matmul_int8.h)."""
+    n, k = q.shape
+    if q.dtype != np.int8 or scale.shape != (n,):
+        raise ValueError(f"pack_weight_int8: an int8 [N, K] weight and float32 [N] scales expected, got {q.shape} "
+                         f"{q.dtype} and {scale.shape}")
+    blocks = -(-n // PACKED_ROWS)
+    rows = np.zeros((blocks * PACKED_ROWS, k), np.int8)
+    rows[:n] = q
+    scales = np.zeros((blocks * PACKED_ROWS,), np.float32)
+    scales[:n] = scale
+    out = np.empty((blocks, k + INT8_SCALE_ROWS, PACKED_ROWS), np.int8)
+    out[:, :k] = rows.reshape(blocks, PACKED_ROWS, k).transpose(0, 2, 1)
+    out[:, k:] = scales.reshape(blocks, PACKED_ROWS).view(np.int8).reshape(blocks, INT8_SCALE_ROWS, PACKED_ROWS)
+    return out
+
+
 def is_packed(w: jax.Array) -> bool:
-    return w.ndim == 3 and w.shape[2] == PACKED_ROWS and w.dtype in (jnp.uint32, jnp.float32)
+    return w.ndim == 3 and w.shape[2] == PACKED_ROWS and w.dtype in (jnp.uint32, jnp.float32, jnp.int8)
 
 
 def packed_rows(w: jax.Array, ids: jax.Array) -> jax.Array:
@@ -307,12 +330,19 @@ def matmul_ref(x: jax.Array, w: jax.Array) -> jax.Array:
                                preferred_element_type=jnp.float32)
 
 
-def matmul(x: jax.Array, w: jax.Array, out_features: int | None = None) -> jax.Array:
-    """x[..., K] @ w[N, K]^T -> float32[..., N]. w is float32 or bfloat16, or packed by pack_weight (then
-    out_features gives N); for bfloat16 weights x is rounded to bfloat16 (as the XLA path's x.astype(w.dtype) does)
-    and the products accumulate in float32."""
+def matmul(x: jax.Array, w: jax.Array, out_features: int | None = None, compute_dtype: str | None = None) -> jax.Array:
+    """x[..., K] @ w[N, K]^T -> float32[..., N]. w is float32 or bfloat16, or packed by pack_weight or
+    pack_weight_int8 (then out_features gives N); for bfloat16 weights x is rounded to bfloat16 (as the XLA path's
+    x.astype(w.dtype) does) and the products accumulate in float32. For int8 weights x is first rounded to
+    compute_dtype where given (the XLA path's quantized_matmul does), and the result is the dequantized product."""
     _require()
-    if is_packed(w):
+    if is_packed(w) and w.dtype == jnp.int8:
+        k, n = w.shape[1] - INT8_SCALE_ROWS, out_features
+        if n is None or w.shape[0] * PACKED_ROWS != -(-n // PACKED_ROWS) * PACKED_ROWS:
+            raise ValueError(f"matmul: a packed weight {w.shape} needs the out_features it was packed from, got {n}")
+        if compute_dtype is not None:
+            x = x.astype(compute_dtype)
+    elif is_packed(w):
         k, n = (2 if w.dtype == jnp.uint32 else 1) * w.shape[1], out_features
         if n is None or w.shape[0] * PACKED_ROWS != -(-n // PACKED_ROWS) * PACKED_ROWS:
             raise ValueError(f"matmul: a packed weight {w.shape} needs the out_features it was packed from, got {n}")
@@ -325,7 +355,8 @@ def matmul(x: jax.Array, w: jax.Array, out_features: int | None = None) -> jax.A
     lead = x.shape[:-1]
     rows = x.reshape(-1, k).astype(jnp.float32)
     out = jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32)
-    return jax.ffi.ffi_call("jserve_matmul", out)(rows, w).reshape(*lead, n)
+    int8_round = w.dtype == jnp.int8 and compute_dtype is not None and jnp.dtype(compute_dtype) == jnp.bfloat16
+    return jax.ffi.ffi_call("jserve_matmul", out)(rows, w, int8_round=np.int64(int8_round)).reshape(*lead, n)
 
 
 def argmax(x: jax.Array) -> jax.Array:
@@ -369,18 +400,19 @@ class PartLayout(NamedTuple):
     parts: int
     begins: tuple[tuple[int, ...], ...]  # per matrix: the block each part starts at, [parts + 1]
     offsets: tuple[tuple[int, ...], ...]  # per part, per matrix: its first 4-byte unit in the part's layer region
-    block_units: tuple[int, ...]  # per matrix: 4-byte units a packed block
+    block_units: tuple[int, ...]  # per matrix: units a packed block (4-byte units; int8: bytes)
     layer_units: int  # the largest part's units a layer (the others are padded to it)
-    dtype: np.dtype  # uint32 (bfloat16 pairs) or float32, as pack_weight packs
+    dtype: np.dtype  # uint32 (bfloat16 pairs) or float32, as pack_weight packs; int8 as pack_weight_int8 does
 
 
 def part_layout(shapes: Sequence[tuple[int, int]], dtype: str | jnp.dtype, parts: int) -> PartLayout:
-    """The PartLayout of matrices of these [N, K] shapes (qkv, o, gate_up, down) in `dtype`, in `parts` parts."""
-    bf16 = jnp.dtype(dtype) == jnp.bfloat16
+    """The PartLayout of matrices of these [N, K] shapes (qkv, o, gate_up, down) in `dtype` (int8: packed with their
+    scales, pack_weight_int8), in `parts` parts."""
+    bf16, int8 = jnp.dtype(dtype) == jnp.bfloat16, jnp.dtype(dtype) == jnp.int8
     if parts < 1 or len(shapes) != 4 or (bf16 and any(k % 2 for _, k in shapes)):
         raise ValueError(f"part_layout: 4 matrix shapes (K even in bfloat16) and parts >= 1, got {shapes}, {parts}")
     blocks = [-(-n // PACKED_ROWS) for n, _ in shapes]
-    block_units = tuple(PACKED_ROWS * (k // 2 if bf16 else k) for _, k in shapes)
+    block_units = tuple(PACKED_ROWS * (k + INT8_SCALE_ROWS if int8 else k // 2 if bf16 else k) for _, k in shapes)
     begins = tuple(tuple(b * p // parts for p in range(parts + 1)) for b in blocks)
     offsets = []
     for p in range(parts):
@@ -388,7 +420,7 @@ def part_layout(shapes: Sequence[tuple[int, int]], dtype: str | jnp.dtype, parts
         offsets.append(tuple(int(o) for o in np.cumsum([0, *sizes])))
     layer_units = max(o[-1] for o in offsets)
     return PartLayout(parts, begins, tuple(o[:-1] for o in offsets), block_units, layer_units,
-                      np.dtype(np.uint32 if bf16 else np.float32))
+                      np.dtype(np.int8 if int8 else np.uint32 if bf16 else np.float32))
 
 
 def place_in_parts(regions: np.ndarray, layout: PartLayout, layer: int, matrix: int, packed: np.ndarray) -> None:
@@ -429,7 +461,8 @@ def decoder_layers(x: jax.Array, layers: Sequence[LayerWeights] | LayerWeights,
                    seq_lens: jax.Array, inv_freq: np.ndarray, num_heads: int, eps: float, scale: float,
                    sliding_window: int | None = None, soft_cap: float | None = None,
                    intermediate_size: int | None = None, k_scales: Sequence[jax.Array] | jax.Array | None = None,
-                   v_scales: Sequence[jax.Array] | jax.Array | None = None) -> tuple:
+                   v_scales: Sequence[jax.Array] | jax.Array | None = None,
+                   compute_dtype: str | jnp.dtype = jnp.float32) -> tuple:
     """Llama-family decoder layers, one after another, over a ragged batch in one kernel call
     -> (x_out, k_pages, v_pages), the pages in the form given: a list per layer, or stacked, one
     [L, num_pages, page_size, num_kv_heads, head_dim] array each.
@@ -444,7 +477,9 @@ def decoder_layers(x: jax.Array, layers: Sequence[LayerWeights] | LayerWeights,
     (LayerWeights.matrix_parts), which need `intermediate_size`.
     int8 pages come with k_scales and v_scales in the same form (float32, the pages' shape without head_dim: one
     scale per (token, KV head) row); each new row is quantized as it is written (max|row| / 127) and read widened and
-    scaled in registers. Then the result is (x_out, k_pages, v_pages, k_scales, v_scales)."""
+    scaled in registers. Then the result is (x_out, k_pages, v_pages, k_scales, v_scales).
+    int8 matmul weights (packed by pack_weight_int8, their scales inside) take their inputs rounded to compute_dtype
+    (bfloat16 in a bfloat16 model, as the XLA path's quantized_matmul rounds them)."""
     _require()
     stacked_weights = isinstance(layers, LayerWeights)
     in_parts = stacked_weights and layers.matrix_parts is not None
@@ -477,7 +512,7 @@ def decoder_layers(x: jax.Array, layers: Sequence[LayerWeights] | LayerWeights,
     dtype = (layers if stacked_weights else layers[0]).qkv.dtype
     for weights in [layers] if stacked_weights else layers:
         matmuls = (weights.qkv, weights.o, weights.gate_up, weights.down)
-        if any(w.dtype != dtype for w in matmuls) or dtype not in (jnp.float32, jnp.bfloat16, jnp.uint32):
+        if any(w.dtype != dtype for w in matmuls) or dtype not in (jnp.float32, jnp.bfloat16, jnp.uint32, jnp.int8):
             raise ValueError(f"decoder_layers: the matmul weights must all be float32, bfloat16 or packed, got "
                              f"{[w.dtype for w in matmuls]}")
     none = jnp.zeros((0,), jnp.float32)
@@ -500,7 +535,8 @@ def decoder_layers(x: jax.Array, layers: Sequence[LayerWeights] | LayerWeights,
         *args, num_heads=np.int64(num_heads), eps=np.float32(eps), scale=np.float32(scale),
         sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0),
         weight_parts=np.int64(layers.qkv.shape[0] if in_parts else 0),
-        intermediate_size=np.int64(intermediate_size if in_parts else 0))
+        intermediate_size=np.int64(intermediate_size if in_parts else 0),
+        int8_round=np.int64(dtype == jnp.int8 and jnp.dtype(compute_dtype) == jnp.bfloat16))
     n = 1 if stacked else num_layers
     groups = [pages[i * n] if stacked else pages[i * n: (i + 1) * n] for i in range(len(pages) // n)]
     return (x_out, *groups)

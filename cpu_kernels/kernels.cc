@@ -35,6 +35,7 @@
 //   prefetch.h         the weight stream's prefetch distances (Intel and others)
 //   matmul_blocks.h    tiles over one packed 32-column block
 //   matmul_packed.h    weights packed at load time: row blocks, widened blocks, the matmul phases
+//   matmul_int8.h      packed int8 weights with per-row scales, widened in registers
 //   matmul.h           jserve_matmul
 //   argmax.h           jserve_argmax
 //   attention_rows.h   attention's inner loops over a page
@@ -55,6 +56,7 @@
 #include "prefetch.h"
 #include "matmul_blocks.h"
 #include "matmul_packed.h"
+#include "matmul_int8.h"
 #include "matmul.h"
 #include "argmax.h"
 #include "attention_rows.h"
@@ -103,7 +105,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveMatmul, MatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("int8_round"));  // int8 weights: x holds bfloat16 values
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JservePagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
@@ -146,4 +149,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveDecoderLayers, DecoderLayersImpl,
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap")
                                   .Attr<int64_t>("weight_parts")
-                                  .Attr<int64_t>("intermediate_size"));
+                                  .Attr<int64_t>("intermediate_size")
+                                  .Attr<int64_t>("int8_round"));  // int8 weights: x rounded to bfloat16 values

@@ -4,7 +4,7 @@
 // merge of split decodes, o + residual, norm, gate/up, SiLU, down + residual; seven where each thread streams its
 // own weight part and makes each norm's and the SiLU's output itself) over the real tokens only (bucket padding
 // costs nothing). The matmul inputs are float32 for float32 weights and bfloat16 bits for bfloat16 ones, rounded
-// once where they are produced.
+// once where they are produced; int8 weights take float32 (holding bfloat16 values in a bfloat16 model).
 
 #include "attention.h"
 #include "matmul.h"
@@ -163,7 +163,9 @@ struct LayerScratch {
 template <typename X, typename W>
 void AppendLayerPhases(std::vector<Phase>& phases, LayerRun<W>& r, const AttentionPlan& plan,
                        const LayerScratch<X>& scratch, int64_t threads) {
-  constexpr bool round = !(std::is_same_v<W, float> || std::is_same_v<W, F32Panels>);  // bf16 weights: rounded
+  // bf16 weights (and int8 ones of a bfloat16 model): x rounded to bfloat16 values
+  constexpr bool round = !(std::is_same_v<W, float> || std::is_same_v<W, F32Panels> ||
+                           std::is_same_v<W, Int8Blocks<false>>);
   const LayerShape& s = r.s;
   const LayerWeights<W>& w = r.w;
   AttentionArgs& a = r.a;
@@ -186,7 +188,7 @@ void AppendLayerPhases(std::vector<Phase>& phases, LayerRun<W>& r, const Attenti
   // [t0, t1) of what only one thread may do): one phase where each thread makes x for itself (OwnedBlocks) and item
   // 0 does `once`, else the step's phase into `in`, then the matmul's.
   auto append_matmul = [&](const MatmulJob<X, W>& job, int kind, auto make_x, auto once) {
-    if constexpr (std::is_same_v<W, F32Panels> || std::is_same_v<W, uint32_t>) {
+    if constexpr (std::is_same_v<W, F32Panels> || std::is_same_v<W, uint32_t> || IsInt8Weight<W>::value) {
       if (OwnedBlocks(job, threads)) {
         MatmulInput<X> input = [make_x, once, t_size](X* x, int64_t item) {
           if (item == 0) once(0, t_size);
@@ -273,7 +275,8 @@ void AppendLayerPhases(std::vector<Phase>& phases, LayerRun<W>& r, const Attenti
 // The phases point into `layers` and `plan`, which must outlive them.
 template <typename W>
 SharedPhases DecoderLayerPhases(std::vector<LayerRun<W>>& layers, const AttentionPlan& plan, int64_t threads) {
-  constexpr bool f32_weights = std::is_same_v<W, float> || std::is_same_v<W, F32Panels>;
+  // float32 x: float32 weights, int8 ones (widened to float32 in registers)
+  constexpr bool f32_weights = std::is_same_v<W, float> || std::is_same_v<W, F32Panels> || IsInt8Weight<W>::value;
   using X = std::conditional_t<f32_weights, float, Bf16Input>;
   const LayerShape& s = layers[0].s;
   const AttentionArgs& a = layers[0].a;

@@ -138,10 +138,11 @@ ffi::Error CheckLayerWeights(LayerBuffers& b, int64_t q_size, int64_t kv_size, i
   return ffi::Error::Success();
 }
 
-// Every layer's matrices in per-thread parts (cpu_kernels.PartLayout): one [P, L, U] array of packed
-// weights (bfloat16 pairs as uint32, or float32) where part p of layer l holds, one after another from its start,
-// blocks [n P_p, n P_(p+1)) with P_p = p / P of qkv, o, gate_up and down (n blocks each), U the largest part. The
-// other three matrix operands must be empty. -> each layer's parts of its four matrices.
+// Every layer's matrices in per-thread parts (cpu_kernels.PartLayout): one [P, L, U] array of packed weights
+// (bfloat16 pairs as uint32, float32, or int8 blocks with their scales: then U counts bytes) where part p of layer l
+// holds, one after another from its start, blocks [n P_p, n P_(p+1)) with P_p = p / P of qkv, o, gate_up and down (n
+// blocks each), U the largest part. The other three matrix operands must be empty. -> each layer's parts of its four
+// matrices.
 struct MatrixPartsOf {
   std::array<std::vector<int64_t>, 4> begin;     // per matrix: [parts + 1]
   std::array<std::vector<const float*>, 4> base;  // per matrix: layer 0's parts
@@ -152,10 +153,10 @@ ffi::Error MatrixParts(const ffi::AnyBuffer& regions, const ffi::RemainingArgs& 
                        int64_t num_layers, int64_t q_size, int64_t kv_size, int64_t e, int64_t i_size,
                        MatrixPartsOf& out) {
   const auto dims = regions.dimensions();
-  const bool pairs = regions.element_type() == ffi::DataType::U32;
+  const bool pairs = regions.element_type() == ffi::DataType::U32, int8 = regions.element_type() == ffi::DataType::S8;
   const std::array<int64_t, 4> n_sizes{q_size + 2 * kv_size, e, 2 * i_size, e}, k_sizes{e, q_size, e, i_size};
   bool ok = dims.size() == 3 && dims[0] == parts && dims[1] == num_layers && i_size > 0 &&
-            (pairs || regions.element_type() == ffi::DataType::F32);
+            (pairs || int8 || regions.element_type() == ffi::DataType::F32);
   for (size_t i : {5, 8, 10}) {
     ffi::ErrorOr<ffi::AnyBuffer> empty = args.get<ffi::AnyBuffer>(i);
     ok = ok && !empty.has_error() && empty->element_count() == 0;
@@ -164,7 +165,7 @@ ffi::Error MatrixParts(const ffi::AnyBuffer& regions, const ffi::RemainingArgs& 
   for (size_t k = 0; k < 4; ++k) {
     ok = ok && !(pairs && k_sizes[k] % 2 != 0);
     blocks[k] = Blocks(n_sizes[k], 2 * kPanel);
-    block_units[k] = 2 * kPanel * (pairs ? k_sizes[k] / 2 : k_sizes[k]);
+    block_units[k] = int8 ? Int8BlockUnits(k_sizes[k]) : 2 * kPanel * (pairs ? k_sizes[k] / 2 : k_sizes[k]);
   }
   int64_t layer_units = 0;
   for (int64_t p = 0; p < parts; ++p) {
@@ -172,7 +173,7 @@ ffi::Error MatrixParts(const ffi::AnyBuffer& regions, const ffi::RemainingArgs& 
     for (size_t k = 0; k < 4; ++k) units += (blocks[k] * (p + 1) / parts - blocks[k] * p / parts) * block_units[k];
     layer_units = std::max(layer_units, units);
   }
-  if (!ok || dims[2] != layer_units) {
+  if (!ok || dims[2] != (int8 ? 4 : 1) * layer_units) {  // layer_units: 4-byte units
     return ffi::Error::InvalidArgument(
         "jserve_decoder_layers: the matrices' per-thread parts disagree with the layer's shapes");
   }

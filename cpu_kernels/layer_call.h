@@ -135,7 +135,7 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
                              ffi::Buffer<ffi::F32> inv_freq, ffi::RemainingArgs args,
                              ffi::ResultBuffer<ffi::F32> x_out, ffi::RemainingRets rets, int64_t num_heads,
                              float eps, float scale, int64_t sliding_window, float soft_cap, int64_t weight_parts,
-                             int64_t intermediate_size) {
+                             int64_t intermediate_size, int64_t int8_round) {
   CallClock call_clock(kLayersCall);
   const auto x_dims = x.dimensions();
   if (x_dims.size() != 2 || num_heads <= 0) {
@@ -144,7 +144,7 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   const int64_t threads = pool.num_threads();
   const std::vector<int64_t>& key = LayerCallKey(
       args, rets, {num_heads, BitsOf(eps), BitsOf(scale), sliding_window, BitsOf(soft_cap), weight_parts,
-                   intermediate_size, threads},
+                   intermediate_size, int8_round, threads},
       x, positions, slot_mapping, page_table, query_start, seq_lens, inv_freq, *x_out);
   LayerCallCache& cache = TheLayerCallCache();
   if (cache.phases != nullptr && key == cache.key) {  // the buffers of the call before: its phases?
@@ -272,7 +272,11 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   const int64_t stacked_layer_bytes =
       stacked ? a.num_pages * a.page_size * kv_size * (a.kv_int8 ? 1 : a.kv_bf16 ? 2 : 4) : 0;
   cache.args = a;
-  if (packed && w_type == ffi::DataType::U32) {
+  if (packed && w_type == ffi::DataType::S8 && int8_round != 0) {
+    KeepLayers<Int8Blocks<true>>(cache, buffers, first, rets, stacked_layer_bytes, std::move(parts), threads);
+  } else if (packed && w_type == ffi::DataType::S8) {
+    KeepLayers<Int8Blocks<false>>(cache, buffers, first, rets, stacked_layer_bytes, std::move(parts), threads);
+  } else if (packed && w_type == ffi::DataType::U32) {
     KeepLayers<uint32_t>(cache, buffers, first, rets, stacked_layer_bytes, std::move(parts), threads);
   } else if (packed) {
     KeepLayers<F32Panels>(cache, buffers, first, rets, stacked_layer_bytes, std::move(parts), threads);

@@ -2,7 +2,7 @@
 
 // The jserve_matmul call: argument checks, x rounded for bfloat16 weights, and its phases.
 
-#include "matmul_packed.h"
+#include "matmul_int8.h"
 
 namespace {
 
@@ -18,7 +18,8 @@ Phase RoundRowsPhase(const float* x, X* out, int64_t rows, int64_t cols) {
 }
 
 // A weight's [N, K] as stored: plain [N, K], or packed (N_pad >= N rows): bfloat16 pairs uint32 [N_pad / 32, K / 2,
-// 32] or float32 [N_pad / 32, K, 32].
+// 32], float32 [N_pad / 32, K, 32], or int8 with its scales [N_pad / 32, K + 4, 32] (matmul_int8.h). int8 is never
+// plain.
 struct WeightShape {
   int64_t rows = -1, cols = -1;
   bool packed = false;
@@ -30,7 +31,10 @@ WeightShape ShapeOf(const ffi::AnyBuffer& w) {
   if (dims.size() == 3 && dims[2] == 2 * kPanel && (type == ffi::DataType::U32 || type == ffi::DataType::F32)) {
     return {dims[0] * 2 * kPanel, type == ffi::DataType::U32 ? dims[1] * 2 : dims[1], true};
   }
-  if (dims.size() == 2 && type != ffi::DataType::U32) return {dims[0], dims[1], false};
+  if (dims.size() == 3 && dims[2] == 2 * kPanel && type == ffi::DataType::S8 && dims[1] > 4) {
+    return {dims[0] * 2 * kPanel, dims[1] - 4, true};
+  }
+  if (dims.size() == 2 && type != ffi::DataType::U32 && type != ffi::DataType::S8) return {dims[0], dims[1], false};
   return {};
 }
 
@@ -41,7 +45,7 @@ bool Holds(const WeightShape& w, int64_t n, int64_t k) {
 }
 
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                      ffi::ResultBuffer<ffi::F32> y) {
+                      ffi::ResultBuffer<ffi::F32> y, int64_t int8_round) {
   CallClock call_clock(kMatmulCall);
   const auto x_dims = x.dimensions();
   const WeightShape shape = ShapeOf(w);
@@ -50,7 +54,17 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   }
   const int64_t m_size = x_dims[0], k_size = x_dims[1], n_size = y->dimensions()[1];
   const int64_t threads = pool.num_threads();
-  if (shape.packed && w.element_type() == ffi::DataType::U32) {
+  if (shape.packed && w.element_type() == ffi::DataType::S8 && int8_round != 0) {  // x rounded by the caller
+    using W = Int8Blocks<true>;
+    const MatmulJob<float, W> job{x.typed_data(), static_cast<const W*>(w.untyped_data()), y->typed_data(), nullptr,
+                                  false, m_size, n_size, k_size};
+    RunPhases(pool, {MatmulPhase(job, threads)});
+  } else if (shape.packed && w.element_type() == ffi::DataType::S8) {
+    using W = Int8Blocks<false>;
+    const MatmulJob<float, W> job{x.typed_data(), static_cast<const W*>(w.untyped_data()), y->typed_data(), nullptr,
+                                  false, m_size, n_size, k_size};
+    RunPhases(pool, {MatmulPhase(job, threads)});
+  } else if (shape.packed && w.element_type() == ffi::DataType::U32) {
     thread_local std::vector<Bf16Input> x_bf16;
     x_bf16.resize(static_cast<size_t>(m_size * k_size));
     const MatmulJob<Bf16Input, uint32_t> job{x_bf16.data(), static_cast<const uint32_t*>(w.untyped_data()),
@@ -71,7 +85,7 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
                                       nullptr, false, m_size, n_size, k_size};
     RunPhases(pool, {MatmulPhase(job, threads)});
   } else {
-    return ffi::Error::InvalidArgument("jserve_matmul: w must be float32 or bfloat16");
+    return ffi::Error::InvalidArgument("jserve_matmul: w must be float32 or bfloat16 (or packed)");
   }
   return ffi::Error::Success();
 }

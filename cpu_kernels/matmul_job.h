@@ -31,10 +31,15 @@ struct MatmulJob {
   bool accumulate;
   int64_t m_size, n_size, k_size;
   const BlockParts* parts = nullptr;  // packed weights only: where the blocks lie, if not one after another at w
+  // Per-column factors applied to each sum before the bias (int8 weights' per-row scales, matmul_int8.h): column n's
+  // at scale[n - scale_begin]; nullptr: none.
+  const float* scale = nullptr;
+  int64_t scale_begin = 0;
 };
 
 template <typename X, typename W>
 inline void Emit(const MatmulJob<X, W>& job, int64_t m, int64_t n, float value) {
+  if (job.scale != nullptr) value *= job.scale[n - job.scale_begin];
   if (job.bias != nullptr) value += job.bias[n];
   float* out = job.y + m * job.n_size + n;
   *out = job.accumulate ? *out + value : value;
@@ -47,6 +52,7 @@ inline void EmitRow(const MatmulJob<X, W>& job, int64_t m, int64_t n, const floa
   int64_t c = 0;
   for (; c + 8 <= cols; c += 8) {
     __m256 v = _mm256_loadu_ps(values + c);
+    if (job.scale != nullptr) v = _mm256_mul_ps(v, _mm256_loadu_ps(job.scale + n + c - job.scale_begin));
     if (job.bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(job.bias + n + c));
     if (job.accumulate) v = _mm256_add_ps(_mm256_loadu_ps(out + c), v);
     _mm256_storeu_ps(out + c, v);

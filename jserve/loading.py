@@ -24,6 +24,7 @@ from jserve.models.quantization import (
     load_compressed_tensors_state,
     quantize_model,
     quantize_rows,
+    resident_bytes,
     scale_path,
 )
 from jserve.models.sharded_config import shard_model_config
@@ -31,6 +32,8 @@ from jserve.orbax_io import is_orbax_checkpoint, read_checkpoint, restore_state
 from sharding import MODEL_AXIS, logical_sharding
 
 Place = Callable[[tuple, ParamSource], jax.Array]  # (parameter path, its source) -> the array the model holds
+# (weight path, int8 weight [out, in], float32 scale [out]) -> the arrays the model holds as its weight and its scale
+PlaceQuantized = Callable[[tuple, np.ndarray, np.ndarray], tuple[jax.Array, jax.Array]]
 
 
 @dataclass
@@ -39,6 +42,10 @@ class LoadedModel:
     graphdef: nnx.GraphDef
     state: nnx.State  # parameters as device arrays
     attention_backend: str = "reference"  # the concrete backend baked into graphdef
+
+    def resident_bytes(self) -> int:
+        """Bytes of the parameters as they are held (quantized weights and their scales as stored)."""
+        return resident_bytes(self.state)
 
 
 def resolve_model_path(model: str) -> Path:
@@ -82,7 +89,7 @@ def stored_quantization(model_dir: str | Path, load_format: str = "auto") -> str
 
 def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend: str = "reference",
                mesh: Mesh | None = None, load_format: str = "auto", place: Place | None = None,
-               quantization: str | None = None) -> LoadedModel:
+               quantization: str | None = None, place_quantized: PlaceQuantized | None = None) -> LoadedModel:
     """model_dir: a Hugging Face checkpoint directory, a GGUF file, or a directory holding one GGUF file (and no
     safetensors; jserve.gguf_loading).
 
@@ -100,6 +107,8 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
 
     quantization: "int8" / "fp8" quantizes the decoder layers' projection matrices as they are read
     (jserve.models.quantization): each is read whole on the host, quantized per output row and placed with its scales.
+    With `place`, quantized weights need `place_quantized`, which takes each weight with its scales (read as stored,
+    or quantized at load) and gives the arrays the state holds for both (the CPU layer executor packs them together).
     """
     orbax = read_checkpoint(model_dir) if is_orbax_checkpoint(model_dir) else None  # jserve convert's output
     gguf_file = None if orbax is not None else find_gguf(model_dir)
@@ -125,8 +134,8 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
     abstract = nnx.eval_shape(lambda: model_class(config)(config, jnp.dtype(dtype), attention_backend))
     quantized = set()
     if quantization is not None:
-        if place is not None:
-            raise ValueError("load_model: quantization is for the XLA executor's placement only")
+        if place is not None and place_quantized is None:
+            raise ValueError("load_model: a custom placement of quantized weights needs place_quantized")
         quantized = set(quantize_model(abstract, quantization))
     graphdef, state = nnx.split(abstract)
     pure = nnx.to_pure_dict(state)
@@ -144,13 +153,32 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
             return jax.device_put(array)
         return place_sharded(DummySource(array), logical_sharding(mesh, axes[path], array.shape))
 
-    def place_quantized(path: tuple, q: np.ndarray, scale: np.ndarray) -> jax.Array:
+    def place_quantized_one(path: tuple, q: np.ndarray, scale: np.ndarray) -> jax.Array:
+        if place_quantized is not None:
+            weight, placed_scales[scale_path(path)] = place_quantized(path, q, scale)
+            return weight
         placed_scales[scale_path(path)] = place_array(scale_path(path), scale)
         return place_array(path, q)
 
+    # A stored conversion's weights and scales are separate parameters: a custom placement takes each weight once
+    # both have been read (until then the state holds an empty placeholder for either).
+    stored_parts: dict[tuple, dict[str, np.ndarray]] = {}
+    weight_of_scale = {scale_path(path): path for path in quantized}
+
+    def place_stored(path: tuple, source: ParamSource) -> jax.Array:
+        weight = weight_of_scale.get(path, path)
+        parts = stored_parts.setdefault(weight, {})
+        parts["scale" if path in weight_of_scale else "weight"] = np.asarray(source.read())
+        if len(parts) == 2:
+            placed_scales[weight] = place_quantized_one(weight, parts["weight"].astype(np.int8), parts["scale"])
+            del stored_parts[weight]
+        return jnp.zeros((0,), jnp.float32)
+
     def place_one(path: tuple, source: ParamSource) -> jax.Array:
         if path in quantized and not stored_quantized:
-            return place_quantized(path, *quantize_rows(np.asarray(source.read()), quantization))
+            return place_quantized_one(path, *quantize_rows(np.asarray(source.read()), quantization))
+        if stored_quantized and place_quantized is not None and (path in quantized or path in weight_of_scale):
+            return place_stored(path, source)
         if place is not None:
             return place(path, source)
         if mesh is None:
@@ -166,7 +194,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
     elif load_format == "auto" and gguf_file is not None:
         placed = load_gguf_state(gguf_file, config, shapes, place_one)
     elif load_format == "auto" and prequantized is not None:
-        placed = load_compressed_tensors_state(model_dir, config, shapes, quantized, place_one, place_quantized)
+        placed = load_compressed_tensors_state(model_dir, config, shapes, quantized, place_one, place_quantized_one)
     elif load_format == "auto":
         placed = load_state(model_dir, config, shapes, place_one)
     else:

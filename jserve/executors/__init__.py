@@ -21,7 +21,8 @@ def choose_executor(executor: str, attention_backend: str, *, sharded: bool = Fa
     """-> (executor class, concrete attention backend, why) for the EngineConfig settings `executor`,
     `attention_backend`, `quantization` and `kv_cache_dtype` on this platform; sharded: the model is split over a
     mesh. The C++ kernels read an int8 KV cache but not an fp8 one: fp8 runs on the XLA executor, whose "auto"
-    attention on CPU is then the reference."""
+    attention on CPU is then the reference. int8 weights run on either executor (the C++ layer kernels widen them in
+    registers); fp8 weights need a GPU."""
     platform = platform or jax.default_backend()
     if quantization == "fp8" and platform != "gpu":
         raise ValueError(f"fp8 weights need a GPU (platform is {platform!r}); use int8")
@@ -32,7 +33,7 @@ def choose_executor(executor: str, attention_backend: str, *, sharded: bool = Fa
             executor, why = "xla", f"attention_backend {attention_backend!r} runs under XLA"
         elif sharded:
             executor, why = "xla", "the model is sharded (the layer kernel runs on one device)"
-        elif quantization is not None:
+        elif quantization not in (None, "int8"):
             executor, why = "xla", f"{quantization} weights (the C++ layer kernels have no {quantization} matmul)"
         elif kv_cache_dtype == "fp8":
             executor, why = "xla", "kv_cache_dtype fp8 (the C++ kernels read int8 pages, not fp8 ones)"
@@ -47,8 +48,8 @@ def choose_executor(executor: str, attention_backend: str, *, sharded: bool = Fa
             raise ValueError(f"executor 'cpu-layers' runs on the CPU only (platform is {platform!r})")
         if not cpu_kernels.available():
             raise ValueError(f"executor 'cpu-layers' is unavailable: {cpu_kernels.unavailable_reason()}")
-        if quantization is not None:
-            raise ValueError(f"executor 'cpu-layers' has no {quantization} matmul kernels; quantization "
+        if quantization not in (None, "int8"):
+            raise ValueError(f"executor 'cpu-layers' has no {quantization} matmul kernels (int8 only); quantization "
                              f"{quantization!r} needs executor 'xla' (or 'auto')")
         if kv_cache_dtype == "fp8":
             raise ValueError("executor 'cpu-layers' reads an int8 KV cache but not an fp8 one; kv_cache_dtype "

@@ -9,6 +9,11 @@ stacked KV cache (two arrays a step instead of two a layer), lone decodes unpadd
 It is the XLA executor with a different forward: batches the layer kernel does not take (larger than
 cpu_kernels.max_kernel_rows() where AMX makes XLA's dot faster, or any batch under tensor parallelism) run the Flax
 model with the C++ attention kernel ("cpu" attention backend) and XLA's dots.
+
+int8 weights (quantization "int8", or stored int8: jserve.models.quantization) are packed with their per-row scales
+(cpu_kernels.pack_weight_int8) and widened in registers by the kernels' matmuls; the layer kernel then takes every
+batch on one device (the packed layout is its alone), and under tensor parallelism the Flax model's quantized
+Linears run as on the XLA executor, their scales sharded with their rows.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -28,7 +34,7 @@ from checkpoints.safetensors_loader import ParamSource
 from jserve.config import ModelConfig, ModelLoadError
 from jserve.executors.host_arena import HugePageArena, LayerStacks
 from jserve.executors.xla import XlaExecutor
-from jserve.loading import LoadedModel, load_model, model_config
+from jserve.loading import LoadedModel, load_model, model_config, stored_quantization
 from jserve.models.batch import KVCache, StepBatch
 from jserve.models.layers import embed_lookup, matmul, rms_norm, rope_inv_freq
 from pallas_kernels.quantized import QuantizedPages, zeros_pages
@@ -57,6 +63,12 @@ class CpuLoadedModel(LoadedModel):
     # in per-thread parts), for the layer kernel; None where they could not be stacked without a copy.
     layer_stack: cpu_kernels.LayerWeights | None = None
 
+    def resident_bytes(self) -> int:
+        # The layers' own matrices are empty placeholders where the matrices lie in per-thread parts.
+        parts = None if self.layer_stack is None else self.layer_stack.matrix_parts
+        return super().resident_bytes() + (0 if parts is None else parts.size * parts.dtype.itemsize)
+    quantization: str | None = None  # "int8": the layers' matrices packed with their scales (pack_weight_int8)
+
 
 class CpuLayerExecutor(XlaExecutor):
     name = "cpu-layers"
@@ -65,20 +77,32 @@ class CpuLayerExecutor(XlaExecutor):
 
     @classmethod
     def load(cls, model_dir: str | Path, *, dtype: str, attention_backend: str = "cpu", mesh: Mesh | None = None,
-             load_format: str = "auto", weight_parts: int | None = None) -> LoadedModel:
+             load_format: str = "auto", weight_parts: int | None = None,
+             quantization: str | None = None) -> LoadedModel:
         """weight_parts: where the matmul weights are packed, the layers' matrices are laid out in this many per-thread
         parts (cpu_kernels.PartLayout; None: one per CPU the kernels run on; 0: as [num_layers, ...] stacks whose
         slices are the layers' own parameters). In parts, only the layer kernel reads them (through
-        CpuLoadedModel.layer_stack): each layer's own matrix parameters are empty placeholders."""
+        CpuLoadedModel.layer_stack): each layer's own matrix parameters are empty placeholders.
+        quantization: "int8" quantizes the layers' matrices at load (stored int8 weights are int8 whatever it says);
+        they are packed with their scales, in parts or stacks like float ones (each layer's scale parameter keeps
+        its float32 scales: the kernel reads the copy inside the packed blocks)."""
+        if quantization not in (None, "int8"):
+            raise ValueError(f"executor 'cpu-layers' has no {quantization} matmul kernels; quantization "
+                             f"{quantization!r} needs executor 'xla'")
         if mesh is not None:  # sharded: XLA partitions the dots, the attention kernel runs on each device's heads
-            return load_model(model_dir, dtype, attention_backend, mesh=mesh, load_format=load_format)
+            return load_model(model_dir, dtype, attention_backend, mesh=mesh, load_format=load_format,
+                              quantization=quantization)
         config = model_config(model_dir)
         param_dtype = jnp.dtype(dtype)
         packed = _packed_paths(config, param_dtype) if cpu_kernels.packs_weights(param_dtype) else set()
+        # int8 may come from the checkpoint itself (compressed-tensors, a quantized conversion): its matrices reach
+        # place_quantized below whatever `quantization` says, so their layout is int8 where int8 can be stored.
+        int8 = quantization == "int8" or stored_quantization(model_dir, load_format) == "int8"
         arena = HugePageArena()
-        in_parts = weight_parts != 0 and all(("layers", 0, *path) in packed for path in _MATRICES)
+        in_parts = weight_parts != 0 and (int8 or all(("layers", 0, *path) in packed for path in _MATRICES))
         parts = weight_parts if weight_parts is not None else cpu_kernels.kernel_threads()
-        layout = cpu_kernels.part_layout(_matrix_shapes(config), param_dtype, parts) if in_parts else None
+        matrix_dtype = jnp.dtype(jnp.int8) if int8 else param_dtype
+        layout = cpu_kernels.part_layout(_matrix_shapes(config), matrix_dtype, parts) if in_parts else None
         stacks = LayerStacks(arena, config.num_layers,
                              (layout, {path: i for i, path in enumerate(_MATRICES)}) if in_parts else None)
 
@@ -89,9 +113,16 @@ class CpuLayerExecutor(XlaExecutor):
                 return stacks.place(path[2:], path[1], array)
             return arena.place(array)
 
-        model = load_model(model_dir, dtype, attention_backend, load_format=load_format, place=place)
+        def place_quantized(path: tuple, q: np.ndarray, scale: np.ndarray) -> tuple[jax.Array, jax.Array]:
+            if q.dtype != np.int8:
+                raise ModelLoadError(f"executor 'cpu-layers' takes int8 weights, not {q.dtype} ({path})")
+            return stacks.place(path[2:], path[1], cpu_kernels.pack_weight_int8(q, scale)), jax.device_put(scale)
+
+        model = load_model(model_dir, dtype, attention_backend, load_format=load_format, place=place,
+                           quantization=quantization, place_quantized=place_quantized)
         return CpuLoadedModel(config=model.config, graphdef=model.graphdef, state=model.state,
-                              attention_backend=attention_backend, layer_stack=_layer_stack(stacks))
+                              attention_backend=attention_backend, layer_stack=_layer_stack(stacks),
+                              quantization="int8" if int8 else None)
 
     def __init__(self, model: LoadedModel, *, max_num_batched_tokens: int, mesh: Mesh | None = None, **kwargs):
         if kwargs.get("kv_cache_dtype", "auto") == "fp8":  # the C++ kernels read int8 pages, not e4m3 ones
@@ -100,7 +131,10 @@ class CpuLayerExecutor(XlaExecutor):
         # Where the layer kernel takes every step (one device, no bucket larger than it takes), the cache is one
         # stacked array for K and one for V, and so are the layers' weights where the loader stacked them: a step
         # then dispatches ~14 arrays instead of a few per layer.
-        self.every_step_fused = mesh is None and max_num_batched_tokens <= cpu_kernels.max_kernel_rows()
+        # int8 matrices are packed for the layer kernel only: it takes every batch on one device.
+        self.int8_layers = mesh is None and getattr(model, "quantization", None) == "int8"
+        self.every_step_fused = mesh is None and (self.int8_layers or
+                                                  max_num_batched_tokens <= cpu_kernels.max_kernel_rows())
         self.layer_stack = getattr(model, "layer_stack", None) if self.every_step_fused else None
         if self.layer_stack is None and _matrices_in_parts(model):
             raise ValueError("this model's layer matrices were loaded in per-thread parts for the layer kernel, "
@@ -125,7 +159,7 @@ class CpuLayerExecutor(XlaExecutor):
         return KVCache(k=jnp.zeros(stacked, dtype), v=jnp.zeros(stacked, dtype))
 
     def layer_kernel_takes(self, num_tokens: int) -> bool:
-        return self.mesh is None and num_tokens <= cpu_kernels.max_kernel_rows()
+        return self.mesh is None and (self.int8_layers or num_tokens <= cpu_kernels.max_kernel_rows())
 
     def _forward(self, params: list, kv_cache: KVCache, batch: StepBatch) -> tuple[KVCache, jax.Array]:
         tree = jax.tree.unflatten(self._params_tree, params)
@@ -151,7 +185,8 @@ class CpuLayerExecutor(XlaExecutor):
             x, layers, k_cache, v_cache, positions=batch.positions, slot_mapping=batch.slot_mapping,
             page_table=batch.page_table, query_start=batch.query_start, seq_lens=batch.seq_lens,
             inv_freq=rope_inv_freq(cfg), num_heads=cfg.num_heads, eps=cfg.rms_norm_eps, scale=cfg.head_dim**-0.5,
-            sliding_window=cfg.sliding_window, intermediate_size=cfg.intermediate_size, **scales)
+            sliding_window=cfg.sliding_window, intermediate_size=cfg.intermediate_size, compute_dtype=self.dtype,
+            **scales)
         if quantized:
             k_scales, v_scales = new_scales
             if kv_cache.stacked:
