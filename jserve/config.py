@@ -199,7 +199,7 @@ def _sliding_window(cfg: dict, source: str = "config.json") -> int | None:
         "use_sliding_window false")
 
 
-SPECULATIVE_METHODS = ("ngram",)  # how draft tokens are proposed (jserve.engine.speculative); "draft_model" is not yet
+SPECULATIVE_METHODS = ("ngram", "draft_model")  # how draft tokens are proposed (jserve.engine.speculative)
 
 
 @dataclass(frozen=True)
@@ -207,15 +207,18 @@ class SpeculativeConfig:
     """Speculative decoding (docs/speculative.md), vLLM's `speculative_config` keys.
 
     method: "ngram" (prompt lookup: the tokens that followed the first earlier occurrence of the sequence's last
-      n-gram). num_speculative_tokens: the most draft tokens verified per step (k). prompt_lookup_min/max: the
-      shortest and longest n-gram matched (the longest that matches wins). disable_by_batch_size: no speculation in a
-      step whose running batch holds more sequences than this (None: always)."""
+      n-gram) | "draft_model" (a smaller model with the target's tokenizer, `model`, drafts k tokens a step with its
+      own paged KV cache; jserve.engine.draft_model). num_speculative_tokens: the most draft tokens verified per step
+      (k). prompt_lookup_min/max: the shortest and longest n-gram matched (the longest that matches wins).
+      disable_by_batch_size: no speculation in a step whose running batch holds more sequences than this (None:
+      always). model: the draft model (a directory, GGUF file or hub id), for "draft_model" only."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     disable_by_batch_size: int | None = None
+    model: str | None = None
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
@@ -230,9 +233,6 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a dict (or its JSON), got {type(value).__name__}")
         method = value.get("method")
-        if method == "draft_model":
-            raise ValueError("speculative_config.method 'draft_model' is not supported yet (supported: "
-                             f"{SPECULATIVE_METHODS})")
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS}, got {method!r}")
         fields = {f.name for f in dataclasses.fields(cls)}
@@ -241,6 +241,12 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: unknown field {unknown[0]!r} (known: {sorted(fields)})")
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config.num_speculative_tokens is required")
+        model = value.get("model")
+        if method == "draft_model" and (not isinstance(model, str) or not model):
+            raise ValueError(f"speculative_config.model must name the draft model for method 'draft_model', "
+                             f"got {model!r}")
+        if method != "draft_model" and model is not None:
+            raise ValueError(f"speculative_config.model is for method 'draft_model', not {method!r}")
         # vLLM: one lookup bound given, the other takes its value
         low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         if low is None and high is not None:
@@ -249,7 +255,7 @@ class SpeculativeConfig:
             high = low if _positive(low) else 1
         config = cls(method=method, num_speculative_tokens=value["num_speculative_tokens"],
                      prompt_lookup_min=1 if low is None else low, prompt_lookup_max=3 if high is None else high,
-                     disable_by_batch_size=value.get("disable_by_batch_size"))
+                     disable_by_batch_size=value.get("disable_by_batch_size"), model=model)
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
             field_value = getattr(config, name)
             if (field_value is not None or name != "disable_by_batch_size") and not _positive(field_value):
@@ -310,8 +316,8 @@ class EngineConfig:
       load_format: "auto" (the checkpoint's safetensors) | "dummy" (random weights of config.json's shape, drawn on
         the devices: benchmarks and checks of real-sized models without their weights; vLLM's name).
       quantization: None (weights in `dtype`) | "int8" (the decoder layers' projection matrices quantized at load
-        to int8 with one float32 scale per output channel, dequantized inside each matmul; the XLA executor runs
-        it) | "fp8" (float8_e4m3fn weights the same way; GPU only).
+        to int8 with one float32 scale per output channel, dequantized inside each matmul; both executors run it)
+        | "fp8" (float8_e4m3fn weights the same way; GPU only).
       kv_cache_dtype: "auto" (K/V stored in `dtype`) | "int8" | "fp8" (float8_e4m3fn): K/V stored quantized with one
         float32 scale per (token, KV head), ~1.9x the tokens in the same kv_cache_memory_bytes; int8 runs on both
         executors, fp8 on the XLA executor only (docs/quantization.md, KV cache).

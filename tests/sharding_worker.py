@@ -58,11 +58,16 @@ def two_step_logits(model_dir: str, tp: int, backend: str = "reference") -> np.n
     return np.concatenate(out)
 
 
-def greedy_run(model_dir: str, tp: int, dp: int = 1) -> list[list[int]]:
-    llm = LLM(model_dir, tensor_parallel_size=tp, data_parallel_size=dp, **ENGINE_ARGS)
+def greedy_run(model_dir: str, tp: int, dp: int = 1, draft: str | None = None) -> list[list[int]]:
+    """draft: speculate with this draft model (on the same mesh), and check that its drafts were accepted."""
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3} if draft else None
+    llm = LLM(model_dir, tensor_parallel_size=tp, data_parallel_size=dp, speculative_config=spec, **ENGINE_ARGS)
     tokens = greedy_tokens(llm)
     if dp > 1:  # every replica must have served requests, or DP proved nothing
         assert all(e.stats.num_generated_tokens > 0 for e in llm.engine.replicas), "a replica sat idle"
+    if draft:  # the model drafting for itself under TP: every draft accepted
+        stats = llm.engine.stats
+        assert 0 < stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens, stats
     return tokens
 
 
@@ -129,6 +134,8 @@ def main(spec: dict) -> dict:
         runs = {f"tp{tp}": greedy_run(model_dir, tp) for tp in spec["greedy_tp"]}
         if spec.get("dp"):
             runs["dp2xtp2"] = greedy_run(model_dir, 2, dp=2)
+        if spec.get("draft"):
+            runs["tp2-draft"] = greedy_run(model_dir, 2, draft=model_dir)
         result["greedy"] = {label: tokens == base for label, tokens in runs.items()}
         result["greedy_lengths"] = [len(t) for t in base]
     for tp in spec.get("sharding_tp", []):

@@ -88,7 +88,8 @@ def multi_device(hf_model_dir):
     spec = {"logits": {"llama8": llama8, "qwen2": str(hf_model_dir("qwen2")), "qwen3": str(hf_model_dir("qwen3"))},
             "tp": {"llama8": [2, 4, 8], "qwen2": [2, 4], "qwen3": [2]},
             "kernel_model": llama8, "kernel_tp": [2, 8],
-            "greedy": llama8, "greedy_tp": [2, 4, 8], "dp": True, "sharding_model": llama8, "sharding_tp": [2, 4, 8]}
+            "greedy": llama8, "greedy_tp": [2, 4, 8], "dp": True, "draft": True,
+            "sharding_model": llama8, "sharding_tp": [2, 4, 8]}
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "sharding_worker.py"), json.dumps(spec)],
                           capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
@@ -114,7 +115,7 @@ def test_tp_step_with_mosaic_kernel_lowers_for_tpu(multi_device):
     assert multi_device["tpu_export"] == {"mosaic_kernel": True, "per_device_shard_map": True}
 
 
-@pytest.mark.parametrize("run", ["tp2", "tp4", "tp8", "dp2xtp2"])
+@pytest.mark.parametrize("run", ["tp2", "tp4", "tp8", "dp2xtp2", "tp2-draft"])
 def test_tp_and_dp_greedy_tokens_identical(multi_device, run):
     assert multi_device["greedy_lengths"] == OUTPUT_LENGTHS
     assert multi_device["greedy"][run]

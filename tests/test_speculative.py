@@ -19,7 +19,7 @@ from test_sampler import assert_draws_match, make_seq, ref_probs, softmax
 from jserve.config import EngineConfig, SpeculativeConfig
 from jserve.engine.rejection import SpecRows, rejection_sample
 from jserve.engine.sampler import build_metadata, for_burst
-from jserve.engine.speculative import ngram_lookup
+from jserve.engine.speculative import Proposer, ngram_lookup
 from jserve.engine_args import add_engine_args, engine_config_from_args
 from jserve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -137,23 +137,23 @@ def test_constrained_and_prompt_logprobs_requests_share_speculative_steps(llms):
         np.testing.assert_allclose(list(e.values()), list(g.values()), atol=1e-4)
 
 
-class RandomProposer:
+class RandomProposer(Proposer):
     def __init__(self, vocab: int):
         self.rng, self.vocab = np.random.default_rng(0), vocab
 
-    def propose(self, seq, max_tokens: int) -> list[int]:
-        return self.rng.integers(0, self.vocab, max_tokens).tolist()
+    def propose(self, requests) -> list[list[int]]:
+        return [self.rng.integers(0, self.vocab, k).tolist() for _, k in requests]
 
 
-class OracleProposer:
+class OracleProposer(Proposer):
     """Proposes the continuation the model alone gave each prompt."""
 
     def __init__(self, continuations: dict[tuple[int, ...], list[int]]):
         self.continuations = continuations
 
-    def propose(self, seq, max_tokens: int) -> list[int]:
-        done = seq.num_output_tokens
-        return self.continuations[tuple(seq.prompt_token_ids)][done: done + max_tokens]
+    def propose(self, requests) -> list[list[int]]:
+        return [self.continuations[tuple(seq.prompt_token_ids)][seq.num_output_tokens: seq.num_output_tokens + k]
+                for seq, k in requests]
 
 
 def test_random_drafts_are_rejected_and_the_models_drafts_all_accepted(llms, monkeypatch):
@@ -190,12 +190,12 @@ def test_no_speculation_while_the_batch_exceeds_disable_by_batch_size(hf_model_d
 # ------------------------------------------------------------------------------------- scheduling, no model
 
 
-class FixedProposer:
+class FixedProposer(Proposer):
     def __init__(self, drafts: list[int]):
         self.drafts = drafts
 
-    def propose(self, seq, max_tokens: int) -> list[int]:
-        return self.drafts[:max_tokens]
+    def propose(self, requests) -> list[list[int]]:
+        return [self.drafts[:k] for _, k in requests]
 
 
 def test_rejected_drafts_roll_back_and_only_accepted_tokens_are_hashed():
@@ -313,7 +313,8 @@ def test_greedy_verification_accepts_the_argmax_prefix_and_one_more() -> None:
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_max"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": -1}, "disable_by_batch_size"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft": "x"}, "draft"),
-    ({"method": "draft_model", "num_speculative_tokens": 2, "model": "x"}, "not supported yet"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "model"),
     ("{not json", "JSON"),
 ])
 def test_bad_speculative_config_is_refused_naming_the_field(config, field):
@@ -359,13 +360,24 @@ def test_no_recompilation_after_warmup_with_speculation(hf_model_dir, executor):
     """Mixed requests (lookup-friendly and random prompts, greedy and sampled, aborts) compile nothing after warm-up:
     the speculative steps' logits rows and the rejection sampler were compiled with the rest (8 sequence rows, so
     steps of 16 tokens and more also take one logits row per token)."""
+    def prompt(i: int, rng: np.random.Generator) -> list[int]:
+        motif = rng.integers(3, 500, int(rng.integers(2, 6))).tolist()
+        return motif * int(rng.integers(1, 20)) if i % 2 else rng.integers(3, 500, 50).tolist()
+
+    assert_no_compiles_serving(hf_model_dir("llama"), executor, NGRAM, prompt, num_requests=24, max_tokens=60)
+
+
+def assert_no_compiles_serving(model, executor: str, speculative_config: str, prompt, num_requests: int,
+                               max_tokens: int) -> None:
+    """After warm-up, requests arriving a few at a time (prompt(i, rng) each; greedy, seeded, top-p and top-k
+    sampled in turn), some aborted, compile nothing, draft, and leave every block free."""
     from jax._src import dispatch
 
     from jserve import LLM
 
-    llm = LLM(str(hf_model_dir("llama")), max_model_len=256, kv_cache_memory_bytes=1 << 20,
-              max_num_batched_tokens=32, max_num_seqs=8, warmup=True, compilation_cache_dir="",
-              attention_backend=executor, speculative_config=NGRAM)
+    llm = LLM(str(model), max_model_len=256, kv_cache_memory_bytes=1 << 20, max_num_batched_tokens=32,
+              max_num_seqs=8, warmup=True, compilation_cache_dir="", attention_backend=executor,
+              speculative_config=speculative_config)
     engine, rng = llm.engine, np.random.default_rng(0)
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
@@ -373,15 +385,13 @@ def test_no_recompilation_after_warmup_with_speculation(hf_model_dir, executor):
     try:
         choices = [dict(temperature=0.0), dict(temperature=0.9, seed=1), dict(temperature=1.0, top_p=0.8),
                    dict(temperature=0.7, top_k=20)]
-        pending = list(range(24))
+        pending = list(range(num_requests))
         while pending or engine.has_unfinished_requests():
             for _ in range(int(rng.integers(0, 4))):
                 if pending:
                     i = pending.pop()
-                    motif = rng.integers(3, 500, int(rng.integers(2, 6))).tolist()
-                    prompt = motif * int(rng.integers(1, 20)) if i % 2 else rng.integers(3, 500, 50).tolist()
-                    params = SamplingParams(max_tokens=int(rng.integers(1, 60)), **choices[i % len(choices)])
-                    engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+                    params = SamplingParams(max_tokens=int(rng.integers(1, max_tokens)), **choices[i % len(choices)])
+                    engine.add_request(f"r{i}", {"prompt_token_ids": prompt(i, rng)}, params)
             if engine.outputs.requests and rng.random() < 0.05:
                 engine.abort_request(str(rng.choice(sorted(engine.outputs.requests))))
             engine.step()

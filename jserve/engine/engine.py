@@ -23,8 +23,9 @@ import jax
 import numpy as np
 
 from checkpoints import DEFAULT_MODEL_NAME, DEMO_MODEL_DIR, default_model
-from jserve.config import EngineConfig, ModelLoadError, default_decode_burst
+from jserve.config import EngineConfig, ModelConfig, ModelLoadError, default_decode_burst
 from jserve.distributed import MultiHostExecutor
+from jserve.engine.draft_model import DraftModelProposer, build_draft_proposer, open_draft_model
 from jserve.engine.kv_cache import BlockManager
 from jserve.engine.output_processor import OutputProcessor
 from jserve.engine.rejection import logits_rows_for
@@ -38,7 +39,6 @@ from jserve.executors.base import STOP_IDS_WIDTH, no_stop_ids
 from jserve.executors.cpu_layers import MAX_BLOCK_SIZE as CPU_MAX_BLOCK_SIZE
 from jserve.executors.xla import kv_bytes_per_block
 from jserve.loading import resolve_model_path, stored_quantization
-from jserve.models.quantization import resident_bytes
 from jserve.outputs import RequestOutput
 from jserve.sampling_params import InvalidParameterError, SamplingParams
 from jserve.tokenizer import Tokenizer, load_tokenizer
@@ -157,26 +157,34 @@ class LLMEngine:
                              f"{executor_class.name!r}, attention 'cpu'): block_size must be in [1, "
                              f"{CPU_MAX_BLOCK_SIZE}]; or choose --attention-backend reference")
         logger.info("executor %s (%s), attention %s", executor_class.name, why, attention)
-        quantized = {"quantization": quantization} if quantization else {}  # XLA executors only
         model = executor_class.load(model_dir, dtype=config.dtype, attention_backend=attention, mesh=self.mesh,
-                                    load_format=config.load_format, **quantized)
-        if executor_class.name != "cpu-layers":  # that one packs its matrices outside the state
-            logger.info("resident weight bytes %d (dtype %s, quantization %s)", resident_bytes(model.state),
-                        config.dtype, quantization or "none")
+                                    load_format=config.load_format, quantization=quantization)
+        logger.info("resident weight bytes %d (dtype %s, quantization %s)", model.resident_bytes(), config.dtype,
+                    quantization or "none")
         self.model_config = model.config
         self.max_model_len = self._max_model_len()
-        num_blocks = self._num_kv_blocks()
+        spec = config.speculative_config
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            if config.num_processes > 1:
+                raise ValueError("speculative_config.method 'draft_model' runs on one host (num_processes 1)")
+            draft = open_draft_model(spec, self.model_config, self.tokenizer, self.max_model_len)
+        num_blocks = self._num_kv_blocks(draft.config if draft is not None else None)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.executor = executor_class(model, dtype=config.dtype, num_blocks=num_blocks, block_size=config.block_size,
                                        max_num_batched_tokens=config.max_num_batched_tokens,
                                        max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
                                        mesh=self.mesh, kv_cache_dtype=config.kv_cache_dtype)
+        proposer = None
+        if draft is not None:  # its own KV cache of the target's blocks, on the target's mesh
+            proposer = build_draft_proposer(draft, config, self.mesh, num_blocks, self.max_model_len)
+        elif spec is not None:
+            proposer = make_proposer(spec)
         # Decode-only steps run forward and sample in one device call (a burst of 1 or more steps) where the
         # executor can: one dispatch instead of two, and the logits never leave the device.
-        spec = config.speculative_config
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
                                    burst_buckets=self.executor.token_buckets if self.executor.supports_burst else None,
-                                   proposer=make_proposer(spec) if spec is not None else None)
+                                   proposer=proposer)
         self.eos_token_ids = self._eos_token_ids()
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.stats = EngineStats(spec_accepted_per_pos=[0] * (spec.num_speculative_tokens if spec else 0))
@@ -196,18 +204,23 @@ class LLMEngine:
             raise ValueError(f"max_model_len {wanted} exceeds the model's max_position_embeddings {limit}")
         return wanted
 
-    def _num_kv_blocks(self) -> int:
+    def _num_kv_blocks(self, draft_config: ModelConfig | None = None) -> int:
+        """The KV blocks the budget holds; with a draft model each block's draft K/V is counted in."""
         cfg = self.config
         # The budget is per device: tensor parallelism splits each block's KV heads over the model axis.
         per_block = kv_bytes_per_block(self.model_config, cfg.block_size, cfg.dtype,
                                        cfg.kv_cache_dtype) // cfg.tensor_parallel_size
+        if draft_config is not None:
+            per_block += kv_bytes_per_block(draft_config, cfg.block_size, cfg.dtype,
+                                            cfg.kv_cache_dtype) // cfg.tensor_parallel_size
         budget = cfg.kv_cache_memory_bytes or _device_kv_budget(cfg.kv_cache_fraction) or DEFAULT_KV_CACHE_BYTES
         num_blocks = distributed.agree_on_min(budget // per_block)  # multi-host: one cache shape on every host
         blocks_per_request = math.ceil(self.max_model_len / cfg.block_size)
         if num_blocks < blocks_per_request:
+            draft = " (the target's and speculative_config.model's K/V)" if draft_config is not None else ""
             raise ValueError(
-                f"KV cache budget of {budget} bytes holds {num_blocks} blocks of {cfg.block_size} tokens, but one "
-                f"request of max_model_len={self.max_model_len} tokens needs {blocks_per_request}; raise "
+                f"KV cache budget of {budget} bytes holds {num_blocks} blocks of {cfg.block_size} tokens{draft}, "
+                f"but one request of max_model_len={self.max_model_len} tokens needs {blocks_per_request}; raise "
                 f"kv_cache_memory_bytes to at least {blocks_per_request * per_block} or lower max_model_len")
         logger.info("KV cache: %d blocks = %d tokens; up to %d concurrent requests of max_model_len tokens",
                     num_blocks, num_blocks * cfg.block_size, num_blocks // blocks_per_request)
@@ -222,11 +235,15 @@ class LLMEngine:
     def warmup(self) -> None:
         """Compile every step shape now, so serving never waits on the compiler."""
         start = time.perf_counter()
-        report = self.executor.warmup(self.config.decode_burst, speculative=self.config.speculative_config is not None)
+        proposer = self.scheduler.proposer
+        report = self.executor.warmup(self.config.decode_burst, speculative=proposer is not None,
+                                      draft_probs=isinstance(proposer, DraftModelProposer))
+        draft_shapes = proposer.warmup(self.executor.speculative_logits_rows()) if proposer is not None else 0
         stats = self.stats
         stats.warmup_seconds = time.perf_counter() - start
-        stats.warmup_step_shapes, stats.warmup_burst_shapes = report.step_shapes, report.burst_shapes
-        logger.info("warm-up compiled %d step shapes and %d decode bursts in %.1f s", report.step_shapes,
+        stats.warmup_step_shapes = report.step_shapes + draft_shapes  # a draft model's steps included
+        stats.warmup_burst_shapes = report.burst_shapes
+        logger.info("warm-up compiled %d step shapes and %d decode bursts in %.1f s", stats.warmup_step_shapes,
                     report.burst_shapes, stats.warmup_seconds)
 
     # ----- requests -----
@@ -382,6 +399,8 @@ class LLMEngine:
         self._step_requests = None
         self._metadata = MetadataCache()
         self.executor.reset_kv_cache()
+        if self.scheduler.proposer is not None:
+            self.scheduler.proposer.reset()
         if not self.block_manager.reset_prefix_cache():
             raise RuntimeError(f"{self.block_manager.num_blocks - self.block_manager.num_free_blocks} KV blocks are "
                                "still held after recovery")
@@ -435,7 +454,8 @@ class LLMEngine:
             # one executable per row bucket: the draw and the filters compiled in, skipped at run time where unused
             return for_burst(expand_metadata(meta, layout, chunks))
 
-        out = self.executor.execute(batch, metadata, next_ids, spec=layout.step)
+        draft_probs = self.scheduler.proposer.draft_probs(chunks, layout)
+        out = self.executor.execute(batch, metadata, next_ids, spec=layout.step(draft_probs))
         rows = self._fetch(out.sampled.token_ids)
         if out.prompt_logprobs is not None:
             self.outputs.record_prompt_logprobs(chunks, wanted, batch.query_start, *out.prompt_logprobs)

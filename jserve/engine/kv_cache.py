@@ -213,6 +213,7 @@ class BlockManager:
             self._release(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.draft_computed, seq.draft_tail = 0, []  # a draft model's K/V lay in the same blocks
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Give back the blocks past the ones num_tokens positions need (a speculative step's rejected drafts held

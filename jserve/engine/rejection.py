@@ -59,6 +59,7 @@ class SpecStep:
 
     rows: SpecRows
     logits_rows: np.ndarray  # i32[L] the batch token each logits row comes from (to pick them from all tokens' logits)
+    draft_probs: jax.Array | None = None  # f32[L, V] each draft row's draft distribution; None: one-hot drafts
 
 
 def chunk_logits_rows(query_start: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
@@ -146,7 +147,8 @@ def _verify_sampled(x: jax.Array, meta: SamplingMetadata, draft_ids: jax.Array,
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def rejection_sample_packed(logits: jax.Array, packed: jax.Array, layout: PackedLayout,
-                            argmax: Callable[[jax.Array], jax.Array] = greedy_argmax) -> SamplerOutput:
+                            argmax: Callable[[jax.Array], jax.Array] = greedy_argmax,
+                            draft_probs: jax.Array | None = None) -> SamplerOutput:
     """rejection_sample() with (meta, rows) packed by jserve.engine.packing.pack: one transfer."""
     meta, rows = unpack(packed, layout)
-    return rejection_sample(logits, meta, rows, argmax)
+    return rejection_sample(logits, meta, rows, argmax, draft_probs)

@@ -189,17 +189,20 @@ class Scheduler:
         i = 0
         limit = self.disable_spec_batch_size
         speculate = self.proposer is not None and (limit is None or len(self.running) <= limit)
+        drafting: list[tuple[ScheduledSeq, int]] = []  # decodes holding slots for k drafts, proposed below
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = self._chunk(seq, budget)
             if num_new == 0:
                 i += 1
                 continue
-            drafts = self._drafts(seq, budget) if speculate and num_new == 1 else []
+            k = self._draft_limit(seq, budget) if speculate and num_new == 1 else 0
             # Drafts only take free blocks: a sequence that cannot get their slots decodes plainly instead.
-            if drafts and self.block_manager.allocate_slots(seq, 1 + len(drafts)):
-                out.scheduled.append(ScheduledSeq(seq, 1 + len(drafts), sample=True, draft_token_ids=drafts))
-                budget -= 1 + len(drafts)
+            if k and self.block_manager.allocate_slots(seq, 1 + k):
+                chunk = ScheduledSeq(seq, 1 + k, sample=True)
+                out.scheduled.append(chunk)
+                drafting.append((chunk, k))
+                budget -= 1 + k
                 i += 1
                 continue
             while not self.block_manager.allocate_slots(seq, num_new):
@@ -207,23 +210,36 @@ class Scheduler:
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
-                    return budget
+                    return budget + self._propose(drafting)
             out.scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
             i += 1
-        return budget
+        return budget + self._propose(drafting)
 
-    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
-        """The proposer's draft tokens for a decoding sequence: none for a constrained one (its token masks come one
+    def _draft_limit(self, seq: Sequence, budget: int) -> int:
+        """How many draft tokens a decoding sequence may carry: none for a constrained one (its token masks come one
         step at a time) or one with min_tokens pending (its EOS ban lifts mid-draft); never past the step's budget,
         its max_tokens or max_model_len (the token after the last draft is always emitted too)."""
         params = seq.params
         if seq.num_output_tokens == 0 or seq.num_computed_tokens != seq.num_tokens - 1 or seq.grammar is not None \
                 or seq.num_output_tokens < params.min_tokens:
-            return []
-        k = min(self.num_speculative_tokens, budget - 1, params.max_tokens - seq.num_output_tokens - 1,
-                self.max_model_len - seq.num_tokens - 1)
-        return list(self.proposer.propose(seq, k))[:k] if k > 0 else []
+            return 0
+        return max(0, min(self.num_speculative_tokens, budget - 1, params.max_tokens - seq.num_output_tokens - 1,
+                          self.max_model_len - seq.num_tokens - 1))
+
+    def _propose(self, drafting: list[tuple[ScheduledSeq, int]]) -> int:
+        """Ask the proposer for every drafting decode at once (a draft model runs them as one batch) and shrink each
+        chunk to the drafts it got, giving back the blocks and budget of the rest -> the budget given back."""
+        if not drafting:
+            return 0
+        proposals = self.proposer.propose([(chunk.seq, k) for chunk, k in drafting])
+        returned = 0
+        for (chunk, k), drafts in zip(drafting, proposals, strict=True):
+            chunk.draft_token_ids = list(drafts)[:k]
+            returned += k - len(chunk.draft_token_ids)
+            chunk.num_new_tokens = 1 + len(chunk.draft_token_ids)
+            self.block_manager.trim(chunk.seq, chunk.seq.num_computed_tokens + chunk.num_new_tokens)
+        return returned
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         bm = self.block_manager

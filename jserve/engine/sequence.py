@@ -46,6 +46,10 @@ class Sequence:
         self.sampling_row = None  # the sampler's cache of the fixed per-row parameters (sampler.SamplingRow)
         self.burst_stop_ids: list[int] | None = None  # the engine's cache of the tokens that end it (bursts)
         self.grammar = None  # constrained decoding: this sequence's matcher (engine.structured.SequenceGrammar)
+        # A draft model's K/V of this sequence (jserve.engine.draft_model): positions [0, draft_computed) hold its
+        # tokens; draft_tail lists what the last round wrote from there on, valid as far as it matches the tokens.
+        self.draft_computed = 0
+        self.draft_tail: list[int] = []
 
     @property
     def token_ids(self) -> list[int]:

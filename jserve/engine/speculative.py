@@ -9,8 +9,8 @@ plus one token of its own. docs/speculative.md tells how it fits together.
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
 
+import jax
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
@@ -22,14 +22,29 @@ from jserve.engine.sequence import ScheduledSeq, Sequence
 _HISTORY_FLOOR = 16  # as the sampler's: short histories share one compiled shape
 
 
-class Proposer(Protocol):
-    """What proposes draft tokens (the n-gram lookup now; a draft model or EAGLE head later)."""
+class Proposer:
+    """What proposes draft tokens: the n-gram lookup here, a draft model (jserve.engine.draft_model); an EAGLE-style
+    head would be a third. The scheduler asks once a step, for every decoding sequence that may speculate."""
 
-    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
-        """Up to max_tokens (>= 1) tokens guessed to follow seq's tokens; [] for no guess."""
+    def propose(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """For each (sequence, k >= 1): up to k tokens guessed to follow the sequence's tokens ([] for no guess)."""
+        raise NotImplementedError
+
+    def draft_probs(self, chunks: list[ScheduledSeq], layout: SpecLayout) -> jax.Array | None:
+        """f32[L, V]: the distribution each draft row's token was drawn from, in the verifying step's logits-row
+        layout (rows without a draft: anything); None for one-hot drafts (a deterministic proposer's)."""
+        return None
+
+    def warmup(self, logits_rows: list[int]) -> int:
+        """Compile what proposing can need (a draft model's steps), for verifying steps of these logits rows ->
+        the model step shapes compiled."""
+        return 0
+
+    def reset(self) -> None:
+        """Forget device state (the engine's recovery after a failed step)."""
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Prompt lookup: find the sequence's last n tokens (n from max_n down to min_n, the longest that matches wins)
     earlier in its prompt and output, and propose the tokens that followed its first occurrence (as transformers'
     prompt lookup: in text that repeats with a short period the first occurrence has the most tokens after it)."""
@@ -37,8 +52,9 @@ class NgramProposer:
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
-        return ngram_lookup(np.asarray(seq.token_ids, np.int64), self.min_n, self.max_n, max_tokens).tolist()
+    def propose(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
+        return [ngram_lookup(np.asarray(seq.token_ids, np.int64), self.min_n, self.max_n, k).tolist()
+                for seq, k in requests]
 
 
 def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
@@ -56,9 +72,10 @@ def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarr
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
+    """The proposer of a method that needs no model (a draft model's is jserve.engine.draft_model's)."""
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    raise ValueError(f"speculative_config.method {config.method!r} is not supported")
+    raise ValueError(f"speculative_config.method {config.method!r} needs a model: see jserve.engine.draft_model")
 
 
 @dataclasses.dataclass
@@ -72,9 +89,8 @@ class SpecLayout:
     num_rows: np.ndarray  # i32[len(chunks)]
     logits_rows: np.ndarray  # i32[L] the batch token each row's logits come from (for an all-token step)
 
-    @property
-    def step(self) -> SpecStep:
-        return SpecStep(self.rows, self.logits_rows)
+    def step(self, draft_probs: jax.Array | None = None) -> SpecStep:
+        return SpecStep(self.rows, self.logits_rows, draft_probs)
 
 
 def spec_layout(chunks: list[ScheduledSeq], query_start: np.ndarray, num_logits_rows: int) -> SpecLayout:

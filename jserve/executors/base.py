@@ -56,9 +56,11 @@ class Executor(ABC):
     supports_burst: bool  # execute_burst is available
 
     @abstractmethod
-    def prepare(self, chunks: Seq[ScheduledSeq], all_logits: bool = False, lookahead: int = 0) -> StepBatch:
+    def prepare(self, chunks: Seq[ScheduledSeq], all_logits: bool = False, lookahead: int = 0,
+                num_tokens_bucket: int | None = None) -> StepBatch:
         """The scheduled chunks as one padded ragged batch (host arrays). all_logits: the step's logits cover every
-        token (prompt logprobs); lookahead: tokens past this step the page table must reach (a burst's later steps)."""
+        token (prompt logprobs); lookahead: tokens past this step the page table must reach (a burst's later steps);
+        num_tokens_bucket: pad to at least this many tokens."""
 
     @abstractmethod
     def execute(self, batch: StepBatch, meta: SamplingMetadata | Callable[[], SamplingMetadata],
@@ -78,9 +80,10 @@ class Executor(ABC):
         i32[max_steps, S] on the device (rows of steps not run are -1)."""
 
     @abstractmethod
-    def warmup(self, decode_burst: int, speculative: bool = False) -> WarmupReport:
+    def warmup(self, decode_burst: int, speculative: bool = False, draft_probs: bool = False) -> WarmupReport:
         """Compile every step shape, decode burst and sampler variant a step can need (with speculative, also the
-        speculative steps' logits rows and rejection sampler)."""
+        speculative steps' logits rows and rejection sampler; with draft_probs, the sampler's variant that takes a
+        draft model's distributions)."""
 
     @abstractmethod
     def seq_rows_for(self, num_tokens_bucket: int) -> int:

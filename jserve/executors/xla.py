@@ -277,7 +277,8 @@ class XlaExecutor(Executor):
             prompt = PromptLogprobs(*(np.asarray(a) for a in token_logprobs(logits, prompt_next_ids)))
             logits = logits[np.maximum(batch.query_start[1:] - 1, 0) if spec is None else spec.logits_rows]
         if spec is not None:  # the drafts' rows verified by rejection sampling (jserve.engine.rejection)
-            return StepOutput(rejection_sample_packed(logits, *pack((meta, spec.rows)), self.argmax), prompt)
+            sampled = rejection_sample_packed(logits, *pack((meta, spec.rows)), self.argmax, spec.draft_probs)
+            return StepOutput(sampled, prompt)
         return StepOutput(sample_packed(logits, *pack(meta), self.argmax), prompt)
 
     def execute_burst(self, batch: StepBatch, meta: SamplingMetadata, num_steps: int, max_steps: int,
@@ -296,16 +297,18 @@ class XlaExecutor(Executor):
     def seq_rows_for(self, num_tokens_bucket: int) -> int:
         return min(num_tokens_bucket, pick_bucket(pow2_buckets(1, self.max_seq_rows), self.max_seq_rows))
 
-    def prepare(self, chunks: Seq[ScheduledSeq], all_logits: bool = False, lookahead: int = 0) -> StepBatch:
+    def prepare(self, chunks: Seq[ScheduledSeq], all_logits: bool = False, lookahead: int = 0,
+                num_tokens_bucket: int | None = None) -> StepBatch:
         """Flatten the scheduled chunks into one padded ragged batch (host-side numpy, then one transfer).
 
         With all_logits the step returns logits for every token (for prompt logprobs), not one row per sequence.
         lookahead: tokens past this step the page table must reach (a decode burst's later steps). A chunk's draft
         tokens (speculative decoding) end its tokens, and it gets a logits row for each of them after its last known
-        token's, rows back to back (jserve.engine.rejection.logits_rows_for pads them).
+        token's, rows back to back (jserve.engine.rejection.logits_rows_for pads them). num_tokens_bucket: the token
+        bucket to pad to, if larger than the chunks need (a draft model's decode steps keep one shape a round).
         """
         num_tokens = sum(c.num_new_tokens for c in chunks)
-        t_pad = pick_bucket(self.token_buckets, num_tokens)
+        t_pad = pick_bucket(self.token_buckets, max(num_tokens, num_tokens_bucket or 0))
         s_pad = self.seq_rows_for(t_pad)
         pages_needed = max(math.ceil((c.seq.num_computed_tokens + c.num_new_tokens + lookahead) / self.block_size)
                            for c in chunks)
@@ -387,20 +390,20 @@ class XlaExecutor(Executor):
         self._compiled_bursts.update(burst_executables)
         return [tuple(exe.out_info[1].shape) for _, exe in steps]
 
-    def warmup(self, decode_burst: int, speculative: bool = False) -> WarmupReport:
+    def warmup(self, decode_burst: int, speculative: bool = False, draft_probs: bool = False) -> WarmupReport:
         batches = list(self.warmup_batches())
         if speculative:  # steps whose drafts' logits rows outnumber the sequence rows take one row per token
             batches += list(self.speculative_batches())
         bursts = [(b, for_burst(warmup_metadata(len(b.seq_lens))[0]), decode_burst) for b in self.burst_batches()]
         vocab = self.config.vocab_size
         rows = sorted({len(b.seq_lens) for b in batches})
-        spec_rows = sorted({len(b.logits_indices) for b in batches}) if speculative else []
+        spec_rows = self.speculative_logits_rows() if speculative else []
         if self.mesh is None:
             # The sampler's variants compile on a thread of their own while the steps compile (XLA releases the
             # GIL): its logits are (rows, vocab) for each token bucket's rows.
             with ThreadPoolExecutor(1, thread_name_prefix="jserve-sampler") as pool:
                 sampler = pool.submit(lambda: [self._warm_sampler((n, vocab)) for n in rows]
-                                      + [self._warm_rejection_sampler((n, vocab)) for n in spec_rows])
+                                      + [self._warm_rejection_sampler((n, vocab), draft_probs) for n in spec_rows])
                 logits_shapes = set(self.compile_ahead(batches, bursts))
                 sampler.result()
             assert logits_shapes == {(len(b.logits_indices), vocab) for b in batches}, logits_shapes
@@ -409,7 +412,7 @@ class XlaExecutor(Executor):
             for n in rows:
                 self._warm_sampler((n, vocab))
             for n in spec_rows:
-                self._warm_rejection_sampler((n, vocab))
+                self._warm_rejection_sampler((n, vocab), draft_probs)
         return WarmupReport(step_shapes=len(batches), burst_shapes=len(bursts))
 
     def _warm_sampler(self, shape: tuple[int, int]) -> None:
@@ -419,12 +422,19 @@ class XlaExecutor(Executor):
         for meta in warmup_metadata(shape[0]):
             jax.block_until_ready(sample_packed(logits, *pack(meta), self.argmax))
 
-    def _warm_rejection_sampler(self, shape: tuple[int, int]) -> None:
-        # A speculative step's sampler, for_burst's one variant (the engine sends that metadata), no drafts.
+    def _warm_rejection_sampler(self, shape: tuple[int, int], draft_probs: bool) -> None:
+        # A speculative step's sampler, for_burst's one variant (the engine sends that metadata), no drafts; also with
+        # a draft model's distributions where the engine has one (its greedy rounds send none).
         logits = jax.device_put(jnp.zeros(shape, jnp.float32), self.devices_of_logits())
         rows = SpecRows(draft_ids=np.full(shape[0], -1, np.int32), seg_start=np.arange(shape[0], dtype=np.int32))
         meta = for_burst(warmup_metadata(shape[0])[0])
-        jax.block_until_ready(rejection_sample_packed(logits, *pack((meta, rows)), self.argmax))
+        for probs in [None, logits] if draft_probs else [None]:
+            jax.block_until_ready(rejection_sample_packed(logits, *pack((meta, rows)), self.argmax, probs))
+
+    def speculative_logits_rows(self) -> list[int]:
+        """Every count of logits rows a speculative step may have (jserve.engine.rejection.logits_rows_for)."""
+        batches = [*self.warmup_batches(), *self.speculative_batches()]
+        return sorted({len(b.logits_indices) for b in batches})
 
     def devices_of_logits(self) -> jax.sharding.Sharding:
         """Where a step's logits live: the one device, or replicated over the mesh."""
