@@ -16,7 +16,8 @@ def test_check_runs_on_cpu_with_the_demo_model(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     # parity and kernels are the tests' own comparisons (test_parity.py, test_kernels.py) run by other code paths.
     cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--out", str(tmp_path), "--device", "cpu",
-           "--sections", "env,speed,hf,warmup", "--concurrency", "2,4", "--io", "16/8"]
+           "--sections", "env,speed,hf,warmup,profile,quant", "--concurrency", "2,4", "--io", "16/8",
+           "--profile-tokens", "16", "--quant-settings", "int8,kv_fp8"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -29,8 +30,22 @@ def test_check_runs_on_cpu_with_the_demo_model(tmp_path):
     assert all(t["output_tok_s"] > 0 for t in speed["throughput"])
     assert sections["warmup"]["warmup"]["step_shapes"] >= len(sections["warmup"]["warmup"]["token_buckets"])
     assert [g["batch"] for g in sections["hf"]["generate"]] == [1, 4]
+    # profile: one traced request on the CPU, XLA's thunks standing in for the device's kernels
+    profile = sections["profile"]
+    assert profile["run"]["model_steps"] >= 16 and profile["run"]["compiles_in_traced_run"] == 0
+    host = profile["profile"]["host_xla_ops"]
+    assert host["top"] and 0 < host["busy_us_per_token"] and profile["per_token"]["source"] == "host_xla_ops"
+    assert not (tmp_path / "profile_trace").exists()
+    # quant: bf16 (the reference, put first) and int8 weights each on their own engine; fp8 refused off a GPU
+    rows = {r["setting"]: r for r in sections["quant"]["rows"]}
+    assert list(rows) == ["bf16", "int8", "kv_fp8"] and rows["kv_fp8"]["status"] == "skipped: GPU only"
+    bf16, int8 = rows["bf16"], rows["int8"]
+    assert bf16["status"] == int8["status"] == "ok", (bf16, int8)
+    assert 0 < int8["max_abs_logit_diff"] < 1 and 0 <= int8["tokens_before_first_divergence"] <= 1
+    assert int8["weight_bytes"] < bf16["weight_bytes"] and int8["tok_s"] > 0 and 0 < int8["share_of_roofline"]
     report = (tmp_path / "gpu_check.md").read_text()
     assert "batch-1 decode tok/s" in report and "transformers `generate`" in report
+    assert "Where batch-1 decode time goes" in report and "Quantization against bf16" in report
 
 
 def test_committed_gpu_results_render():
@@ -45,3 +60,76 @@ def test_committed_gpu_results_render():
     report = markdown(decode)
     assert "NVIDIA H200" in report and report.count("Batch-1 decode by burst length") == 2
     assert all(case["ok"] for case in decode["sections"]["kernels"]["correctness"])
+
+
+# A GPU trace's shape as jax.profiler writes it: a device plane, a stream line of kernels, the derived XLA Ops line.
+GPU_TRACE = """
+planes {
+  id: 1 name: "/device:GPU:0"
+  lines { id: 1 name: "Stream #7(Compute)" timestamp_ns: 1000
+    events { metadata_id: 1 offset_ps: 0 duration_ps: 5000000 stats { metadata_id: 1 str_value: "jit_burst" } }
+    events { metadata_id: 2 offset_ps: 6000000 duration_ps: 1000000 stats { metadata_id: 1 str_value: "jit_burst" } }
+    events { metadata_id: 4 offset_ps: 8000000 duration_ps: 2000000 stats { metadata_id: 1 str_value: "jit_burst" } }
+    events { metadata_id: 2 offset_ps: 11000000 duration_ps: 1000000 stats { metadata_id: 1 str_value: "jit_sample" } }
+  }
+  lines { id: 2 name: "Stream #9(MemcpyD2D)" timestamp_ns: 1000
+    events { metadata_id: 5 offset_ps: 4000000 duration_ps: 2000000 }
+  }
+  lines { id: 3 name: "XLA Ops" timestamp_ns: 1000
+    events { metadata_id: 3 offset_ps: 0 duration_ps: 7000000 }
+  }
+  lines { id: 4 name: "Steps" timestamp_ns: 1000
+    events { metadata_id: 3 offset_ps: 0 duration_ps: 12000000 }
+  }
+  event_metadata { key: 1 value { id: 1 name: "nvjet_tst_64x8_64x8_1x1_v_bz_TNT" } }
+  event_metadata { key: 2 value { id: 2 name: "loop_add_fusion" } }
+  event_metadata { key: 3 value { id: 3 name: "fusion.3" } }
+  event_metadata { key: 4 value { id: 4 name: "ragged_paged_attention_triton" } }
+  event_metadata { key: 5 value { id: 5 name: "MemcpyD2D" } }
+  stat_metadata { key: 1 value { id: 1 name: "hlo_module" } }
+}
+planes { id: 2 name: "/host:CPU" }
+"""
+
+
+def test_profile_sums_a_device_trace_by_kernel_and_category():
+    from jax.profiler import ProfileData
+
+    from benchmarks.gpu_check.profile import aggregate, category, collect
+    from benchmarks.gpu_check.report import markdown
+
+    assert [category(n) for n in ("sm90_xmma_gemm_bf16", "void cutlass::Kernel", "dot.3", "Memset",
+                                  "ragged_paged_attention_triton", "loop_multiply_fusion.2")] == \
+        ["gemm", "gemm", "gemm", "memcpy/memset", "attention", "fusion/elementwise"]
+    kinds, seen = collect(ProfileData.from_text_proto(GPU_TRACE))
+    assert set(kinds) == {"kernels", "xla_ops"}  # the Steps line is listed, not summed
+    assert seen["lines"]["/device:GPU:0 Steps"] == 1 and len(kinds["kernels"]) == 2
+    kernels = aggregate(kinds["kernels"], steps=2)
+    assert kernels["events"] == 5 and kernels["distinct_names"] == 4
+    # 11 µs of kernels over 2 steps; the copy overlaps the first kernel by 1 µs, so 10 µs busy
+    assert kernels["self_us_per_token"] == 5.5 and kernels["busy_us_per_token"] == 5.0
+    assert kernels["categories_us_per_token"] == {"gemm": 2.5, "attention": 1.0, "memcpy/memset": 1.0,
+                                                  "fusion/elementwise": 1.0}
+    top = kernels["top"]
+    assert [r["name"] for r in top][0].startswith("nvjet") and top[0]["us_per_token"] == 2.5
+    add = next(r for r in top if r["name"] == "loop_add_fusion")
+    assert add["count"] == 2 and add["count_per_step"] == 1.0 and add["total_us"] == 2.0
+    assert kernels["modules_us_per_token"] == {"jit_burst": 4.0, "jit_sample": 0.5}
+    assert aggregate(kinds["kernels"], steps=2, top=1)["top"] == top[:1]
+    report = markdown({"sections": {"profile": {"run": {"prompt": 128, "new_tokens": 2, "model_steps": 2,
+                                                        "traced_wall_ms_per_step": 0.01},
+                                                "profile": {"kernels": kernels}}}})
+    assert "Where batch-1 decode time goes" in report and "| nvjet_tst_64x8" in report and "| 50.0% |" in report
+
+
+def test_profile_self_time_subtracts_nested_events():
+    from benchmarks.gpu_check.profile import aggregate, busy_ns, self_times
+
+    # a while thunk of 10 ns holding two body thunks, then one after it; a line of its own with an overlapping event
+    line = [("while.1", 0, 10, "m"), ("dot.1", 1, 3, "m"), ("fusion.1", 5, 4, "m"), ("fusion.1", 12, 2, "m")]
+    assert self_times(line) == [3, 3, 4, 2]
+    assert busy_ns([(0, 10), (12, 2), (13, 3), (1, 2)]) == 14
+    agg = aggregate({"a": line, "b": [("copy", 9, 2, None)]}, steps=1)
+    assert agg["self_us_per_token"] == 14e-3 and agg["busy_us_per_token"] == 13e-3
+    assert {r["name"]: r["self_us"] for r in agg["top"]} == {"while.1": 3e-3, "dot.1": 3e-3, "fusion.1": 6e-3,
+                                                             "copy": 2e-3}

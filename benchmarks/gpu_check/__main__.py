@@ -2,6 +2,9 @@
 
     PYTHONPATH=. python -m benchmarks.gpu_check --out DIR [--device gpu|cpu] [--model llama3-8b|demo|PATH]
                                                 [--sections env,kernels,parity,speed,hf] [--deadline 560]
+    PYTHONPATH=. python -m benchmarks.gpu_check --out DIR --sections env,profile [--profile-tokens 64] [--keep-trace]
+                                                [--profile-command-buffers]
+    PYTHONPATH=. python -m benchmarks.gpu_check --out DIR --sections env,quant [--quant-settings bf16,int8,kv_int8,f32]
 """
 
 from __future__ import annotations
@@ -17,12 +20,13 @@ from pathlib import Path
 from benchmarks.gpu_check.common import REPO
 from benchmarks.gpu_check.report import markdown
 
-SECTIONS = ("env", "kernels", "parity", "speed", "hf", "warmup", "decode", "gemm")
+SECTIONS = ("env", "kernels", "parity", "speed", "hf", "warmup", "decode", "gemm", "profile", "quant")
 MODULES = {"env": "env", "kernels": "kernels", "parity": "parity", "speed": "speed", "hf": "hf_peer",
-           "warmup": "speed", "decode": "decode", "gemm": "gemm"}
+           "warmup": "speed", "decode": "decode", "gemm": "gemm", "profile": "profile",
+           "quant": "quant"}
 # Seconds each section may take at most on a GPU (the deadline may leave less); a CPU run gets 10x.
 CAPS = {"env": 30, "kernels": 120, "parity": 90, "speed": 180, "hf": 60, "warmup": 200, "decode": 120,
-        "gemm": 150}
+        "gemm": 150, "profile": 180, "quant": 420}
 
 
 def section_env(device: str, section: str) -> dict:
@@ -41,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
     parser.add_argument("--model", default=None, help="llama3-8b (default on gpu), demo (default on cpu) or a path")
     parser.add_argument("--sections", default=",".join(SECTIONS[:6]),
-                        help=f"of {','.join(SECTIONS)} (the decode and gemm sections only when named)")
+                        help=f"of {','.join(SECTIONS)} (the decode, gemm, profile and quant sections only when named)")
     parser.add_argument("--deadline", type=float, default=480.0, help="seconds for the whole check")
     parser.add_argument("--concurrency", default=None, help="comma-separated request counts (gpu: 64,256)")
     parser.add_argument("--io", default=None, help="comma-separated input/output lengths (gpu: 128/128,1024/128)")
@@ -52,6 +56,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="decode sections: these of decode.VARIANTS (comma-separated)")
     parser.add_argument("--kernel-variants", action="store_true",
                         help="kernels: also time tuning candidates (more splits, 3 stages, 2 warps, 128-key tiles)")
+    parser.add_argument("--profile-tokens", type=int, default=64,
+                        help="profile: the traced request's new tokens (after a 128-token prompt)")
+    parser.add_argument("--keep-trace", action="store_true", help="profile: keep the trace in OUT/profile_trace")
+    parser.add_argument("--profile-command-buffers", action="store_true",
+                        help="profile: keep CUDA graphs on under the profiler (XLA runs them op by op by default)")
+    parser.add_argument("--quant-settings", default=None,
+                        help="quant: these of quant.SETTINGS (comma-separated; bf16, the reference, always runs first; "
+                             "default bf16,kv_int8,kv_fp8,int8,fp8; f32 adds the float32 yardstick)")
     opts = parser.parse_args(argv)
     gpu = opts.device == "gpu"
     args = {"device": opts.device, "model": opts.model or ("llama3-8b" if gpu else "demo"),
@@ -62,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
             "kv_cache_bytes": (40 << 30) if gpu else (64 << 20), "max_num_batched_tokens": 2048 if gpu else 256,
             "kernel_cases": opts.kernel_cases.split(",") if opts.kernel_cases else None,
             "kernel_timing": not opts.no_kernel_timing, "kernel_variants": opts.kernel_variants,
-            "decode_variants": opts.decode_variants.split(",") if opts.decode_variants else None}
+            "decode_variants": opts.decode_variants.split(",") if opts.decode_variants else None,
+            "profile_tokens": opts.profile_tokens, "keep_trace": opts.keep_trace,
+            "profile_command_buffers": opts.profile_command_buffers,
+            "quant_settings": opts.quant_settings.split(",") if opts.quant_settings else None}
     opts.out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     merged: dict = {"args": args, "sections": {}}

@@ -32,6 +32,15 @@ def set_variant(engine, decode_burst: int, smallest_bucket: int) -> None:
     buckets[:] = sorted({b for b in buckets if b >= smallest_bucket} | {smallest_bucket})
 
 
+def engine_settings(args: dict, load_format: str, on_gpu: bool, prompt: int, new_tokens: int) -> dict:
+    """The LLM's settings for batch-1 decode of prompt + new_tokens tokens (the profile section's too)."""
+    return dict(dtype=args.get("dtype", "bfloat16"), load_format=load_format,
+                attention_backend="pallas" if on_gpu else args.get("cpu_backend", "auto"),
+                executor="xla", max_model_len=-(-(prompt + 2 * new_tokens + 64) // 16) * 16, max_num_seqs=8,
+                max_num_batched_tokens=256, kv_cache_memory_bytes=(4 << 30) if on_gpu else (64 << 20),
+                compilation_cache_dir="")
+
+
 def main() -> None:
     import jax
 
@@ -41,11 +50,7 @@ def main() -> None:
     on_gpu = jax.default_backend() == "gpu"
     path, load_format = model_dir(args["model"], work_dir())
     prompt, new_tokens = 128, int(args.get("decode_tokens", 256))
-    settings = dict(dtype=args.get("dtype", "bfloat16"), load_format=load_format,
-                    attention_backend="pallas" if on_gpu else args.get("cpu_backend", "auto"),
-                    executor="xla", max_model_len=-(-(prompt + 2 * new_tokens + 64) // 16) * 16, max_num_seqs=8,
-                    max_num_batched_tokens=256, kv_cache_memory_bytes=(4 << 30) if on_gpu else (64 << 20),
-                    compilation_cache_dir="")
+    settings = engine_settings(args, load_format, on_gpu, prompt, new_tokens)
     results.record("settings", {**settings, "model": args["model"], "xla_flags": os.environ.get("XLA_FLAGS", "")})
     llm = LLM(str(path), warmup=False, **settings)
     engine = llm.engine

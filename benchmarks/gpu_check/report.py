@@ -121,7 +121,101 @@ def markdown(merged: dict) -> str:
         out += _table(["variant", "one step's GEMMs ms", "GB/s", "share of HBM"],
                       [[name, v.get("step_ms"), v.get("gb_per_s"), v.get("share_of_hbm")]
                        for name, v in gemm["decode_step_gemms"].items()])
+    out += _profile(sections.get("profile", {}))
+    out += _quant(sections.get("quant", {}))
     out += ["## Sections", ""]
     out += _table(["section", "status", "seconds"],
                   [[name, s.get("status"), s.get("seconds")] for name, s in sections.items()])
     return "\n".join(out)
+
+
+def _us(value) -> str | None:
+    if value is None:
+        return None
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def _share(value) -> str | None:
+    return None if value is None else f"{100 * value:.1f}%"
+
+
+def _name(name: str, width: int = 90) -> str:
+    name = name.replace("|", "/")
+    return name if len(name) <= width else name[:width - 3] + "..."
+
+
+def _profile(profile: dict) -> list[str]:
+    """The profile section: per kind of trace line (kernels on a GPU's streams, its XLA ops and modules; XLA's thunks
+    on a CPU), the time per model step by category, then each kind's heaviest events."""
+    kinds, run = profile.get("profile"), profile.get("run", {})
+    if not kinds:
+        return []
+    settings = profile.get("settings", {})
+    out = [f"## Where batch-1 decode time goes: one traced request of {run.get('prompt')} + {run.get('new_tokens')} "
+           f"tokens ({settings.get('model')}, {run.get('variant')}, {run.get('model_steps')} model steps; "
+           f"µs per step)", ""]
+    out += _table(["traced wall ms per step", "traced decode ms/token", "untraced decode ms/token", "engine calls",
+                   "compiles in traced run", "trace MB"],
+                  [[run.get("traced_wall_ms_per_step"), run.get("traced_decode_ms_per_token"),
+                    run.get("untraced_decode_ms_per_token"), run.get("engine_calls"), run.get("compiles_in_traced_run"),
+                    profile.get("trace", {}).get("bytes", 0) / 1e6]])
+    wall_us = 1e3 * (run.get("traced_wall_ms_per_step") or 0) or None
+    untraced_us = 1e3 * (run.get("untraced_decode_ms_per_token") or 0) or None
+    categories = list(next(iter(kinds.values())).get("categories_us_per_token", {}))
+    out += _table(["lines", "events per step", "busy µs", "share of traced wall", "share of untraced token",
+                   "sum of self µs",
+                   *[f"{c} µs" for c in categories]],
+                  [[kind, k.get("events", 0) / max(k.get("steps", 1), 1), _us(k.get("busy_us_per_token")),
+                    _share(k["busy_us_per_token"] / wall_us) if wall_us and k.get("busy_us_per_token") else None,
+                    _share(k["busy_us_per_token"] / untraced_us) if untraced_us and k.get("busy_us_per_token")
+                    else None,
+                    _us(k.get("self_us_per_token")),
+                    *[_us(k.get("categories_us_per_token", {}).get(c)) for c in categories]]
+                   for kind, k in kinds.items()])
+    if profile.get("trace", {}).get("warning"):
+        out += [f"**{profile['trace']['warning']}**", ""]
+    for kind, k in kinds.items():
+        busy = k.get("busy_us_per_token") or None
+        out += [f"Heaviest {len(k.get('top', []))} of {k.get('distinct_names')} {kind} by self time "
+                f"({len(k.get('lines', []))} lines)", ""]
+        out += _table(["name", "category", "count per step", "µs per step", "share of busy"],
+                      [[_name(r["name"]), r.get("category"), r.get("count_per_step"), _us(r.get("us_per_token")),
+                        _share(r["us_per_token"] / busy) if busy and r.get("us_per_token") is not None else None]
+                       for r in k.get("top", [])])
+        modules = k.get("modules_us_per_token") or {}
+        if modules and kind != "xla_modules":
+            out += _table(["module", "self µs per step"], [[_name(m), _us(v)] for m, v in list(modules.items())[:10]])
+    return out
+
+
+def _quant(quant: dict) -> list[str]:
+    """The quant section: each weight / KV setting's agreement with bf16 weights and K/V, and its batch-1 decode."""
+    rows, settings = quant.get("rows"), quant.get("settings", {})
+    if not rows:
+        return []
+    ref = quant.get("reference_logits", {})
+    out = [f"## Quantization against bf16 ({settings.get('model')}, attention {settings.get('attention_backend')}): "
+           f"{settings.get('prompts')} prompts of {settings.get('prompt_len')} tokens, greedy "
+           f"{settings.get('greedy_tokens')} new; batch-1 decode of {settings.get('speed_prompt')} + "
+           f"{settings.get('new_tokens')} tokens", "",
+           f"bf16 first-step logits: max |logit| {_fmt(ref.get('max_abs'))}, std {_fmt(ref.get('std'))}, median "
+           f"top-2 margin {_fmt(ref.get('top2_margin_median'))}"
+           + (" (dummy weights: greedy agreement is loose)." if settings.get("load_format") == "dummy" else "."), ""]
+    base = next((r for r in rows if r.get("setting") == "bf16" and r.get("tok_s")), {})
+
+    def cell(r: dict, key: str):
+        return r.get(key) if r.get("status") == "ok" else None
+
+    out += _table(["setting", "status", "first-step max abs dlogit", "first argmax equal", "tokens before divergence",
+                   "identical streams", "weight GB", "GB read a token", "ms/token", "x bf16 tok/s", "roofline ms",
+                   "share of roofline", "load s", "first run s"],
+                  [[r.get("setting"), r.get("status") if r.get("status") != "error" else r.get("error", "")[:80],
+                    cell(r, "max_abs_logit_diff"),
+                    f"{r['first_argmax_equal']}/{r.get('streams')}" if "first_argmax_equal" in r else None,
+                    cell(r, "tokens_before_first_divergence"),
+                    f"{r['identical_streams']}/{r.get('streams')}" if "identical_streams" in r else None,
+                    r["weight_bytes"] / 1e9 if r.get("weight_bytes") else None,
+                    r["bytes_per_token"] / 1e9 if r.get("bytes_per_token") else None, cell(r, "ms_per_token"),
+                    r["tok_s"] / base["tok_s"] if base and r.get("tok_s") else None, cell(r, "roofline_ms"),
+                    cell(r, "share_of_roofline"), cell(r, "load_seconds"), cell(r, "cold_seconds")] for r in rows])
+    return out
