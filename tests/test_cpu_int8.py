@@ -5,7 +5,6 @@ fallback), and the executor choice."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -123,30 +122,6 @@ def test_int8_orbax_conversion_serves_on_cpu_layers(hf_model_dir, llm_factory, t
     xla = llm_factory(out, executor="xla")
     assert ([o.outputs[0].token_ids for o in cpu.generate(PROMPTS, GREEDY, use_tqdm=False)]
             == [o.outputs[0].token_ids for o in xla.generate(PROMPTS, GREEDY, use_tqdm=False)])
-
-
-_TP_SCRIPT = """
-import json, os, sys
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-os.environ["JAX_PLATFORMS"] = "cpu"
-from tp_workload import ENGINE_ARGS, greedy_tokens
-from jserve import LLM
-tokens = {tp: greedy_tokens(LLM(sys.argv[1], tensor_parallel_size=tp, quantization="int8", executor="cpu-layers",
-                                **ENGINE_ARGS)) for tp in (1, 2)}
-print(json.dumps(tokens))
-"""
-
-
-def test_tensor_parallel_int8_on_cpu_layers_matches_one_device(hf_model_dir):
-    """Sharded, the executor runs the Flax model's quantized Linears under XLA (scales sharded with their rows);
-    on one device, the layer kernel. Both give the same greedy tokens."""
-    path = os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", _TP_SCRIPT, str(hf_model_dir("llama", num_attention_heads=8))],
-                          capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": path})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    tokens = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert tokens["1"] == tokens["2"] and all(tokens["1"])
 
 
 def test_executor_choice_for_quantized_weights(hf_model_dir):

@@ -215,17 +215,20 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 os.environ["JAX_PLATFORMS"] = "cpu"
 from tp_workload import ENGINE_ARGS, greedy_tokens
 from jserve import LLM
-tokens = {tp: greedy_tokens(LLM(sys.argv[1], tensor_parallel_size=tp, quantization="int8", executor="xla",
-                                **ENGINE_ARGS)) for tp in (1, 2)}
+tokens = {tp: greedy_tokens(LLM(sys.argv[1], tensor_parallel_size=tp, quantization="int8",
+                                executor=sys.argv[2], **ENGINE_ARGS)) for tp in (1, 2)}
 print(json.dumps(tokens))
 """
 
 
-def test_tensor_parallel_int8_matches_one_device(hf_model_dir):
+@pytest.mark.parametrize("executor", ["xla", "cpu-layers"])
+def test_tensor_parallel_int8_matches_one_device(hf_model_dir, executor):
+    """Sharded, both executors run the Flax model's quantized Linears under XLA (scales sharded with their rows);
+    on one device cpu-layers runs the layer kernel. Both give the one-device tokens."""
     path = os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": path}
-    proc = subprocess.run([sys.executable, "-c", _TP_SCRIPT, str(hf_model_dir("llama", num_attention_heads=8))],
-                          capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    proc = subprocess.run([sys.executable, "-c", _TP_SCRIPT, str(hf_model_dir("llama", num_attention_heads=8)),
+                           executor], capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     tokens = json.loads(proc.stdout.strip().splitlines()[-1])
     assert tokens["1"] == tokens["2"] and all(tokens["1"])
