@@ -63,11 +63,12 @@ class CpuLoadedModel(LoadedModel):
     # in per-thread parts), for the layer kernel; None where they could not be stacked without a copy.
     layer_stack: cpu_kernels.LayerWeights | None = None
 
+    quantization: str | None = None  # "int8": the layers' matrices packed with their scales (pack_weight_int8)
+
     def resident_bytes(self) -> int:
         # The layers' own matrices are empty placeholders where the matrices lie in per-thread parts.
         parts = None if self.layer_stack is None else self.layer_stack.matrix_parts
         return super().resident_bytes() + (0 if parts is None else parts.size * parts.dtype.itemsize)
-    quantization: str | None = None  # "int8": the layers' matrices packed with their scales (pack_weight_int8)
 
 
 class CpuLayerExecutor(XlaExecutor):
