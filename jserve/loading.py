@@ -24,6 +24,7 @@ from jserve.models.quantization import (
     load_compressed_tensors_state,
     quantize_model,
     quantize_rows,
+    quantize_rows_on_device,
     resident_bytes,
     scale_path,
 )
@@ -185,8 +186,20 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
             return jax.device_put(source.read())
         return place_sharded(source, logical_sharding(mesh, axes[path], source.shape))
 
-    if load_format == "dummy":
-        placed = _dummy_state(shapes, axes, mesh, place_one, through_host=place is not None or bool(quantized))
+    def sharding_of(path: tuple, shape: tuple) -> Sharding | None:
+        return None if mesh is None else logical_sharding(mesh, axes[path], shape)
+
+    def quantize_drawn(path: tuple, weight: jax.Array) -> jax.Array:  # a dummy weight, quantized on its devices
+        scale = scale_path(path)
+        shardings = None if mesh is None else (sharding_of(path, weight.shape), sharding_of(scale, weight.shape[:1]))
+        q, placed_scales[scale] = quantize_rows_on_device(weight, quantization, shardings)
+        return q
+
+    if load_format == "dummy" and place is None:  # drawn (and quantized) where they live
+        placed = {path: quantize_drawn(path, array) if path in quantized else array
+                  for path, array in dummy.draw(shapes, lambda path: sharding_of(path, shapes[path][0]))}
+    elif load_format == "dummy":  # drawn on the CPU and placed one at a time, as a checkpoint's would be
+        placed = {path: place_one(path, DummySource(array)) for path, array in dummy.draw(shapes, lambda path: None)}
     elif load_format == "auto" and orbax is not None:
         # restored where they live; through place_one only where a parameter is packed or quantized from the host
         placed = restore_state(orbax, dtype, shapes, axes, mesh, config,
@@ -204,16 +217,6 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
         _assign(pure, path, array)
     nnx.replace_by_pure_dict(state, pure)
     return LoadedModel(config=config, graphdef=graphdef, state=state, attention_backend=attention_backend)
-
-
-def _dummy_state(shapes: dict, axes: dict, mesh: Mesh | None, place, through_host: bool) -> dict[tuple, jax.Array]:
-    """Random parameters: drawn where they live, or, where the CPU layer kernel packs and stacks host arrays, drawn
-    on the CPU and placed one at a time as a checkpoint's would be."""
-    if through_host:
-        return {path: place(path, DummySource(array)) for path, array in dummy.draw(shapes, lambda path: None)}
-    if mesh is None:
-        return dict(dummy.draw(shapes, lambda path: None))
-    return dict(dummy.draw(shapes, lambda path: logical_sharding(mesh, axes[path], shapes[path][0])))
 
 
 def place_sharded(source: ParamSource, sharding: Sharding) -> jax.Array:

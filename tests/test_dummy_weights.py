@@ -69,9 +69,32 @@ def test_every_executor_draws_the_same_model(config_only_dir, dtype):
     assert all(t == tokens[0] for t in tokens) and all(len(t) == 12 for t in tokens[0])
 
 
+def test_quantized_dummy_weights_are_the_float_draw_quantized_where_it_lives(config_only_dir):
+    """int8 dummy weights on the XLA path are quantized on the device (an 8B shape never crosses the host): they
+    are NumPy's quantize_rows of the float draw, and the CPU layer kernel (quantized on the host) gives the same
+    greedy tokens."""
+    from jserve.models.quantization import quantize_rows
+
+    def qkv(model, name: str) -> np.ndarray:
+        return np.asarray(model.state["layers"][1]["self_attn"]["qkv_proj"][name][...])
+
+    q, scale = quantize_rows(qkv(load_model(config_only_dir, load_format="dummy"), "weight"))
+    model = load_model(config_only_dir, load_format="dummy", quantization="int8")
+    assert qkv(model, "weight").dtype == np.int8
+    np.testing.assert_allclose(qkv(model, "scale"), scale, rtol=1e-6)
+    diff = np.abs(qkv(model, "weight").astype(np.int32) - q)
+    assert diff.max() <= 1 and np.mean(diff > 0) < 1e-3  # a division rounding differently at a half
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    tokens = [LLM(str(config_only_dir), load_format="dummy", quantization="int8", executor=executor,
+                  max_model_len=128, kv_cache_memory_bytes=2 << 20, warmup=False, compilation_cache_dir="")
+              .generate([{"prompt_token_ids": [5, 17, 99, 3]}], params, use_tqdm=False)[0].outputs[0].token_ids
+              for executor in ("xla", "cpu-layers")]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 10
+
+
 def test_sharded_draw_follows_the_rules(config_only_dir):
     """Under tensor parallelism each parameter is drawn with its rules sharding (never whole on one device), and
-    the model computes what the unsharded one does."""
+    the model computes what the unsharded one does, with float or int8 weights."""
     script = textwrap.dedent(f"""
         import jax, numpy as np
         from flax import nnx
@@ -86,14 +109,15 @@ def test_sharded_draw_follows_the_rules(config_only_dir):
         qkv = model.state["layers"][0]["self_attn"]["qkv_proj"]["weight"][...]
         assert len(qkv.addressable_shards) == 2 and qkv.addressable_shards[0].data.shape[0] == qkv.shape[0] // 2
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-        runs = []
-        for tp in (1, 2):
-            llm = LLM({str(config_only_dir)!r}, load_format="dummy", tensor_parallel_size=tp,
-                      attention_backend="reference", max_model_len=64, kv_cache_memory_bytes=1 << 20,
-                      warmup=False, compilation_cache_dir="")
-            runs.append(llm.generate([{{"prompt_token_ids": [4, 8, 15, 16, 23, 42]}}], params,
-                                     use_tqdm=False)[0].outputs[0].token_ids)
-        assert runs[0] == runs[1], runs
+        for quantization in (None, "int8"):  # int8: quantized on each device, scales sharded with their rows
+            runs = []
+            for tp in (1, 2):
+                llm = LLM({str(config_only_dir)!r}, load_format="dummy", tensor_parallel_size=tp,
+                          attention_backend="reference", max_model_len=64, kv_cache_memory_bytes=1 << 20,
+                          warmup=False, compilation_cache_dir="", quantization=quantization, executor="xla")
+                runs.append(llm.generate([{{"prompt_token_ids": [4, 8, 15, 16, 23, 42]}}], params,
+                                         use_tqdm=False)[0].outputs[0].token_ids)
+            assert runs[0] == runs[1], (quantization, runs)
         print("OK")
     """)
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",

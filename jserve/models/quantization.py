@@ -20,6 +20,7 @@ declared parameters keeps the sharding rules, the loader and the step's flat par
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -59,6 +60,28 @@ def quantize_rows(w: np.ndarray, scheme: str = "int8") -> tuple[np.ndarray, np.n
     if qdtype == jnp.int8:
         return np.clip(np.rint(scaled), -qmax, qmax).astype(np.int8), scale
     return np.asarray(jnp.asarray(np.clip(scaled, -qmax, qmax)).astype(qdtype)), scale
+
+
+def quantize_rows_on_device(w: jax.Array, scheme: str, shardings: tuple[jax.sharding.Sharding, jax.sharding.Sharding]
+                            | None = None) -> tuple[jax.Array, jax.Array]:
+    """quantize_rows() of a weight where it lives (a dummy weight drawn on its devices never crosses the host),
+    the results placed by shardings (weight's, scale's; None: the default device)."""
+    return _device_quantizer(scheme, shardings)(w)
+
+
+@functools.cache
+def _device_quantizer(scheme: str, shardings: tuple | None) -> Callable:
+    qdtype, qmax = SCHEMES[scheme]
+
+    def quantize(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+        w32 = w.astype(jnp.float32)
+        amax = jnp.max(jnp.abs(w32), axis=1)
+        scale = jnp.where(amax > 0, amax / qmax, 1.0).astype(jnp.float32)
+        scaled = w32 / scale[:, None]
+        q = jnp.clip(jnp.rint(scaled), -qmax, qmax) if qdtype == jnp.int8 else jnp.clip(scaled, -qmax, qmax)
+        return q.astype(qdtype), scale
+
+    return jax.jit(quantize) if shardings is None else jax.jit(quantize, out_shardings=shardings)
 
 
 def dequantize_rows(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
