@@ -107,7 +107,8 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
     memory), the function that turns each parameter's source into the array the state holds; unsharded only.
 
     quantization: "int8" / "fp8" quantizes the decoder layers' projection matrices as they are read
-    (jserve.models.quantization): each is read whole on the host, quantized per output row and placed with its scales.
+    (jserve.models.quantization): each is read whole on the host, quantized per output row and placed with its scales
+    (dummy weights on the XLA path are drawn and quantized on their devices).
     With `place`, quantized weights need `place_quantized`, which takes each weight with its scales (read as stored,
     or quantized at load) and gives the arrays the state holds for both (the CPU layer executor packs them together).
     """
