@@ -243,6 +243,37 @@ def handed_calls() -> int:
     return lib.JserveHandedCalls()
 
 
+INT8_ACTIVATION_BLOCK = 32  # x values one scale covers where int8 matmuls quantize x (matmul_int8_vnni.h)
+
+
+def int8_activation_rows() -> int:
+    """The fewest rows of x for which this build's int8 matmuls quantize x too, in blocks of INT8_ACTIVATION_BLOCK
+    values along K (K must be a multiple), and multiply int8 by int8 (AVX512-VNNI's vpdpbusd); 0 where the build has
+    no such path (every row count then multiplies the int8 weights by x as it is)."""
+    _require()
+    lib = _load()
+    lib.JserveInt8ActivationRows.restype = ctypes.c_int64
+    lib.JserveInt8ActivationRows.argtypes = []
+    return lib.JserveInt8ActivationRows()
+
+
+def int8_activation_reference(x: np.ndarray, q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """What the int8 matmul computes where it quantizes x (int8_activation_rows): float32 x [M, K] in blocks of 32
+    (s = max|block| / 127, q_x = round-half-even(x * (1 / s))), the int8 dot of each block exact, times its s, summed
+    over the blocks in order in float32, times the weight's row scale: NumPy's version, for tests."""
+    m, k = x.shape
+    blocks = x.reshape(m, k // INT8_ACTIVATION_BLOCK, INT8_ACTIVATION_BLOCK).astype(np.float32)
+    s = (np.abs(blocks).max(-1) / np.float32(127)).astype(np.float32)
+    inverse = np.where(s > 0, np.float32(1) / np.where(s > 0, s, np.float32(1)), np.float32(0)).astype(np.float32)
+    xq = np.rint(blocks * inverse[..., None]).astype(np.int64)
+    wq = q.reshape(q.shape[0], k // INT8_ACTIVATION_BLOCK, INT8_ACTIVATION_BLOCK).astype(np.int64)
+    dots = np.einsum("mbk,nbk->mnb", xq, wq).astype(np.float32)  # exact: |dot| < 2^24
+    out = np.zeros((m, q.shape[0]), np.float32)
+    for b in range(k // INT8_ACTIVATION_BLOCK):
+        out = (out + dots[:, :, b] * s[:, None, b]).astype(np.float32)
+    return out * np.asarray(scale, np.float32)[None, :]
+
+
 # The kinds of phase the profile tells apart (profile.h's PhaseKind): the layer kernel's steps ("inputs": a norm or
 # the SiLU run as a phase of its own), and "other" for the other kernels' phases.
 PHASE_KINDS = ("other", "qkv", "rotary", "attention", "merge", "o", "gate_up", "down", "inputs")

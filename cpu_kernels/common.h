@@ -9,6 +9,7 @@
 //   (none)               AVX2 + FMA, the minimum (the Python side checks both before building)
 //   __AVX512F__          the 16-lane tiles, the packed row blocks and attention's bfloat16 register paths
 //   JSERVE_AVX512_BF16   vdpbf16ps for bfloat16 weights (AVX512-BF16 with AVX512-BW)
+//   JSERVE_AVX512_VNNI   vpdpbusd for int8 weights times int8-quantized activations (AVX512-VNNI with AVX512-BW)
 //   JSERVE_INTEL         set by the Python side on Intel CPUs: the weight stream's prefetch distances and hints,
 //                        and the widened bfloat16 tiles (prefetch.h, matmul_packed.h)
 
@@ -31,6 +32,9 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define JSERVE_AVX512_BF16 1
+#endif
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define JSERVE_AVX512_VNNI 1
 #endif
 
 namespace ffi = xla::ffi;

@@ -56,6 +56,7 @@
 #include "prefetch.h"
 #include "matmul_blocks.h"
 #include "matmul_packed.h"
+#include "matmul_int8_vnni.h"
 #include "matmul_int8.h"
 #include "matmul.h"
 #include "argmax.h"
@@ -68,6 +69,15 @@
 
 // How many layer calls ran the phases their thread kept from the call before (LayerCallCache): its tests read it.
 extern "C" int64_t JserveCachedLayerCalls() { return cached_layer_calls.load(std::memory_order_relaxed); }
+
+// The fewest rows of x for which int8 matmuls quantize x too (matmul_int8_vnni.h); 0: this build never does.
+extern "C" int64_t JserveInt8ActivationRows() {
+#ifdef JSERVE_AVX512_VNNI
+  return kInt8StreamedRows + 1;
+#else
+  return 0;
+#endif
+}
 
 // How many calls have handed their work to a lingering helper (Lingerers) in this process: its tests read it.
 extern "C" int64_t JserveHandedCalls() { return TheLingerers().handed(); }

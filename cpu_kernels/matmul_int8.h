@@ -13,7 +13,7 @@
 // last 128 bytes, zero for padding rows). A block is one forward stream, its scales at its end, and it has a whole
 // number of 4-byte units (8 (K + 4)), so the packed blocks' machinery (BlockAt, per-thread parts) takes it as is.
 
-#include "matmul_packed.h"
+#include "matmul_int8_vnni.h"
 
 namespace {
 
@@ -185,15 +185,23 @@ inline void Int8StreamTile(const float* x, int64_t rows, int64_t k_size, const i
 #endif
 
 // Up to this many rows of x stream each block (kInt8StreamRows at a time: the block stays in L1/L2 between them);
-// more widen it once (an L1/L2-sized panel, amortised over the rows) for the compute-bound tiles.
+// more run the compute-bound tiles: with AVX512-VNNI and K a multiple of 32, on x quantized in blocks of 32
+// (matmul_int8_vnni.h), else on the block widened once into an L1/L2-sized float panel, amortised over the rows.
 constexpr int64_t kInt8StreamedRows = 4;
 
+// The job's x as the many-row tiles take it, made once a call (RowBlocks): bfloat16 bits for the vdpbf16ps tiles, or
+// quantized for the vpdpbusd ones (matmul_int8_vnni.h); all nullptr: the float32 tiles.
+struct Int8Inputs {
+  const uint16_t* bits = nullptr;
+  const uint8_t* quants = nullptr;
+  const float* quant_scales = nullptr;
+};
+
 // Every row of x times one int8 block (columns n_begin .. n_begin + 31), into job.y through EmitRow (bias,
-// residual). `x_bits`: x as bfloat16 bits, for the vdpbf16ps tiles (nullptr: the float32 tiles); on AVX2, the next
-// block's lines [next_begin, next_end) are requested over the tiles.
+// residual); on AVX2, the next block's lines [next_begin, next_end) are requested over the tiles.
 template <bool kRound>
 void Int8Block(const MatmulJob<float, Int8Blocks<kRound>>& job, int64_t n_begin, const int8_t* block,
-               const uint16_t* x_bits, const char* next_begin, const char* next_end) {
+               const Int8Inputs& inputs, const char* next_begin, const char* next_end) {
   const int64_t k_size = job.k_size, cols = std::min(2 * kPanel, job.n_size - n_begin);
   const float* scales = reinterpret_cast<const float*>(block + k_size * 2 * kPanel);
   if (job.m_size <= kInt8StreamedRows) {
@@ -206,6 +214,15 @@ void Int8Block(const MatmulJob<float, Int8Blocks<kRound>>& job, int64_t n_begin,
     return;
   }
   // The tiles store straight into y, each sum multiplied by its column's scale before the bias (MatmulJob::scale).
+#ifdef JSERVE_AVX512_VNNI
+  if (inputs.quants != nullptr) {
+    MatmulJob<float, Int8Blocks<kRound>> scaled = job;
+    scaled.scale = scales, scaled.scale_begin = n_begin;
+    VnniBlockTiles(scaled, n_begin, block, inputs.quants, inputs.quant_scales);
+    return;
+  }
+#endif
+  const uint16_t* x_bits = inputs.bits;
   thread_local std::vector<float> panel;
   const int64_t m_size = job.m_size, n_size = job.n_size;
 #ifdef __AVX512F__
@@ -245,20 +262,35 @@ template <bool kRound>
 bool RowBlocks(const MatmulJob<float, Int8Blocks<kRound>>& job, int64_t b0, int64_t b1) {
   const int64_t length = Int8BlockUnits(job.k_size);
   const bool streamed = job.m_size <= kInt8StreamedRows;
-  const uint16_t* x_bits = nullptr;
+  Int8Inputs inputs;
+#ifdef JSERVE_AVX512_VNNI
+  thread_local std::vector<uint8_t> quants;
+  thread_local std::vector<float> quant_scales;
+  thread_local uint64_t quantized_run = 0;  // the phase run whose x `quants` holds (its other items reuse it)
+  if (!streamed && job.k_size % kQuantBlock == 0) {
+    const uint64_t run = CurrentPhaseRun();
+    if (run == 0 || run != quantized_run) {
+      quants.resize(static_cast<size_t>(job.m_size * job.k_size));
+      quant_scales.resize(static_cast<size_t>(job.m_size * job.k_size / kQuantBlock));
+      QuantizeBlocks(job.x, job.m_size * job.k_size, quants.data(), quant_scales.data());
+      quantized_run = run;
+    }
+    inputs.quants = quants.data(), inputs.quant_scales = quant_scales.data();
+  }
+#endif
 #ifdef JSERVE_AVX512_BF16
   thread_local std::vector<uint16_t> bits;
-  if (kRound && !streamed && job.k_size % 2 == 0) {
+  if (kRound && !streamed && job.k_size % 2 == 0 && inputs.quants == nullptr) {
     bits.resize(static_cast<size_t>(job.m_size * job.k_size));
     StoreRow(bits.data(), job.x, job.m_size * job.k_size);  // exact: the values are bfloat16 already
-    x_bits = bits.data();
+    inputs.bits = bits.data();
   }
 #endif
   for (int64_t b = b0; b < b1; ++b) {
     const char* block = reinterpret_cast<const char*>(BlockAt(job, b, length));
     const char* next = streamed || b + 1 >= b1 ? block : reinterpret_cast<const char*>(BlockAt(job, b + 1, length));
     const char* next_end = next == block ? next : next + 4 * length;
-    Int8Block(job, b * 2 * kPanel, reinterpret_cast<const int8_t*>(block), x_bits, next, next_end);
+    Int8Block(job, b * 2 * kPanel, reinterpret_cast<const int8_t*>(block), inputs, next, next_end);
   }
   return true;
 }

@@ -12,6 +12,20 @@
 
 namespace {
 
+// Which phase run this thread is running items of: a number no other phase run of the process has had, 0 between
+// phases. Items of one phase on one thread may share work made from the phase's inputs (int8 matmuls quantize x
+// once a thread and phase, not once an item): the same phases run again, from a layer call cache, get a new number.
+inline uint64_t& CurrentPhaseRun() {
+  thread_local uint64_t run = 0;
+  return run;
+}
+
+// A block of numbers for one call's phases (one each), unused by any call before.
+inline uint64_t NewPhaseRuns(size_t phases) {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(phases, std::memory_order_relaxed);
+}
+
 struct Phase {
   int64_t count;
   InlineFunction<void(int64_t), 160> body;
@@ -29,11 +43,13 @@ struct PhaseState {
   SharedPhases shared;
   const std::vector<Phase>& phases;
   std::unique_ptr<std::atomic<int64_t>[]> next, done;  // owned phases: `next` is a mask of the items started
+  const uint64_t first_run;  // phase p's CurrentPhaseRun: first_run + p
 
   explicit PhaseState(SharedPhases p)
       : shared(std::move(p)),
         phases(*shared),
         next(new std::atomic<int64_t>[phases.size()]),
+        first_run(NewPhaseRuns(phases.size())),
         done(new std::atomic<int64_t>[phases.size()]) {
     for (size_t i = 0; i < phases.size(); ++i) next[i] = 0, done[i] = 0;
   }
@@ -56,6 +72,7 @@ struct PhaseState {
         clock.Waited(phases[p - 1].kind);
       }
       const int64_t count = phases[p].count;
+      CurrentPhaseRun() = first_run + p;
       if (phases[p].owned) {
         for (int64_t k = 0; k < count; ++k) {
           const int64_t i = (worker + k) % count;
@@ -65,6 +82,7 @@ struct PhaseState {
       }
       for (int64_t i = next[p].fetch_add(1); i < count; i = next[p].fetch_add(1)) Run(p, i);
     }
+    CurrentPhaseRun() = 0;
     if (!phases.empty()) clock.Ran(phases.back().kind);
   }
 };
@@ -140,10 +158,13 @@ void RunPhases(ffi::ThreadPool& pool, SharedPhases shared) {
   if (threads <= 1) {
     if (profiled) phases_began = NowNs();
     PhaseClock clock(0);
+    uint64_t run = NewPhaseRuns(phases.size());
     for (const Phase& p : phases) {
+      CurrentPhaseRun() = run++;
       for (int64_t i = 0; i < p.count; ++i) p.body(i);
       clock.Ran(p.kind);
     }
+    CurrentPhaseRun() = 0;
     if (profiled) phases_ended = NowNs();
     return;
   }

@@ -89,8 +89,9 @@ def test_greedy_tokens_match_the_source(sources, converted, llm_factory, kind, e
 
 def test_an_int8_conversion_restores_the_quantized_weights_and_serves_them(sources, llm_factory, tmp_path, capsys):
     """`jserve convert --quantization int8` stores what `--quantization int8` makes at every load: the restored int8
-    weights and scales are bitwise the load-time ones, serving needs no flag and gives the same greedy tokens, and
-    another scheme is refused naming the checkpoint (the C++ layer executor serves it: tests/test_cpu_int8.py)."""
+    weights and scales are bitwise the load-time ones, serving needs no flag and gives the same greedy tokens on the
+    same executor, and another scheme is refused naming the checkpoint (the C++ layer executor serves it:
+    tests/test_cpu_int8.py)."""
     out = tmp_path / "int8"
     assert main(["convert", "--model", str(sources["safetensors"]), "--out", str(out), "--dtype", "bfloat16",
                  "--quantization", "int8"]) == 0
@@ -105,7 +106,7 @@ def test_an_int8_conversion_restores_the_quantized_weights_and_serves_them(sourc
         np.testing.assert_array_equal(got[path].view(np.uint8), array.view(np.uint8), err_msg=str(path))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     quantized = llm_factory(sources["safetensors"], dtype="bfloat16", quantization="int8", executor="xla")
-    restored = llm_factory(out, dtype="bfloat16")
+    restored = llm_factory(out, dtype="bfloat16", executor="xla")  # the same executor: the same products
     assert ([o.outputs[0].token_ids for o in restored.generate(PROMPTS, params, use_tqdm=False)]
             == [o.outputs[0].token_ids for o in quantized.generate(PROMPTS, params, use_tqdm=False)])
     with pytest.raises(ValueError, match=rf"{out} holds int8 weights.*quantization 'fp8'"):

@@ -145,9 +145,12 @@ def test_loaded_weights_are_the_checkpoint_quantized_per_row(hf_model_dir):
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen2"])  # qwen2: q/k/v biases and tied embeddings
-def test_int8_logits_match_float_model_with_dequantized_weights(hf_model_dir, variant):
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])  # fp8: the GPU scheme's model and step, XLA emulating e4m3 here
+def test_quantized_logits_match_float_model_with_dequantized_weights(hf_model_dir, variant, scheme):
     model_dir = hf_model_dir(variant)
-    quantized = load_model(model_dir, "float32", quantization="int8")
+    quantized = load_model(model_dir, "float32", quantization=scheme)
+    assert {np.dtype(v[...].dtype) for p, v in nnx.to_flat_state(quantized.state) if p in _quantized_paths(quantized)} \
+        == {np.dtype(jnp.int8 if scheme == "int8" else jnp.float8_e4m3fn)}
     reference = _dequantized_float_model(quantized, model_dir)
     got = _prefill_then_decode_logits(_runner(quantized))
     want = _prefill_then_decode_logits(_runner(reference))
