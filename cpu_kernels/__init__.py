@@ -203,7 +203,14 @@ def is_packed(w: jax.Array) -> bool:
 
 
 def packed_rows(w: jax.Array, ids: jax.Array) -> jax.Array:
-    """Rows ids[T] of a packed weight as float32 [T, K] (an embedding lookup in a tied, packed table)."""
+    """Rows ids[T] of a packed weight as float32 [T, K] (an embedding lookup in a tied, packed table); an int8 one's
+    times their scales."""
+    if w.dtype == jnp.int8:
+        k = w.shape[1] - INT8_SCALE_ROWS
+        q = w[ids // PACKED_ROWS, :k, ids % PACKED_ROWS].astype(jnp.float32)  # [T, K]
+        scale_bytes = w[ids // PACKED_ROWS, k:, :].reshape(ids.shape[0], PACKED_ROWS, 4)  # each block's 32 floats
+        scales = jax.lax.bitcast_convert_type(scale_bytes, jnp.float32)  # [T, 32]
+        return q * jnp.take_along_axis(scales, (ids % PACKED_ROWS)[:, None], axis=1)
     rows = w[ids // PACKED_ROWS, :, ids % PACKED_ROWS]  # [T, K / 2] uint32 pairs, or [T, K] float32
     if w.dtype == jnp.float32:
         return rows
@@ -361,7 +368,8 @@ def matmul_ref(x: jax.Array, w: jax.Array) -> jax.Array:
                                preferred_element_type=jnp.float32)
 
 
-def matmul(x: jax.Array, w: jax.Array, out_features: int | None = None, compute_dtype: str | None = None) -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array, out_features: int | None = None,
+           compute_dtype: str | jnp.dtype | None = None) -> jax.Array:
     """x[..., K] @ w[N, K]^T -> float32[..., N]. w is float32 or bfloat16, or packed by pack_weight or
     pack_weight_int8 (then out_features gives N); for bfloat16 weights x is rounded to bfloat16 (as the XLA path's
     x.astype(w.dtype) does) and the products accumulate in float32. For int8 weights x is first rounded to

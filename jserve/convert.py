@@ -20,7 +20,7 @@ from flax import nnx
 from jserve.config import SUPPORTED_DTYPES, ModelLoadError
 from jserve.gguf_loading import find_gguf
 from jserve.loading import load_model, resolve_model_path
-from jserve.models.quantization import SCHEMES
+from jserve.models.quantization import HEAD_SCALE_PATH, SCHEMES
 from jserve.orbax_io import (
     FORMAT,
     FORMAT_VERSION,
@@ -82,6 +82,7 @@ def convert(model: str, out: str | Path, dtype: str = "float32", quantization: s
             "source": str(gguf_file or source), "model_config": config_to_dict(loaded.config)}
     if quantization is not None:
         meta["quantization"] = quantization
+        meta["quantized_head"] = any(tuple(path) == HEAD_SCALE_PATH for path, _ in nnx.to_flat_state(loaded.state))
     (out / MARKER).write_text(json.dumps(meta, indent=1) + "\n")
     return out
 

@@ -138,7 +138,10 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
     if quantization is not None:
         if place is not None and place_quantized is None:
             raise ValueError("load_model: a custom placement of quantized weights needs place_quantized")
-        quantized = set(quantize_model(abstract, quantization))
+        # Checkpoints quantized elsewhere keep the head they store; a conversion says whether it quantized its own.
+        head = (False if prequantized is not None and load_format == "auto"
+                else orbax.quantized_head if stored_quantized else None)
+        quantized = set(quantize_model(abstract, quantization, head))
     graphdef, state = nnx.split(abstract)
     pure = nnx.to_pure_dict(state)
     # A quantized weight is read from the checkpoint in `dtype` and its scale made from it, or, from a quantized

@@ -48,6 +48,7 @@ class OrbaxCheckpoint:
     jserve_version: str
     source: str
     quantization: str | None = None  # "int8" / "fp8": the decoder layers' matrices stored quantized, with scales
+    quantized_head: bool = False  # the LM head stored quantized too (head_scale beside it)
 
     @property
     def params_dir(self) -> Path:
@@ -91,7 +92,8 @@ def read_checkpoint(path: str | Path) -> OrbaxCheckpoint:
     if quantization is not None and quantization not in SCHEMES:
         raise ModelLoadError(f"{marker}: quantization {quantization!r} is not one of {', '.join(SCHEMES)}")
     return OrbaxCheckpoint(path=path, dtype=meta["dtype"], config=config, quantization=quantization,
-                           jserve_version=str(meta.get("jserve_version")), source=str(meta.get("source")))
+                           jserve_version=str(meta.get("jserve_version")), source=str(meta.get("source")),
+                           quantized_head=bool(meta.get("quantized_head", False)))
 
 
 def config_to_dict(config: ModelConfig) -> dict:
@@ -118,12 +120,12 @@ def param_key(path: tuple) -> str:
     return "/".join(map(str, path))
 
 
-def unsharded_shapes(config: ModelConfig, dtype: str,
-                     quantization: str | None = None) -> dict[tuple, tuple[tuple[int, ...], np.dtype]]:
+def unsharded_shapes(config: ModelConfig, dtype: str, quantization: str | None = None,
+                     quantized_head: bool = False) -> dict[tuple, tuple[tuple[int, ...], np.dtype]]:
     """{state path: (shape, dtype)} of the unsharded model: what a checkpoint of this config must hold."""
     abstract = nnx.eval_shape(lambda: model_class(config)(config, jnp.dtype(dtype), "reference"))
     if quantization is not None:
-        quantize_model(abstract, quantization)
+        quantize_model(abstract, quantization, quantized_head)
     _, state = nnx.split(abstract)
     return {tuple(path): (tuple(var.get_value().shape), np.dtype(var.get_value().dtype))
             for path, var in nnx.to_flat_state(state)}
@@ -162,7 +164,7 @@ def _check_stored(ckpt: OrbaxCheckpoint) -> dict[tuple, tuple[tuple[int, ...], n
     """The stored arrays' shapes, checked against the config's unsharded shapes (ModelLoadError on any mismatch)."""
     import orbax.checkpoint as ocp
 
-    expected = unsharded_shapes(ckpt.config, ckpt.dtype, ckpt.quantization)
+    expected = unsharded_shapes(ckpt.config, ckpt.dtype, ckpt.quantization, ckpt.quantized_head)
     try:
         with ocp.StandardCheckpointer() as checkpointer:
             tree = checkpointer.metadata(ckpt.params_dir.absolute()).item_metadata

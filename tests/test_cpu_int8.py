@@ -64,6 +64,9 @@ def test_int8_matmul_matches_numpy(rows, compute):
         # rest of its block (that block's step is then 30x as coarse); weight-only rounding costs nothing more.
         exact = xr @ dequantize_rows(q, scale).T
         assert np.abs(got - exact).max() <= 0.03 * np.abs(exact).max(), f"{n}x{k}"
+        ids = np.array([0, n - 1, 31 % n, 5 % n], np.int32)  # an embedding lookup in a packed int8 table
+        np.testing.assert_allclose(np.asarray(cpu_kernels.packed_rows(jnp.asarray(packed), jnp.asarray(ids))),
+                                   dequantize_rows(q, scale)[ids], rtol=1e-6)
     with pytest.raises(ValueError, match="int8 \\[N, K\\] weight"):
         cpu_kernels.pack_weight_int8(q.astype(np.int16), scale)
 
@@ -101,10 +104,11 @@ def _logits(runner) -> np.ndarray:
     return np.concatenate(out)
 
 
-@pytest.mark.parametrize("weight_parts", [None, 0])  # per-thread parts, or [layers, ...] stacks
-def test_cpu_layers_int8_logits_match_xla(hf_model_dir, weight_parts):
+# per-thread parts or [layers, ...] stacks; qwen2: a tied head, the int8 embedding table's rows looked up packed
+@pytest.mark.parametrize(("variant", "weight_parts"), [("llama", None), ("llama", 0), ("qwen2", None)])
+def test_cpu_layers_int8_logits_match_xla(hf_model_dir, variant, weight_parts):
     """Widths of no whole 32-value block (80, 360): every step multiplies x as it is, as the XLA executor does."""
-    model_dir = hf_model_dir("llama", hidden_size=80, intermediate_size=360)
+    model_dir = hf_model_dir(variant, hidden_size=80, intermediate_size=360)
     cpu = CpuLayerExecutor.load(model_dir, dtype="float32", quantization="int8", weight_parts=weight_parts)
     assert isinstance(cpu, CpuLoadedModel) and cpu.quantization == "int8" and cpu.layer_stack is not None
     matrices = cpu.layer_stack.matrix_parts if weight_parts is None else cpu.layer_stack.qkv
@@ -147,7 +151,8 @@ def test_cpu_layers_int8_activations_match_xla_emulation(hf_model_dir, monkeypat
     cpu = CpuLayerExecutor.load(model_dir, dtype="float32", quantization="int8")
     got = _logits(_executor(CpuLayerExecutor, cpu, "float32"))
     plain = _logits(_executor(XlaExecutor, load_model(model_dir, "float32", quantization="int8"), "float32"))
-    monkeypatch.setattr("jserve.models.layers.quantized_matmul", _quantized_x_matmul(9))
+    for module in ("layers", "llama"):  # the projections and the LM head
+        monkeypatch.setattr(f"jserve.models.{module}.quantized_matmul", _quantized_x_matmul(9))
     want = _logits(_executor(XlaExecutor, load_model(model_dir, "float32", quantization="int8"), "float32"))
     rows_equal = np.isclose(got, want, rtol=1e-4, atol=1e-4).all(axis=1)  # a flipped rounding moves a whole row
     assert rows_equal.mean() >= 0.9 and np.abs(got - want).max() < 0.01, (rows_equal, np.abs(got - want).max())

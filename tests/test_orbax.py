@@ -111,6 +111,25 @@ def test_an_int8_conversion_restores_the_quantized_weights_and_serves_them(sourc
             == [o.outputs[0].token_ids for o in quantized.generate(PROMPTS, params, use_tqdm=False)])
     with pytest.raises(ValueError, match=rf"{out} holds int8 weights.*quantization 'fp8'"):
         load_model(out, "bfloat16", quantization="fp8")
+    assert json.loads((out / MARKER).read_text())["quantized_head"] and got[("lm_head",)].dtype == np.int8
+
+
+def test_an_int8_conversion_with_its_head_in_float_restores_as_stored(sources, monkeypatch, tmp_path):
+    """A conversion whose LM head stayed in its dtype (one written before int8 quantized heads: no quantized_head in
+    its marker) restores that head as stored, with the layers' int8 matrices."""
+    out = tmp_path / "int8-float-head"
+    with monkeypatch.context() as patch:
+        patch.setattr("jserve.models.quantization.quantizes_head", lambda scheme: False)
+        assert main(["convert", "--model", str(sources["safetensors"]), "--out", str(out), "--dtype", "bfloat16",
+                     "--quantization", "int8"]) == 0
+    marker = json.loads((out / MARKER).read_text())
+    assert marker.pop("quantized_head") is False
+    (out / MARKER).write_text(json.dumps(marker))
+    got = _flat(load_model(out, "bfloat16").state)
+    want = _flat(load_model(sources["safetensors"], "bfloat16").state)
+    assert got[("lm_head",)].dtype == want[("lm_head",)].dtype and ("head_scale",) not in got
+    np.testing.assert_array_equal(got[("lm_head",)].view(np.uint16), want[("lm_head",)].view(np.uint16))
+    assert got[("layers", 0, "mlp", "down_proj", "weight")].dtype == np.int8
 
 
 def test_dtype_flag_must_match_the_checkpoint(converted):

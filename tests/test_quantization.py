@@ -22,7 +22,14 @@ from jserve.config import EngineConfig
 from jserve.engine.sequence import ScheduledSeq, Sequence
 from jserve.executors import XlaExecutor, choose_executor
 from jserve.loading import LoadedModel, load_model
-from jserve.models.quantization import dequantize_rows, quantize_rows, quantized_matmul, resident_bytes
+from jserve.models.quantization import (
+    HEAD_PATHS,
+    dequantize_rows,
+    quantize_rows,
+    quantized_matmul,
+    resident_bytes,
+    scale_path,
+)
 from jserve.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
@@ -100,7 +107,10 @@ def _prefill_then_decode_logits(runner: XlaExecutor) -> np.ndarray:
 
 
 def _quantized_paths(model: LoadedModel) -> list[tuple]:
-    return [path for path, _ in nnx.to_flat_state(model.state) if path[-1] == "weight" and path[-2] in PROJECTIONS]
+    """The projections' weights, and the LM head's where it is quantized."""
+    flat = dict(nnx.to_flat_state(model.state))
+    head = [HEAD_PATHS[1] if HEAD_PATHS[1] in flat else HEAD_PATHS[0]] if ("head_scale",) in flat else []
+    return [path for path in flat if path[-1] == "weight" and path[-2] in PROJECTIONS] + head
 
 
 def _dequantized_float_model(quantized: LoadedModel, model_dir) -> LoadedModel:
@@ -112,8 +122,8 @@ def _dequantized_float_model(quantized: LoadedModel, model_dir) -> LoadedModel:
         node = pure
         for key in path[:-1]:
             node = node[key]
-        node["weight"] = jnp.asarray(dequantize_rows(np.asarray(qstate[path][...]),
-                                                     np.asarray(qstate[(*path[:-1], "scale")][...])))
+        node[path[-1]] = jnp.asarray(dequantize_rows(np.asarray(qstate[path][...]),
+                                                     np.asarray(qstate[scale_path(path)][...])))
     nnx.replace_by_pure_dict(reference.state, pure)
     return reference
 
@@ -139,9 +149,14 @@ def test_loaded_weights_are_the_checkpoint_quantized_per_row(hf_model_dir):
             assert q.dtype == np.int8 and scale.dtype == np.float32
             np.testing.assert_array_equal(q, ref_q)
             np.testing.assert_allclose(scale, ref_scale, rtol=1e-7)
-    # the embeddings and the LM head stay in the model's dtype
-    assert state[("embed_tokens",)][...].dtype == jnp.float32 and state[("lm_head",)][...].dtype == jnp.float32
-    np.testing.assert_array_equal(np.asarray(state[("lm_head",)][...]), tensors["lm_head.weight"])
+    # the LM head is quantized per vocabulary row too; an untied model's input embeddings stay in its dtype
+    ref_q, ref_scale = numpy_quantize(tensors["lm_head.weight"])
+    np.testing.assert_array_equal(np.asarray(state[("lm_head",)][...]), ref_q)
+    np.testing.assert_allclose(np.asarray(state[("head_scale",)][...]), ref_scale, rtol=1e-7)
+    assert state[("embed_tokens",)][...].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(state[("embed_tokens",)][...]), tensors["model.embed_tokens.weight"])
+    fp8 = dict(nnx.to_flat_state(load_model(model_dir, "float32", quantization="fp8").state))
+    assert fp8[("lm_head",)][...].dtype == jnp.float32 and ("head_scale",) not in fp8  # fp8 keeps the head
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen2"])  # qwen2: q/k/v biases and tied embeddings
@@ -254,7 +269,8 @@ def test_resident_weight_bytes_about_half_of_bfloat16(hf_model_dir, llm_factory,
     projections = _quantized_paths(int8)
     state16, state8 = dict(nnx.to_flat_state(bf16.state)), dict(nnx.to_flat_state(int8.state))
     bytes16 = sum(state16[p][...].nbytes for p in projections)
-    bytes8 = sum(state8[p][...].nbytes + state8[(*p[:-1], "scale")][...].nbytes for p in projections)
+    assert ("lm_head",) in projections  # the head too
+    bytes8 = sum(state8[p][...].nbytes + state8[scale_path(p)][...].nbytes for p in projections)
     assert 0.5 <= bytes8 / bytes16 < 0.55
     assert resident_bytes(bf16.state) - resident_bytes(int8.state) == bytes16 - bytes8
     with caplog.at_level(logging.INFO, logger="jserve.engine.engine"):

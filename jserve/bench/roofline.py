@@ -13,6 +13,7 @@ import numpy as np
 
 import cpu_kernels
 from jserve.config import ModelConfig
+from jserve.models.quantization import quantizes_head
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 SCALE_BYTES = 4  # a float32 scale of a quantized weight row or KV row
@@ -28,15 +29,18 @@ def weight_params_read_per_token(cfg: ModelConfig) -> int:
 
 
 def weight_bytes_read_per_token(cfg: ModelConfig, dtype: str, quantization: str | None = None) -> int:
-    """Bytes of the parameters a decode step reads: in dtype, or with the decoder layers' matrices in one byte a
-    weight plus a float32 scale a row (int8 / fp8, jserve.models.quantization)."""
+    """Bytes of the parameters a decode step reads: in dtype, or with the decoder layers' matrices (and for int8 the
+    LM head) in one byte a weight plus a float32 scale a row (int8 / fp8, jserve.models.quantization)."""
     total = weight_params_read_per_token(cfg) * DTYPE_BYTES[dtype]
     if quantization is None:
         return total
     hidden, inter, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
     matrix_params = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter
     matrix_rows = (q + 2 * kv) + hidden + 2 * inter + hidden
-    return total - cfg.num_layers * (matrix_params * (DTYPE_BYTES[dtype] - 1) - matrix_rows * SCALE_BYTES)
+    total -= cfg.num_layers * (matrix_params * (DTYPE_BYTES[dtype] - 1) - matrix_rows * SCALE_BYTES)
+    if quantizes_head(quantization):
+        total -= cfg.vocab_size * (hidden * (DTYPE_BYTES[dtype] - 1) - SCALE_BYTES)
+    return total
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: str, context_len: float, kv_cache_dtype: str = "auto") -> float:

@@ -117,7 +117,10 @@ class CpuLayerExecutor(XlaExecutor):
         def place_quantized(path: tuple, q: np.ndarray, scale: np.ndarray) -> tuple[jax.Array, jax.Array]:
             if q.dtype != np.int8:
                 raise ModelLoadError(f"executor 'cpu-layers' takes int8 weights, not {q.dtype} ({path})")
-            return stacks.place(path[2:], path[1], cpu_kernels.pack_weight_int8(q, scale)), jax.device_put(scale)
+            packed_q = cpu_kernels.pack_weight_int8(q, scale)
+            if path[0] != "layers":  # the LM head (a tied embedding table: its lookups read the packed rows too)
+                return arena.place(packed_q), jax.device_put(scale)
+            return stacks.place(path[2:], path[1], packed_q), jax.device_put(scale)
 
         model = load_model(model_dir, dtype, attention_backend, load_format=load_format, place=place,
                            quantization=quantization, place_quantized=place_quantized)
@@ -199,7 +202,7 @@ class CpuLayerExecutor(XlaExecutor):
         last = rms_norm(x[batch.logits_indices], norm, cfg.rms_norm_eps)  # only the positions that predict a token
         head = embed if lm_head is None else lm_head
         if cpu_kernels.is_packed(head) or last.shape[0] <= cpu_kernels.max_kernel_rows():
-            logits = cpu_kernels.matmul(last, head, cfg.vocab_size)
+            logits = cpu_kernels.matmul(last, head, cfg.vocab_size, self.dtype)
         else:
             logits = matmul(last, head)
         return KVCache(k=k_cache, v=v_cache), logits

@@ -31,9 +31,11 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
                                precision=dot_precision(w.dtype), preferred_element_type=jnp.float32)
 
 
-def embed_lookup(table: jax.Array, token_ids: jax.Array) -> jax.Array:
-    """Rows of the embedding table as float32. A bfloat16 table is gathered as uint16 bits: XLA CPU would
-    otherwise convert the whole table to float32 on every step."""
+def embed_lookup(table: jax.Array, token_ids: jax.Array, scale: jax.Array | None = None) -> jax.Array:
+    """Rows of the embedding table as float32 (times their rows' scales where the table is quantized). A bfloat16
+    table is gathered as uint16 bits: XLA CPU would otherwise convert the whole table to float32 on every step."""
+    if scale is not None:
+        return table[token_ids].astype(jnp.float32) * scale[token_ids][:, None]
     if table.dtype != jnp.bfloat16:
         return table[token_ids].astype(jnp.float32)
     bits = jax.lax.bitcast_convert_type(table, jnp.uint16)[token_ids]

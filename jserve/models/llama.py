@@ -23,6 +23,7 @@ from jserve.models.layers import (
     rope_inv_freq,
     split_fused,
 )
+from jserve.models.quantization import quantized_matmul
 from pallas_kernels import ragged_paged_attention, write_kv
 
 
@@ -98,10 +99,15 @@ class LlamaForCausalLM(nnx.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else param(
             (config.vocab_size, config.hidden_size), dtype, ("vocab", "embed"))
+        # Set by jserve.models.quantization where the LM head is quantized: its per-row float32 scales, and the
+        # float dtype its weight is converted to inside the dot.
+        self.head_scale: nnx.Param | None = nnx.data(None)
+        self.head_compute_dtype = jnp.dtype(dtype)
 
     def __call__(self, kv_cache: KVCache, batch: StepBatch) -> tuple[KVCache, jax.Array]:
         inv_freq = rope_inv_freq(self.config)
-        x = embed_lookup(self.embed_tokens[...], batch.token_ids)
+        tied_scale = self.head_scale[...] if self.head_scale is not None and self.lm_head is None else None
+        x = embed_lookup(self.embed_tokens[...], batch.token_ids, tied_scale)
         k_cache, v_cache = list(kv_cache.k), list(kv_cache.v)
         for i, layer in enumerate(self.layers):
             x, k_cache[i], v_cache[i] = layer(x, k_cache[i], v_cache[i], batch, inv_freq)
@@ -110,4 +116,6 @@ class LlamaForCausalLM(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 logits [S, V] of the final hidden states [S, E] (only the positions that predict a token)."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if self.head_scale is not None:
+            return quantized_matmul(self.norm(hidden), head[...], self.head_scale[...], self.head_compute_dtype)
         return matmul(self.norm(hidden), head[...])
