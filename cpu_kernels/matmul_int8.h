@@ -3,10 +3,11 @@
 // int8 weights (weight-only, per-output-row float32 scales: jserve.models.quantization) packed at load time, and
 // their matmuls. Nothing weight-sized is ever converted to float: up to 4 rows of x (decode) widen each weight in
 // registers (sign-extend int8 -> int32 -> float: 16 a vector with AVX-512, 8 with AVX2) right before its FMA, and
-// the row's scale multiplies each output once, after the sum over k. More rows (prefill, large decode batches)
-// widen one block (AVX2: one 16-column half) at a time into an L1/L2-sized panel, unscaled, that every row of x then
-// reads through the float tiles: float32, or bfloat16 pairs for vdpbf16ps where x holds bfloat16 values (an int8 is
-// a bfloat16 exactly, so the products are the same); the scale again multiplies the sums.
+// the row's scale multiplies each output once, after the sum over k. More rows (prefill, large decode batches) are
+// compute-bound: with AVX512-VNNI they multiply int8 by x quantized in blocks of 32 (matmul_int8_vnni.h); elsewhere
+// they widen one block (AVX2: one 16-column half) at a time into an L1/L2-sized panel, unscaled, that every row of x
+// then reads through the float tiles: float32, or bfloat16 pairs for vdpbf16ps where x holds bfloat16 values (an
+// int8 is a bfloat16 exactly, so the products are the same); the scale again multiplies the sums.
 //
 // Layout (cpu_kernels.pack_weight_int8): int8 [N_pad / 32, K + 4, 32], N padded to whole blocks of 32 rows; block b
 // holds rows 32b .. 32b + 31 k-major (w[32b + j, k] at byte 32 k + j), then those rows' 32 float32 scales (the

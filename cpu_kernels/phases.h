@@ -49,8 +49,8 @@ struct PhaseState {
       : shared(std::move(p)),
         phases(*shared),
         next(new std::atomic<int64_t>[phases.size()]),
-        first_run(NewPhaseRuns(phases.size())),
-        done(new std::atomic<int64_t>[phases.size()]) {
+        done(new std::atomic<int64_t>[phases.size()]),
+        first_run(NewPhaseRuns(phases.size())) {
     for (size_t i = 0; i < phases.size(); ++i) next[i] = 0, done[i] = 0;
   }
 
