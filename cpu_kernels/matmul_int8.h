@@ -38,7 +38,7 @@ inline __m256 WidenInt8x8(const int8_t* p) {
 
 // R <= 2 rows of x streamed once through one 32-column int8 block: per k, four 8-column vectors widened in
 // registers and 4 R FMAs against the broadcast x. One row accumulates even and odd k apart (8 accumulators), so the
-// FMA latency does not bound its loop. The sums are scaled once at the end.
+// FMA latency does not bound its loop. The tile holds the unscaled sums (Int8Block scales them as it emits them).
 template <int64_t R>
 void Int8WideTile(const float* x, int64_t k_size, const int8_t* block, float tile[][2 * kPanel]) {
   static_assert(R == 1 || R == 2);
@@ -67,16 +67,7 @@ void Int8WideTile(const float* x, int64_t k_size, const int8_t* block, float til
     step(kSets - 1, k + 3);
   }
   for (; k < k_size; ++k) step(0, k);
-  const float* scales = reinterpret_cast<const float*>(block + k_size * 2 * kPanel);
-#pragma GCC unroll 2
-  for (int64_t r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-    for (int64_t v = 0; v < 4; ++v) {
-      __m256 sum = acc[0][r][v];
-      if constexpr (kSets == 2) sum = _mm256_add_ps(sum, acc[1][r][v]);
-      _mm256_storeu_ps(tile[r] + 8 * v, _mm256_mul_ps(sum, _mm256_loadu_ps(scales + 8 * v)));
-    }
-  }
+  StoreWideTile(acc, tile);
 }
 
 // One 16-column half of an int8 block widened to a float32 panel [K, 16] (the values, unscaled): L1/L2-sized,
@@ -96,7 +87,7 @@ inline __m512 WidenInt8x16(const int8_t* p) {
 }
 
 // R <= 4 rows of x streamed once through one block: per k, two 16-column vectors widened in registers and 2 R FMAs
-// (one row: even and odd k apart, for the FMA latency); the sums scaled once at the end.
+// (one row: even and odd k apart, for the FMA latency); the tile holds the unscaled sums, as Int8WideTile's.
 template <int64_t R>
 void Int8RowTile(const float* x, int64_t k_size, const int8_t* block, float tile[][2 * kPanel]) {
   static_assert(R >= 1 && R <= 4);
@@ -123,14 +114,13 @@ void Int8RowTile(const float* x, int64_t k_size, const int8_t* block, float tile
     step(kSets - 1, k + 3);
   }
   for (; k < k_size; ++k) step(0, k);
-  const float* scales = reinterpret_cast<const float*>(block + k_size * 2 * kPanel);
 #pragma GCC unroll 4
   for (int64_t r = 0; r < R; ++r) {
 #pragma GCC unroll 2
     for (int64_t v = 0; v < 2; ++v) {
       __m512 sum = acc[0][r][v];
       if constexpr (kSets == 2) sum = _mm512_add_ps(sum, acc[1][r][v]);
-      _mm512_storeu_ps(tile[r] + kPanel * v, _mm512_mul_ps(sum, _mm512_loadu_ps(scales + kPanel * v)));
+      _mm512_storeu_ps(tile[r] + kPanel * v, sum);
     }
   }
 }
@@ -204,21 +194,22 @@ template <bool kRound>
 void Int8Block(const MatmulJob<float, Int8Blocks<kRound>>& job, int64_t n_begin, const int8_t* block,
                const Int8Inputs& inputs, const char* next_begin, const char* next_end) {
   const int64_t k_size = job.k_size, cols = std::min(2 * kPanel, job.n_size - n_begin);
+  // Every path's sums reach y unscaled through EmitRow, which multiplies each by its column's scale before the bias
+  // (MatmulJob::scale).
   const float* scales = reinterpret_cast<const float*>(block + k_size * 2 * kPanel);
+  MatmulJob<float, Int8Blocks<kRound>> scaled = job;
+  scaled.scale = scales, scaled.scale_begin = n_begin;
   if (job.m_size <= kInt8StreamedRows) {
     float tile[kInt8StreamRows][2 * kPanel];
     for (int64_t m = 0; m < job.m_size; m += kInt8StreamRows) {
       const int64_t rows = std::min(kInt8StreamRows, job.m_size - m);
       Int8StreamTile(job.x + m * k_size, rows, k_size, block, tile);
-      for (int64_t r = 0; r < rows; ++r) EmitRow(job, m + r, n_begin, tile[r], cols);
+      for (int64_t r = 0; r < rows; ++r) EmitRow(scaled, m + r, n_begin, tile[r], cols);
     }
     return;
   }
-  // The tiles store straight into y, each sum multiplied by its column's scale before the bias (MatmulJob::scale).
 #ifdef JSERVE_AVX512_VNNI
   if (inputs.quants != nullptr) {
-    MatmulJob<float, Int8Blocks<kRound>> scaled = job;
-    scaled.scale = scales, scaled.scale_begin = n_begin;
     VnniBlockTiles(scaled, n_begin, block, inputs.quants, inputs.quant_scales);
     return;
   }
