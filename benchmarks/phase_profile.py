@@ -1,7 +1,7 @@
 """Where a batch-1 decode token's time goes: the CPU kernels' phase profile (cpu_kernels.profile_phases) over greedy
 generations, each after a read of the memory's bandwidth, summarised apart for the fast and the slow state.
 
-    python benchmarks/phase_profile.py --model ~/.cache/jserve/bench-135m --dtype bfloat16 --seconds 120
+    python benchmarks/phase_profile.py --model ~/.cache/jserve/bench-135m --dtype bfloat16 [--quantization int8]
 
 Per token and per layer it prints each kind of layer phase's time running items and waiting for the other thread
 (per worker: 0 is the thread that called the kernel), each matmul's weight bytes over its running time as a share
@@ -22,9 +22,9 @@ from jserve import LLM, SamplingParams
 from jserve.bench.roofline import decode_bytes_per_token, last_level_cache_bytes, stream_buffer_bytes
 
 
-def matrix_bytes(cfg, dtype: str) -> dict[str, float]:
-    """Weight bytes of each kind of layer matmul, one layer."""
-    size = {"float32": 4, "bfloat16": 2}[dtype]
+def matrix_bytes(cfg, dtype: str, quantization: str | None = None) -> dict[str, float]:
+    """Weight bytes of each kind of layer matmul, one layer (int8: a byte a weight; the scales left out)."""
+    size = 1 if quantization == "int8" else {"float32": 4, "bfloat16": 2}[dtype]
     e, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
     return {"qkv": e * (q + 2 * kv) * size, "o": q * e * size, "gate_up": 2 * e * i * size, "down": i * e * size}
 
@@ -49,7 +49,7 @@ def one_generation(llm: LLM, params: SamplingParams, num_layers: int, buffer_byt
             "after_us": per_token("after_phases_s"), "token_us": seconds * 1e6 / tokens}
 
 
-def report(name: str, rows: list[dict], cfg, dtype: str) -> None:
+def report(name: str, rows: list[dict], cfg, dtype: str, quantization: str | None) -> None:
     if not rows:
         print(f"\n{name}: no generations")
         return
@@ -59,7 +59,7 @@ def report(name: str, rows: list[dict], cfg, dtype: str) -> None:
           f"bandwidth read before them {bandwidth / 1e9:.1f} GB/s (median)")
     workers = min(r["busy_us"].shape[0] for r in rows)
     print("us per layer        " + "".join(f"  run w{w}  wait w{w}" for w in range(workers)) + "  bytes/run/bandwidth")
-    sizes = matrix_bytes(cfg, dtype)
+    sizes = matrix_bytes(cfg, dtype, quantization)
     for k, kind in enumerate(cpu_kernels.PHASE_KINDS):
         if kind == "other":  # the LM head's and argmax's phases: not the layers'
             continue
@@ -87,17 +87,19 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--seconds", type=float, default=120.0)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--quantization", choices=["int8"], default=None)
     parser.add_argument("--fast-gb-s", type=float, default=50.0,
                         help="a generation is in the fast state when the bandwidth read before it is above this")
     args = parser.parse_args()
 
     cpu_kernels.profile_phases(False)
-    llm = LLM(args.model, dtype=args.dtype)
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization)
     cfg = llm.engine.model_config
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=0.0)
     llm.generate(["hello world"], params)  # warm
     # The bandwidth is read over as many bytes as a token reads (the roofline's buffer: jserve bench latency).
-    buffer_bytes = stream_buffer_bytes(decode_bytes_per_token(cfg, args.dtype, args.tokens / 2),
+    buffer_bytes = stream_buffer_bytes(decode_bytes_per_token(cfg, args.dtype, args.tokens / 2,
+                                                              quantization=args.quantization),
                                        last_level_cache_bytes())
     rows, end = [], time.time() + args.seconds
     while time.time() < end:
@@ -105,8 +107,8 @@ def main() -> None:
         r = rows[-1]
         print(f"{r['bandwidth'] / 1e9:5.1f} GB/s  {r['tok_s']:6.1f} tok/s", flush=True)
     threshold = args.fast_gb_s * 1e9
-    report("fast state", [r for r in rows if r["bandwidth"] > threshold], cfg, args.dtype)
-    report("slow state", [r for r in rows if r["bandwidth"] <= threshold], cfg, args.dtype)
+    for name, fast in (("fast state", True), ("slow state", False)):
+        report(name, [r for r in rows if (r["bandwidth"] > threshold) == fast], cfg, args.dtype, args.quantization)
 
 
 if __name__ == "__main__":

@@ -253,19 +253,19 @@ def handed_calls() -> int:
 INT8_ACTIVATION_BLOCK = 32  # x values one scale covers where int8 matmuls quantize x (matmul_int8_vnni.h)
 
 
-def int8_activation_rows() -> int:
-    """The fewest rows of x for which this build's int8 matmuls quantize x too, in blocks of INT8_ACTIVATION_BLOCK
-    values along K (K must be a multiple), and multiply int8 by int8 (AVX512-VNNI's vpdpbusd); 0 where the build has
-    no such path (every row count then multiplies the int8 weights by x as it is)."""
+def int8_quantizes_activations() -> bool:
+    """Whether this build's int8 matmuls quantize x too, at every row count, in blocks of INT8_ACTIVATION_BLOCK
+    values along K (where K is a multiple), and multiply int8 by int8 (AVX512-VNNI's vpdpbusd); where not, they
+    multiply the int8 weights by x as it is."""
     _require()
     lib = _load()
-    lib.JserveInt8ActivationRows.restype = ctypes.c_int64
-    lib.JserveInt8ActivationRows.argtypes = []
-    return lib.JserveInt8ActivationRows()
+    lib.JserveInt8QuantizesActivations.restype = ctypes.c_int64
+    lib.JserveInt8QuantizesActivations.argtypes = []
+    return bool(lib.JserveInt8QuantizesActivations())
 
 
 def int8_activation_reference(x: np.ndarray, q: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """What the int8 matmul computes where it quantizes x (int8_activation_rows): float32 x [M, K] in blocks of 32
+    """What the int8 matmul computes where it quantizes x (int8_quantizes_activations): float32 x [M, K] in blocks of 32
     (s = max|block| / 127, q_x = round-half-even(x * (1 / s))), the int8 dot of each block exact, times its s, summed
     over the blocks in order in float32, times the weight's row scale: NumPy's version, for tests."""
     m, k = x.shape

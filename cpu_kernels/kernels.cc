@@ -70,10 +70,10 @@
 // How many layer calls ran the phases their thread kept from the call before (LayerCallCache): its tests read it.
 extern "C" int64_t JserveCachedLayerCalls() { return cached_layer_calls.load(std::memory_order_relaxed); }
 
-// The fewest rows of x for which int8 matmuls quantize x too (matmul_int8_vnni.h); 0: this build never does.
-extern "C" int64_t JserveInt8ActivationRows() {
+// Whether int8 matmuls quantize x too (matmul_int8_vnni.h), at every row count where K allows.
+extern "C" int64_t JserveInt8QuantizesActivations() {
 #ifdef JSERVE_AVX512_VNNI
-  return kInt8StreamedRows + 1;
+  return 1;
 #else
   return 0;
 #endif

@@ -1,13 +1,13 @@
 #pragma once
 
 // int8 weights (weight-only, per-output-row float32 scales: jserve.models.quantization) packed at load time, and
-// their matmuls. Nothing weight-sized is ever converted to float: up to 4 rows of x (decode) widen each weight in
-// registers (sign-extend int8 -> int32 -> float: 16 a vector with AVX-512, 8 with AVX2) right before its FMA, and
-// the row's scale multiplies each output once, after the sum over k. More rows (prefill, large decode batches) are
-// compute-bound: with AVX512-VNNI they multiply int8 by x quantized in blocks of 32 (matmul_int8_vnni.h); elsewhere
-// they widen one block (AVX2: one 16-column half) at a time into an L1/L2-sized panel, unscaled, that every row of x
-// then reads through the float tiles: float32, or bfloat16 pairs for vdpbf16ps where x holds bfloat16 values (an
-// int8 is a bfloat16 exactly, so the products are the same); the scale again multiplies the sums.
+// their matmuls. Nothing weight-sized is ever converted to float. With AVX512-VNNI and K a multiple of 32, every
+// row count multiplies int8 by x quantized in blocks of 32 (matmul_int8_vnni.h). Elsewhere up to 4 rows of x
+// (decode) widen each weight in registers (sign-extend int8 -> int32 -> float: 16 a vector with AVX-512, 8 with
+// AVX2) right before its FMA, and more rows (prefill, large decode batches: compute-bound) widen one block (AVX2: one
+// 16-column half) at a time into an L1/L2-sized panel, unscaled, that every row of x then reads through the float
+// tiles: float32, or bfloat16 pairs for vdpbf16ps where x holds bfloat16 values (an int8 is a bfloat16 exactly, so
+// the products are the same). Every path's sums are unscaled: the row's scale multiplies each output once.
 //
 // Layout (cpu_kernels.pack_weight_int8): int8 [N_pad / 32, K + 4, 32], N padded to whole blocks of 32 rows; block b
 // holds rows 32b .. 32b + 31 k-major (w[32b + j, k] at byte 32 k + j), then those rows' 32 float32 scales (the
@@ -176,17 +176,36 @@ inline void Int8StreamTile(const float* x, int64_t rows, int64_t k_size, const i
 #endif
 
 // Up to this many rows of x stream each block (kInt8StreamRows at a time: the block stays in L1/L2 between them);
-// more run the compute-bound tiles: with AVX512-VNNI and K a multiple of 32, on x quantized in blocks of 32
-// (matmul_int8_vnni.h), else on the block widened once into an L1/L2-sized float panel, amortised over the rows.
+// more run the compute-bound tiles. With AVX512-VNNI and K a multiple of 32 both take x quantized in blocks of 32
+// (matmul_int8_vnni.h: VnniRowTile, VnniTile); else the streamed rows widen the weights in registers and the tiles
+// read the block widened once into an L1/L2-sized float panel, amortised over the rows.
 constexpr int64_t kInt8StreamedRows = 4;
 
-// The job's x as the many-row tiles take it, made once a call (RowBlocks): bfloat16 bits for the vdpbf16ps tiles, or
-// quantized for the vpdpbusd ones (matmul_int8_vnni.h); all nullptr: the float32 tiles.
+// The job's x as the tiles take it, made once a thread and phase run (RowBlocks): quantized for vpdpbusd
+// (matmul_int8_vnni.h), or bfloat16 bits for the many-row vdpbf16ps tiles; all nullptr: float32 x as it is.
 struct Int8Inputs {
   const uint16_t* bits = nullptr;
-  const uint8_t* quants = nullptr;
+  const uint8_t* quants = nullptr;  // q + 128 for the many-row tiles, q (int8) for the streamed rows
   const float* quant_scales = nullptr;
+  const int32_t* quant_sums = nullptr;  // the streamed rows' sum of q over each block
 };
+
+#ifdef JSERVE_AVX512_VNNI
+// Rows [m, m + rows) of quantized x (rows <= kInt8StreamRows) streamed once through the block into `tile`.
+inline void VnniStreamTile(const Int8Inputs& inputs, int64_t m, int64_t rows, int64_t k_size, const int8_t* block,
+                           float tile[][2 * kPanel]) {
+  const int8_t* quants = reinterpret_cast<const int8_t*>(inputs.quants) + m * k_size;
+  const int64_t blocks = k_size / kQuantBlock;
+  const float* scales = inputs.quant_scales + m * blocks;
+  const int32_t* sums = inputs.quant_sums + m * blocks;
+  switch (rows) {
+    case 4: VnniRowTile<4>(quants, scales, sums, k_size, block, tile); break;
+    case 3: VnniRowTile<3>(quants, scales, sums, k_size, block, tile); break;
+    case 2: VnniRowTile<2>(quants, scales, sums, k_size, block, tile); break;
+    default: VnniRowTile<1>(quants, scales, sums, k_size, block, tile); break;
+  }
+}
+#endif
 
 // Every row of x times one int8 block (columns n_begin .. n_begin + 31), into job.y through EmitRow (bias,
 // residual); on AVX2, the next block's lines [next_begin, next_end) are requested over the tiles.
@@ -203,7 +222,15 @@ void Int8Block(const MatmulJob<float, Int8Blocks<kRound>>& job, int64_t n_begin,
     float tile[kInt8StreamRows][2 * kPanel];
     for (int64_t m = 0; m < job.m_size; m += kInt8StreamRows) {
       const int64_t rows = std::min(kInt8StreamRows, job.m_size - m);
+#ifdef JSERVE_AVX512_VNNI
+      if (inputs.quants != nullptr) {
+        VnniStreamTile(inputs, m, rows, k_size, block, tile);
+      } else {
+        Int8StreamTile(job.x + m * k_size, rows, k_size, block, tile);
+      }
+#else
       Int8StreamTile(job.x + m * k_size, rows, k_size, block, tile);
+#endif
       for (int64_t r = 0; r < rows; ++r) EmitRow(scaled, m + r, n_begin, tile[r], cols);
     }
     return;
@@ -248,8 +275,9 @@ void Int8Block(const MatmulJob<float, Int8Blocks<kRound>>& job, int64_t n_begin,
 #endif
 }
 
-// Blocks [b0, b1) of a packed int8 weight, for every row count (PackedPhase's RowBlocks: always true). Where x holds
-// bfloat16 values, K is even and the CPU has vdpbf16ps, the many-row tiles take x as bfloat16 bits (made once here).
+// Blocks [b0, b1) of a packed int8 weight, for every row count (PackedPhase's RowBlocks: always true). With
+// AVX512-VNNI and K a multiple of 32, x is quantized here once a thread and phase run; else, where x holds bfloat16
+// values, K is even and the CPU has vdpbf16ps, the many-row tiles take x as bfloat16 bits (made once here).
 template <bool kRound>
 bool RowBlocks(const MatmulJob<float, Int8Blocks<kRound>>& job, int64_t b0, int64_t b1) {
   const int64_t length = Int8BlockUnits(job.k_size);
@@ -258,16 +286,20 @@ bool RowBlocks(const MatmulJob<float, Int8Blocks<kRound>>& job, int64_t b0, int6
 #ifdef JSERVE_AVX512_VNNI
   thread_local std::vector<uint8_t> quants;
   thread_local std::vector<float> quant_scales;
+  thread_local std::vector<int32_t> quant_sums;
   thread_local uint64_t quantized_run = 0;  // the phase run whose x `quants` holds (its other items reuse it)
-  if (!streamed && job.k_size % kQuantBlock == 0) {
+  if (job.k_size % kQuantBlock == 0) {
     const uint64_t run = CurrentPhaseRun();
     if (run == 0 || run != quantized_run) {
-      quants.resize(static_cast<size_t>(job.m_size * job.k_size));
-      quant_scales.resize(static_cast<size_t>(job.m_size * job.k_size / kQuantBlock));
-      QuantizeBlocks(job.x, job.m_size * job.k_size, quants.data(), quant_scales.data());
+      const int64_t values = job.m_size * job.k_size;
+      quants.resize(static_cast<size_t>(values));
+      quant_scales.resize(static_cast<size_t>(values / kQuantBlock));
+      quant_sums.resize(static_cast<size_t>(values / kQuantBlock));
+      QuantizeBlocks(job.x, values, streamed ? 0 : 128, quants.data(), quant_scales.data(),
+                     streamed ? quant_sums.data() : nullptr);
       quantized_run = run;
     }
-    inputs.quants = quants.data(), inputs.quant_scales = quant_scales.data();
+    inputs.quants = quants.data(), inputs.quant_scales = quant_scales.data(), inputs.quant_sums = quant_sums.data();
   }
 #endif
 #ifdef JSERVE_AVX512_BF16

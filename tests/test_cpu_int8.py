@@ -32,12 +32,12 @@ PROMPTS = ["the quick brown fox", "one two three four five six", "hello"]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
-def int8_matmul_reference(x: np.ndarray, q: np.ndarray, scale: np.ndarray, activation_rows: int) -> np.ndarray:
-    """What the packed int8 matmul computes for float32 x [M, K] on a build whose int8_activation_rows() is
-    `activation_rows`: x quantized in blocks of 32 (NumPy's version of it) from that many rows on where K allows,
-    else NumPy's dequantize-then-matmul."""
-    m, k = x.shape
-    if 0 < activation_rows <= m and k % cpu_kernels.INT8_ACTIVATION_BLOCK == 0:
+def int8_matmul_reference(x: np.ndarray, q: np.ndarray, scale: np.ndarray, quantizes: bool) -> np.ndarray:
+    """What the packed int8 matmul computes for float32 x [M, K] on a build whose int8_quantizes_activations() is
+    `quantizes`: x quantized in blocks of 32 (NumPy's version of it) where K allows, else NumPy's
+    dequantize-then-matmul."""
+    k = x.shape[1]
+    if quantizes and k % cpu_kernels.INT8_ACTIVATION_BLOCK == 0:
         return cpu_kernels.int8_activation_reference(x, q, scale)
     return x @ dequantize_rows(q, scale).T
 
@@ -46,10 +46,11 @@ def int8_matmul_reference(x: np.ndarray, q: np.ndarray, scale: np.ndarray, activ
 @pytest.mark.parametrize("compute", [None, "bfloat16"])
 def test_int8_matmul_matches_numpy(rows, compute):
     """Odd N (a partial last block of 32 rows) and K (no multiple of the 4-k unroll or the 8-lane vectors: x as it
-    is at every row count), and K of whole 32-value blocks (x quantized from int8_activation_rows() rows on, where
-    the build has vpdpbusd), one input channel 30x the others (an outlier its blocks' scales must cover)."""
+    is at every row count), and K of whole 32-value blocks (x quantized where the build has vpdpbusd: the streamed
+    decode rows and the many-row tiles), one input channel 30x the others (an outlier its blocks' scales must
+    cover)."""
     rng = np.random.default_rng(rows)
-    activation_rows = cpu_kernels.int8_activation_rows()
+    quantizes = cpu_kernels.int8_quantizes_activations()
     for n, k in ((37, 13), (70, 131), (33, 5), (96, 64), (45, 576)):
         q, scale = quantize_rows(rng.normal(0, 0.1, (n, k)).astype(np.float32))
         x = rng.normal(0, 1, (rows, k)).astype(np.float32)
@@ -58,7 +59,7 @@ def test_int8_matmul_matches_numpy(rows, compute):
         assert packed.shape == (-(-n // 32), k + 4, 32) and packed.dtype == np.int8
         got = np.asarray(jax.jit(lambda x, w, n=n: cpu_kernels.matmul(x, w, n, compute))(x, packed))
         xr = np.asarray(jnp.asarray(x).astype(compute).astype(jnp.float32)) if compute else x
-        want = int8_matmul_reference(xr, q, scale, activation_rows)
+        want = int8_matmul_reference(xr, q, scale, quantizes)
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max(), err_msg=f"{n}x{k}")
         # Quantizing x in blocks of 32 costs at most a few % of the largest output even where one channel is 30x the
         # rest of its block (that block's step is then 30x as coarse); weight-only rounding costs nothing more.
@@ -71,11 +72,10 @@ def test_int8_matmul_matches_numpy(rows, compute):
         cpu_kernels.pack_weight_int8(q.astype(np.int16), scale)
 
 
-def test_int8_activation_rows_match_the_cpu():
-    """The native build quantizes x for many-row int8 matmuls exactly where the CPU has AVX512-VNNI (and BW)."""
+def test_int8_activation_quantizing_matches_the_cpu():
+    """The native build quantizes x for int8 matmuls exactly where the CPU has AVX512-VNNI (and BW)."""
     flags = cpu_kernels._cpu_flags()
-    vnni = {"avx512_vnni", "avx512bw"} <= flags
-    assert (cpu_kernels.int8_activation_rows() > 0) == vnni
+    assert cpu_kernels.int8_quantizes_activations() == ({"avx512_vnni", "avx512bw"} <= flags)
 
 
 def _executor(cls, model, dtype: str, tokens: int = 64):
@@ -118,18 +118,18 @@ def test_cpu_layers_int8_logits_match_xla(hf_model_dir, variant, weight_parts):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
-def _quantized_x_matmul(activation_rows: int):
-    """jserve's quantized_matmul with x quantized first the way the C++ int8 matmul does from `activation_rows`
-    rows on (blocks of 32: scale max|block| / 127, round half to even): the XLA executor's steps then compute what
-    the cpu-layers executor's do, by another route (XLA's float ops on the dequantized blocks)."""
+def _quantized_x_matmul():
+    """jserve's quantized_matmul with x quantized first the way the C++ int8 matmul does (blocks of 32: scale
+    max|block| / 127, round half to even): the XLA executor's steps then compute what the cpu-layers executor's do,
+    by another route (XLA's float ops on the dequantized blocks)."""
     from jserve.models import quantization
 
     block = cpu_kernels.INT8_ACTIVATION_BLOCK
 
     def matmul(x, w, scale, compute_dtype):
         xc = x.astype(compute_dtype).astype(jnp.float32)
-        tokens, k = int(np.prod(x.shape[:-1])), x.shape[-1]
-        if tokens >= activation_rows and k % block == 0:
+        k = x.shape[-1]
+        if k % block == 0:
             blocks = xc.reshape(*xc.shape[:-1], k // block, block)
             s = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True) / jnp.float32(127)
             inverse = jnp.where(s > 0, 1 / jnp.where(s > 0, s, 1), 0)
@@ -139,33 +139,41 @@ def _quantized_x_matmul(activation_rows: int):
     return matmul
 
 
-@pytest.mark.skipif(cpu_kernels.available() and cpu_kernels.int8_activation_rows() == 0,
-                    reason="this CPU's build multiplies int8 weights by x as it is at every row count")
+@pytest.mark.skipif(cpu_kernels.available() and not cpu_kernels.int8_quantizes_activations(),
+                    reason="this CPU's build multiplies int8 weights by x as it is")
 def test_cpu_layers_int8_activations_match_xla_emulation(hf_model_dir, monkeypatch):
-    """Widths of whole 32-value blocks (96, 352): the prefill step's matmuls (24 rows) quantize x, the decodes' (1-2
-    rows) do not; the logits equal the XLA executor's with x quantized in JAX the same way at the same steps (its
-    decodes run padded to 8 rows, its prefill to 32), bar the rare value whose rounding the two executors' float
-    ops tip the other way, and are far closer to those than to its logits with x as it is."""
-    assert cpu_kernels.int8_activation_rows() <= 24
+    """Widths of whole 32-value blocks (96, 352): every matmul quantizes x, the prefill step's (24 rows: the
+    many-row tiles) and the decodes' (1-2 rows: streamed); the logits equal the XLA executor's with x quantized in
+    JAX the same way, bar the rare value whose rounding the two executors' float ops tip the other way, and are far
+    closer to those than to its logits with x as it is."""
     model_dir = hf_model_dir("llama", hidden_size=96, intermediate_size=352)
     cpu = CpuLayerExecutor.load(model_dir, dtype="float32", quantization="int8")
     got = _logits(_executor(CpuLayerExecutor, cpu, "float32"))
     plain = _logits(_executor(XlaExecutor, load_model(model_dir, "float32", quantization="int8"), "float32"))
     for module in ("layers", "llama"):  # the projections and the LM head
-        monkeypatch.setattr(f"jserve.models.{module}.quantized_matmul", _quantized_x_matmul(9))
+        monkeypatch.setattr(f"jserve.models.{module}.quantized_matmul", _quantized_x_matmul())
     want = _logits(_executor(XlaExecutor, load_model(model_dir, "float32", quantization="int8"), "float32"))
     rows_equal = np.isclose(got, want, rtol=1e-4, atol=1e-4).all(axis=1)  # a flipped rounding moves a whole row
     assert rows_equal.mean() >= 0.9 and np.abs(got - want).max() < 0.01, (rows_equal, np.abs(got - want).max())
     assert np.abs(got - plain).max() > 0.02 and np.abs(got - plain).max() < 0.05 * np.abs(plain).max()
 
 
-def test_cpu_layers_int8_serves_like_xla(hf_model_dir, llm_factory):
+def test_cpu_layers_int8_serves_like_xla(hf_model_dir, llm_factory, monkeypatch):
     """bfloat16 end to end: greedy tokens on cpu-layers (x rounded to bfloat16 before each int8 matmul, as the XLA
-    path's quantized_matmul does) against the XLA executor's, and a batch of more rows than a decode's."""
+    path's quantized_matmul does, then quantized in blocks of 32 where the build does) against the XLA executor's
+    (its x quantized the same way in JAX), and a batch of more rows than a decode's."""
+    from jserve import LLM
+
     model_dir = hf_model_dir("llama")
     cpu = llm_factory(model_dir, dtype="bfloat16", quantization="int8", executor="cpu-layers")
-    xla = llm_factory(model_dir, dtype="bfloat16", quantization="int8", executor="xla")
     assert cpu.engine.executor.name == "cpu-layers" and cpu.engine.executor.every_step_fused
+    if cpu_kernels.int8_quantizes_activations():
+        for module in ("layers", "llama"):
+            monkeypatch.setattr(f"jserve.models.{module}.quantized_matmul", _quantized_x_matmul())
+    # Not from llm_factory's cache: its steps are traced with the patch.
+    xla = LLM(str(model_dir), dtype="bfloat16", quantization="int8", executor="xla", max_model_len=512,
+              kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=128, max_num_seqs=16, warmup=False,
+              compilation_cache_dir="")
     got = [o.outputs[0].token_ids for o in cpu.generate(PROMPTS, GREEDY, use_tqdm=False)]
     want = [o.outputs[0].token_ids for o in xla.generate(PROMPTS, GREEDY, use_tqdm=False)]
     agree = sum(a == b for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
@@ -209,8 +217,8 @@ def test_executor_choice_for_quantized_weights(hf_model_dir):
         CpuLayerExecutor.load(hf_model_dir("llama"), dtype="float32", quantization="fp8")
 
 
-# (rows, K, N) for the ISA variants' builds: the streamed rows (1-4: two at a time on AVX2) and the tiles past them
-# (x quantized where K is whole 32-value blocks and the build has vpdpbusd, else the widened panels).
+# (rows, K, N) for the ISA variants' builds: the streamed rows (1-4: two at a time on AVX2) and the tiles past them;
+# x quantized at both where K is whole 32-value blocks and the build has vpdpbusd (else the float rows and panels).
 BUILD_MATMULS = [(1, 130, 70), (2, 64, 100), (3, 34, 7), (4, 576, 100), (5, 13, 33), (17, 576, 96), (40, 131, 70),
                  (8, 96, 40)]
 # Variants the native build does not cover: AVX2 + FMA alone (no AVX-512), and AVX-512 with VNNI but neither VBMI nor
@@ -223,7 +231,7 @@ def run_build(inputs: str, out: str, model_dir: str) -> None:
     """Runs in the subprocess, JSERVE_CPU_KERNELS_LIB naming the variant's build: the int8 matmuls (float32 and
     bfloat16 x) and the cpu-layers executor's logits, into `out`."""
     assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
-    data, results = dict(np.load(inputs)), {"activation_rows": np.int64(cpu_kernels.int8_activation_rows())}
+    data, results = dict(np.load(inputs)), {"quantizes": np.bool_(cpu_kernels.int8_quantizes_activations())}
     for i, (_, _, n) in enumerate(BUILD_MATMULS):
         w = cpu_kernels.pack_weight_int8(data[f"q{i}"], data[f"scale{i}"])
         for compute in (None, "bfloat16"):
@@ -236,7 +244,7 @@ def run_build(inputs: str, out: str, model_dir: str) -> None:
 
 @pytest.mark.parametrize("build", list(BUILDS))
 def test_isa_variant_builds_serve_int8(hf_model_dir, tmp_path, build):
-    """Each variant against NumPy (int8_matmul_reference at its own int8_activation_rows) and its logits: against
+    """Each variant against NumPy (int8_matmul_reference as it quantizes x or not) and its logits: against
     the XLA executor's where it does not quantize x, else against the native cpu-layers executor's where that
     quantizes x too (the same integer sums and float operations in the same order)."""
     flags = BUILDS[build]
@@ -258,19 +266,19 @@ def test_isa_variant_builds_serve_int8(hf_model_dir, tmp_path, build):
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = dict(np.load(tmp_path / "out.npz"))
-    activation_rows = int(got["activation_rows"])
-    assert (activation_rows > 0) == (build == "avx512-vnni")
+    quantizes = bool(got["quantizes"])
+    assert quantizes == (build == "avx512-vnni")
     for i in range(len(BUILD_MATMULS)):
         for compute in (None, "bfloat16"):
             x = data[f"x{i}"] if compute is None else np.asarray(jnp.asarray(data[f"x{i}"]).astype(compute),
                                                                    np.float32)
-            want = int8_matmul_reference(x, data[f"q{i}"], data[f"scale{i}"], activation_rows)
+            want = int8_matmul_reference(x, data[f"q{i}"], data[f"scale{i}"], quantizes)
             np.testing.assert_allclose(got[f"matmul{i}_{compute}"], want, rtol=2e-5, atol=2e-5 * np.abs(want).max(),
                                        err_msg=f"{BUILD_MATMULS[i]} {compute}")
-    if activation_rows == 0:
+    if not quantizes:
         want = _logits(_executor(XlaExecutor, load_model(model_dir, "float32", quantization="int8"), "float32"))
         np.testing.assert_allclose(got["logits"], want, rtol=1e-4, atol=1e-4)
-    elif cpu_kernels.int8_activation_rows() == activation_rows:
+    elif cpu_kernels.int8_quantizes_activations():
         want = _logits(_executor(CpuLayerExecutor, CpuLayerExecutor.load(model_dir, dtype="float32",
                                                                          quantization="int8"), "float32"))
         # A norm's last bit differs between the builds' vector widths now and then, which can tip one value's
