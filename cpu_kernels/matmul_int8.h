@@ -294,12 +294,13 @@ bool RowBlocks(const MatmulJob<float, Int8Blocks<kRound>>& job, int64_t b0, int6
       const int64_t values = job.m_size * job.k_size;
       quants.resize(static_cast<size_t>(values));
       quant_scales.resize(static_cast<size_t>(values / kQuantBlock));
-      quant_sums.resize(static_cast<size_t>(values / kQuantBlock));
+      if (streamed) quant_sums.resize(static_cast<size_t>(values / kQuantBlock));
       QuantizeBlocks(job.x, values, streamed ? 0 : 128, quants.data(), quant_scales.data(),
                      streamed ? quant_sums.data() : nullptr);
       quantized_run = run;
     }
-    inputs.quants = quants.data(), inputs.quant_scales = quant_scales.data(), inputs.quant_sums = quant_sums.data();
+    inputs.quants = quants.data(), inputs.quant_scales = quant_scales.data();
+    inputs.quant_sums = streamed ? quant_sums.data() : nullptr;
   }
 #endif
 #ifdef JSERVE_AVX512_BF16
