@@ -2,13 +2,14 @@
 round, for machines whose memory bandwidth moves while they run; llama.cpp's on its bf16, Q8_0 and Q4_1 files beside.
 
     python benchmarks/quant_pair.py [--rounds 12] [--model DIR] [--load-format dummy] [--output-len 128]
-                                    [--llama-bin DIR]
+                                    [--llama-bin DIR] [--also-decode-burst N]
 
 Each round measures the read bandwidth, then runs one request (a 32-token prompt, greedy tokens, as `jserve bench
 latency` times it) on each engine, the order alternating, and where MODEL-bf16.gguf, MODEL-Q8_0.gguf and
 MODEL-Q4_1.gguf lie beside the model (benchmarks/README.md makes them) and llama-bench is built, `llama-bench -p 0
 -n OUTPUT_LEN -t 2 -r 1` on each file. A round whose bandwidth reads alike before and after compares them under one
-memory state; the summary gives the medians and the median ratios of such rounds for each state.
+memory state; the summary gives the medians and the median ratios of such rounds for each state. With
+--also-decode-burst N, both engines also run at decode_burst N (named "int8 bN", "bf16 bN") beside the default's.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--executor", default="cpu-layers")
     parser.add_argument("--llama-bin", type=Path, default=Path("~/.cache/jserve/llama.cpp/build/bin").expanduser())
+    parser.add_argument("--also-decode-burst", type=int, default=None,
+                        help="also run both engines at this decode_burst, paired with the default's")
     args = parser.parse_args()
 
     from jserve.bench.latency import time_request
@@ -50,10 +53,12 @@ def main() -> None:
                              env={**os.environ, "LD_LIBRARY_PATH": str(args.llama_bin)}).stdout
         return float(re.search(rf"tg{args.output_len} \|\s+([0-9.]+)", out).group(1))
 
-    engines = {name: LLM(model=str(args.model), dtype="bfloat16", quantization=quantization,
-                         executor=args.executor, load_format=args.load_format, max_num_seqs=4,
-                         max_model_len=512, kv_cache_memory_bytes=64 << 20).engine
-               for name, quantization in (("int8", "int8"), ("bf16", None))}
+    bursts = {"": {}} | ({f" b{args.also_decode_burst}": {"decode_burst": args.also_decode_burst}}
+                         if args.also_decode_burst else {})
+    engines = {name + suffix: LLM(model=str(args.model), dtype="bfloat16", quantization=quantization,
+                                  executor=args.executor, load_format=args.load_format, max_num_seqs=4,
+                                  max_model_len=512, kv_cache_memory_bytes=64 << 20, **burst).engine
+               for suffix, burst in bursts.items() for name, quantization in (("int8", "int8"), ("bf16", None))}
     prompt = list(range(100, 132))
     for engine in engines.values():
         time_request(engine, "warm", prompt, 8)  # untimed: the first request's Python paths
@@ -73,6 +78,9 @@ def main() -> None:
         print(f"round {i}: {before:.0f} -> {after:.0f} GB/s  " + "  ".join(f"{n} {rates[n]:.1f}" for n in runs)
               + f" tok/s  int8/bf16 {rates['int8'] / rates['bf16']:.2f}x", flush=True)
     ratios = {"int8 / bf16": ("int8", "bf16")}
+    for suffix in list(bursts)[1:]:
+        ratios |= {f"int8{suffix} / bf16{suffix}": (f"int8{suffix}", f"bf16{suffix}"),
+                   f"int8 / int8{suffix}": ("int8", f"int8{suffix}"), f"bf16 / bf16{suffix}": ("bf16", f"bf16{suffix}")}
     if ggufs:
         ratios |= {"llama Q8_0 / bf16": ("llama Q8_0", "llama bf16"), "llama Q4_1 / bf16": ("llama Q4_1", "llama bf16"),
                    "int8 / llama Q8_0": ("int8", "llama Q8_0")}
