@@ -36,6 +36,15 @@ class BlockMeta:
     token: jax.Array  # index in q of the block's first token
 
 
+def row_of(ends: jax.Array, items: jax.Array) -> jax.Array:
+    """For each item, how many of the sorted `ends` are <= it: the row whose [begin, end) range holds the item.
+
+    An unrolled binary search (log2 of len(ends) levels of gathers that XLA fuses): searchsorted's default method
+    is a while loop, which a compiled step runs level by level, testing the loop's condition at each.
+    """
+    return jnp.searchsorted(ends, items, side="right", method="scan_unrolled")
+
+
 def num_blocks(num_tokens: int, num_seqs: int, block_q: int) -> int:
     """Static upper bound on query blocks: each sequence adds at most one partial block; each block holds a token."""
     return max(1, min(num_tokens, -(-num_tokens // block_q) + num_seqs))
@@ -49,7 +58,7 @@ def block_metadata(query_start: jax.Array, seq_lens: jax.Array, num_tokens: int,
     block_end = jnp.cumsum(blocks_per_seq)
     block_begin = block_end - blocks_per_seq
     b = jnp.arange(nb, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(block_end, b, side="right"), num_seqs - 1).astype(jnp.int32)
+    seq = jnp.minimum(row_of(block_end, b), num_seqs - 1).astype(jnp.int32)
     local = b - block_begin[seq]
     valid = b < block_end[-1]
     first = local * block_q
@@ -82,7 +91,7 @@ def unpack_out(out: jax.Array, query_start: jax.Array, num_tokens: int, num_head
     blocks_per_seq = (q_lens + block_q - 1) // block_q
     block_begin = jnp.cumsum(blocks_per_seq) - blocks_per_seq
     t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(query_start[1:], t, side="right"), num_seqs - 1)
+    seq = jnp.minimum(row_of(query_start[1:], t), num_seqs - 1)
     local = t - query_start[seq]
     row = (block_begin[seq] + local // block_q) * block_q + local % block_q
     real = t < query_start[num_seqs]

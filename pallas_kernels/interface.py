@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import cpu_kernels
+from pallas_kernels.blocks import row_of
 from pallas_kernels.gpu import ragged_paged_attention_gpu
 from pallas_kernels.quantized import QuantizedPages
 from pallas_kernels.reference import from_stored, ragged_paged_attention_chunked, write_kv_ref
@@ -83,7 +84,7 @@ def token_positions(query_start: jax.Array, seq_lens: jax.Array, num_tokens: int
     """(token_seq, positions) [T] from the ragged metadata; padding tokens get row 0, position 0."""
     num_seqs = seq_lens.shape[0]
     t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(query_start[1:], t, side="right"), num_seqs - 1).astype(jnp.int32)
+    seq = jnp.minimum(row_of(query_start[1:], t), num_seqs - 1).astype(jnp.int32)
     pos = seq_lens[seq] - (query_start[seq + 1] - query_start[seq]) + (t - query_start[seq])
     real = t < query_start[num_seqs]
     return jnp.where(real, seq, 0), jnp.where(real, pos, 0)

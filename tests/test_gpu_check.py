@@ -14,10 +14,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_check_runs_on_cpu_with_the_demo_model(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    # parity and kernels are the tests' own comparisons (test_parity.py, test_kernels.py) run by other code paths.
+    # parity is the tests' own comparison (test_parity.py) run by another code path; kernels runs one case and shape.
     cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--out", str(tmp_path), "--device", "cpu",
-           "--sections", "env,speed,hf,warmup,profile,quant", "--concurrency", "2,4", "--io", "16/8",
-           "--profile-tokens", "16", "--quant-settings", "int8,kv_fp8"]
+           "--sections", "env,kernels,speed,hf,warmup,profile,quant", "--kernel-cases", "8/8/128/16/bfloat16",
+           "--concurrency", "2,4", "--io", "16/8", "--profile-tokens", "16", "--quant-settings", "int8,kv_fp8"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -30,6 +30,13 @@ def test_check_runs_on_cpu_with_the_demo_model(tmp_path):
     assert all(t["output_tok_s"] > 0 for t in speed["throughput"])
     assert sections["warmup"]["warmup"]["step_shapes"] >= len(sections["warmup"]["warmup"]["token_buckets"])
     assert [g["batch"] for g in sections["hf"]["generate"]] == [1, 4]
+    # kernels: one correctness case; one decode shape timed, the kernel's loop traced (on a CPU the interpreted
+    # kernel runs as XLA ops: all of its time is "other")
+    kernels = sections["kernels"]
+    assert [c["ok"] for c in kernels["correctness"]] == [True]
+    (timing,) = kernels["decode_timing"]
+    assert timing["pallas_us"] > 0 and timing["xla_gather_us"] > 0 and timing["pallas_traced_trace_source"]
+    assert timing["pallas_traced_busy_us"] > 0 and timing["pallas_traced_other_us"] > 0
     # profile: one traced request on the CPU, XLA's thunks standing in for the device's kernels
     profile = sections["profile"]
     assert profile["run"]["model_steps"] >= 16 and profile["run"]["compiles_in_traced_run"] == 0

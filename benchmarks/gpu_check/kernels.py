@@ -5,12 +5,14 @@ the "reference" backend) at Llama-3-8B decode shapes.
 Correctness: every real token's output against the reference computed in float32 from the same inputs, as
 ||out - ref|| / ||ref|| (bf16 operands land near 1e-3, float32 near 1e-7), padding rows must be zeros, and each
 batch is drawn afresh. Time: a jitted loop of `reps` calls (the query perturbed per call so nothing is hoisted),
-over its count, so dispatch costs stay out of a kernel that runs for microseconds.
+over its count, so dispatch costs stay out of a kernel that runs for microseconds. One more run of the kernel's
+loop under the profiler splits its time between the kernel itself and the XLA ops around it.
 """
 
 from __future__ import annotations
 
 import functools
+import tempfile
 import time
 
 import jax
@@ -108,8 +110,8 @@ def dense_gather(q, k_pages, v_pages, page_table, query_start, seq_lens, *, scal
     return ragged_paged_attention_ref(q, k_pages, v_pages, page_table, token_seq, positions, scale=scale)
 
 
-def time_attention(attention, args, reps: int) -> float:
-    """Seconds per call of attention(*args), from a jitted loop of reps calls."""
+def attention_loop(attention, reps: int):
+    """A jitted loop of reps calls of attention(q, *rest), each on a perturbed q, summed."""
 
     @jax.jit
     def loop(q, *rest):
@@ -119,6 +121,11 @@ def time_attention(attention, args, reps: int) -> float:
 
         return jax.lax.fori_loop(0, reps, body, jnp.float32(0))
 
+    return loop
+
+
+def time_loop(loop, args, reps: int) -> float:
+    """Seconds per call of an attention_loop of reps calls."""
     loop(*args).block_until_ready()  # compile and warm
     best = float("inf")
     for _ in range(3):
@@ -126,6 +133,27 @@ def time_attention(attention, args, reps: int) -> float:
         loop(*args).block_until_ready()
         best = min(best, (time.perf_counter() - start) / reps)
     return best
+
+
+def traced_split(loop, args, reps: int) -> dict:
+    """Where a call's time goes, from one traced run of the timing loop: µs per call in the attention kernel itself
+    and in everything else the loop runs (the XLA ops around the kernel: block metadata, q packing, the split
+    merge, unpacking; and the loop's perturb-and-sum), with the device's busy µs per call. A GPU trace's kernels;
+    on a CPU, XLA's thunks (the interpreted kernel has no kernel of its own there: all of it counts as other)."""
+    from benchmarks.gpu_check.profile import profiler_options, summarize, xplane_files
+
+    with tempfile.TemporaryDirectory(prefix="gpu_check_kernels_") as trace_dir:
+        with jax.profiler.trace(trace_dir, profiler_options=profiler_options()):
+            loop(*args).block_until_ready()
+        paths = xplane_files(trace_dir)
+        kinds = summarize(paths, reps)["kinds"] if paths else {}
+    source = next((k for k in ("kernels", "host_xla_ops") if k in kinds), None)
+    if source is None:
+        return {"trace_source": None}
+    agg = kinds[source]
+    categories = agg["categories_us_per_token"]
+    return {"trace_source": source, "kernel_us": categories["attention"],
+            "other_us": sum(v for k, v in categories.items() if k != "attention"), "busy_us": agg["busy_us_per_token"]}
 
 
 def main() -> None:
@@ -144,7 +172,7 @@ def main() -> None:
     bandwidth = args.get("hbm_gb_per_s")
     shape = dict(heads=32, kv_heads=8, head_dim=128, page_size=16, dtype=jnp.bfloat16)
     # Batch 1 at 256 keys is the batch-1 decode of the speed section (128 + 256 tokens).
-    grid = [(1, 256)] + [(b, c) for c in (1024, 8192) for b in (1, 32, 256)] if on_gpu else [(1, 128), (4, 512)]
+    grid = [(1, 256)] + [(b, c) for c in (1024, 8192) for b in (1, 32, 256)] if on_gpu else [(4, 256)]
     if args.get("kernel_timing") is False:
         grid = []
     if not on_gpu:
@@ -176,7 +204,11 @@ def main() -> None:
             variants["xla_chunked"] = functools.partial(ragged_paged_attention, scale=scale, backend="reference")
             entry["auto_kv_splits"] = auto_kv_splits(batch * shape["kv_heads"])
             for name, fn in variants.items():
-                seconds = time_attention(fn, (q, *rest), reps)
+                loop = attention_loop(fn, reps)
+                seconds = time_loop(loop, (q, *rest), reps)
+                if name == "pallas":
+                    split = traced_split(loop, (q, *rest), reps)
+                    entry.update({f"pallas_traced_{k}": v for k, v in split.items()})
                 entry[f"{name}_us"] = seconds * 1e6
                 entry[f"{name}_gb_per_s"] = kv_bytes / seconds / 1e9
                 if bandwidth:

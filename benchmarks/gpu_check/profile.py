@@ -176,6 +176,22 @@ def collect(data) -> tuple[dict[str, dict[str, list[Event]]], dict]:
     return kinds, seen
 
 
+def profiler_options():
+    """Options for a trace of device work: no Python tracer (its calls would slow the host, and the device waiting
+    on it), no HLO protos (a smaller trace; the names are in the events)."""
+    import jax
+
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    options.enable_hlo_proto = False
+    return options
+
+
+def xplane_files(trace_dir: str | Path) -> list[str]:
+    """The trace files (*.xplane.pb) jax.profiler.trace wrote under trace_dir."""
+    return sorted(glob.glob(str(Path(trace_dir) / "plugins" / "profile" / "*" / "*.xplane.pb")))
+
+
 def summarize(paths: list[str], steps: int) -> dict:
     """The trace files' kinds of lines, aggregated; what they hold."""
     from jax.profiler import ProfileData
@@ -238,13 +254,10 @@ def main() -> None:
     trace_dir = Path(results.path).parent / "profile_trace" if keep else Path(tempfile.mkdtemp(prefix="gpu_check_"))
     if keep:  # one run's trace, not an earlier one's beside it
         shutil.rmtree(trace_dir, ignore_errors=True)
-    options = jax.profiler.ProfileOptions()
-    options.python_tracer_level = 0  # Python's calls would slow the host (and the device waiting on it)
-    options.enable_hlo_proto = False  # a smaller trace; the names are in the events
     before = dataclasses.replace(engine.stats)
     counting[0] = True
     try:
-        with jax.profiler.trace(str(trace_dir), profiler_options=options):
+        with jax.profiler.trace(str(trace_dir), profiler_options=profiler_options()):
             outputs, traced_seconds = run_requests(llm, traced_prompt, new_tokens)
         counting[0] = False
         split = step_split(before, engine.stats)
@@ -255,7 +268,7 @@ def main() -> None:
                "traced_wall_ms_per_step": 1e3 * traced_seconds / max(steps, 1),
                "compiles_in_traced_run": len(compiles), **split}
         results.record("run", run)
-        paths = sorted(glob.glob(str(trace_dir / "plugins" / "profile" / "*" / "*.xplane.pb")))
+        paths = xplane_files(trace_dir)
         if not paths:
             raise RuntimeError(f"no *.xplane.pb under {trace_dir}")
         start = time.perf_counter()

@@ -41,13 +41,15 @@ def markdown(merged: dict) -> str:
                         c.get("tokens"), c.get("rel_error"), c.get("ok")] for c in kernels["correctness"]])
     if kernels.get("decode_timing"):
         out += ["## Decode attention, one layer, Llama-3-8B shape (32/8 heads, head_dim 128, bf16, page 16)", ""]
-        out += _table(["batch", "context", "Triton µs", "share of HBM", "no split µs", "XLA gather µs",
-                       "XLA / Triton"],
+        out += _table(["batch", "context", "Triton µs", "share of HBM", "traced: kernel µs", "traced: other µs",
+                       "no split µs", "XLA gather µs", "XLA / Triton"],
                       [[t.get("batch"), t.get("context"), t.get("pallas_us"), t.get("pallas_share_of_hbm"),
+                        t.get("pallas_traced_kernel_us"), t.get("pallas_traced_other_us"),
                         t.get("pallas_no_split_us"), t.get("xla_gather_us"), t.get("pallas_over_xla") or
                         t.get("error", "")[:80]] for t in kernels["decode_timing"]])
         tuned = [name[:-3] for name in kernels["decode_timing"][0] if name.endswith("_us")
-                 and name not in ("pallas_us", "pallas_no_split_us", "xla_gather_us")]
+                 and name not in ("pallas_us", "pallas_no_split_us", "xla_gather_us")
+                 and not name.startswith("pallas_traced_")]
         if tuned:
             out += _table(["batch", "context", "default µs", *[f"{name} µs" for name in tuned]],
                           [[t.get("batch"), t.get("context"), t.get("pallas_us"),
