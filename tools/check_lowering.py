@@ -1,5 +1,6 @@
 """Lower every kernel for a platform we may not have, at the shapes the engine uses: `python -m
-tools.check_lowering --platform tpu|cuda`. Exits non-zero if any lowering fails.
+tools.check_lowering --platform tpu|cuda`. Exits non-zero if any lowering fails, or leaves a while loop beside the
+kernel.
 
 `jax.export` runs the Pallas -> Mosaic (tpu) or Pallas -> Triton (cuda) lowering on any host, so a kernel that
 uses an op, layout or indexing the target's lowering rejects fails here without the hardware. What it cannot
@@ -85,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
             text = lower(args.platform, shape, tokens, seqs, pages, **features)
             if CUSTOM_CALL[args.platform] not in text:
                 raise RuntimeError(f"no {CUSTOM_CALL[args.platform]} custom call in the exported module")
+            # The kernel's own loops are inside its custom call; a while loop beside it (the block metadata's
+            # search) would run level by level on the device, its condition tested at each.
+            if "stablehlo.while" in text:
+                raise RuntimeError("a while loop outside the kernel in the exported module")
         except Exception as e:  # report every case, then fail
             failures += 1
             print(f"FAIL {label}: {type(e).__name__}: {e}", flush=True)
