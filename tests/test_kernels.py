@@ -187,6 +187,19 @@ def test_token_positions_match_the_runner_convention():
     np.testing.assert_array_equal(np.asarray(pos), positions)
 
 
+def test_row_of_is_numpys_right_sided_search():
+    """The blocks' and tokens' sequence search (an unrolled binary search) against numpy's searchsorted, on sorted
+    ends with repeats (empty sequences, padding rows) at sizes on and off powers of two."""
+    from pallas_kernels.blocks import row_of
+
+    rng = np.random.default_rng(0)
+    for size in (1, 2, 3, 7, 8, 9, 32, 33, 257):
+        ends = np.sort(rng.integers(0, 40, size)).astype(np.int32)
+        items = np.arange(-2, 45, dtype=np.int32)
+        np.testing.assert_array_equal(np.asarray(row_of(jnp.asarray(ends), jnp.asarray(items))),
+                                      np.searchsorted(ends, items, side="right"))
+
+
 def test_write_kv_drops_padding_slots():
     cache = jnp.zeros((2, 4, 1, 2), jnp.float32)
     k = jnp.arange(6, dtype=jnp.float32).reshape(3, 1, 2) + 1
