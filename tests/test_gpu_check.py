@@ -35,7 +35,8 @@ def test_check_runs_on_cpu_with_the_demo_model(tmp_path):
     kernels = sections["kernels"]
     assert [c["ok"] for c in kernels["correctness"]] == [True]
     (timing,) = kernels["decode_timing"]
-    assert timing["pallas_us"] > 0 and timing["xla_gather_us"] > 0 and timing["pallas_traced_trace_source"]
+    assert timing["pallas_us"] > 0 and timing["xla_gather_us"] > 0 and timing["pallas_searchsorted_loop_us"] > 0
+    assert timing["pallas_traced_trace_source"]
     assert timing["pallas_traced_busy_us"] > 0 and timing["pallas_traced_other_us"] > 0
     # profile: one traced request on the CPU, XLA's thunks standing in for the device's kernels
     profile = sections["profile"]

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.gpu_check.common import section_args
-from pallas_kernels import ragged_paged_attention, ragged_paged_attention_gpu, ragged_paged_attention_ref
+from pallas_kernels import blocks, ragged_paged_attention, ragged_paged_attention_gpu, ragged_paged_attention_ref
 from pallas_kernels.gpu import auto_kv_splits
 from pallas_kernels.interface import token_positions
 
@@ -156,6 +156,21 @@ def traced_split(loop, args, reps: int) -> dict:
             "other_us": sum(v for k, v in categories.items() if k != "attention"), "busy_us": agg["busy_us_per_token"]}
 
 
+def with_searchsorted_loop(attention):
+    """attention with the blocks' sequence search as jnp.searchsorted's default method (a while loop) instead of
+    blocks.row_of's unrolled one: timed beside the default, it shows what the loop costs a call."""
+
+    def run(*args):
+        unrolled = blocks.row_of
+        blocks.row_of = lambda ends, items: jnp.searchsorted(ends, items, side="right")
+        try:
+            return attention(*args)
+        finally:
+            blocks.row_of = unrolled
+
+    return run
+
+
 def main() -> None:
     args, results = section_args()
     on_gpu = jax.default_backend() == "gpu"
@@ -200,6 +215,7 @@ def main() -> None:
                 variants = {"pallas": functools.partial(ragged_paged_attention_gpu, scale=scale, interpret=True),
                             "pallas_no_split": functools.partial(ragged_paged_attention_gpu, scale=scale,
                                                                  interpret=True, kv_splits=1)}
+            variants["pallas_searchsorted_loop"] = with_searchsorted_loop(variants["pallas"])
             variants["xla_gather"] = functools.partial(dense_gather, scale=scale)
             variants["xla_chunked"] = functools.partial(ragged_paged_attention, scale=scale, backend="reference")
             entry["auto_kv_splits"] = auto_kv_splits(batch * shape["kv_heads"])
