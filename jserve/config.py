@@ -300,7 +300,8 @@ class EngineConfig:
         the device idle time, 8 on CPU). Saves the host's per-step work (dispatch, batch building) on all but one
         step of a burst; streams then receive tokens several at a time. A burst ends early once every sequence in
         it has sampled an EOS id (unless ignore_eos) or a stop_token_id. Only a single-device step with one page
-        width (the CPU kernels) takes bursts; requests with penalties, logprobs or a pending min_tokens step singly.
+        width (every attention but the TPU kernel's: executors.xla.reads_only_used_pages) takes bursts; requests
+        with penalties, logprobs or a pending min_tokens step singly.
       decode_burst_ms: while any running request streams, a burst holds only the steps that fit this long, by the
         last measured decode step at that batch size, so it holds back a stream's tokens, or a newly arrived request,
         about this long at most. Requests reported only when finished (LLM.generate, `jserve generate`) burst fully.

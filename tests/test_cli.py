@@ -130,6 +130,17 @@ def test_bad_server_flags_are_refused_before_the_model_loads(flag, value, messag
     assert f"argument {flag}: {message}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["serve", "generate", "bench throughput"])
+def test_every_engine_flag_has_its_field_documentation_as_help(command, capsys):
+    with pytest.raises(SystemExit):
+        main([*command.split(), "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--max-num-batched-tokens MAX_NUM_BATCHED_TOKENS the most tokens (prefill chunks + decodes) in one " \
+           "step. (default: 512)" in text
+    assert "--enable-prefix-caching, --no-enable-prefix-caching share KV blocks between requests" in text
+    assert '"xla" (the Flax model under XLA: what GPUs and TPUs run)' in text
+
+
 @pytest.fixture
 def broken_checkpoints(tmp_path, hf_model_dir):
     """Copies of a good checkpoint, each broken in one way a user might hit."""
