@@ -97,14 +97,14 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array | QuantizedPages, v_
                            backend: str = "reference") -> jax.Array:
     """Attention of every token over its own sequence's paged KV; the spec is in this module's docstring."""
     kwargs = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    if backend == "reference":  # the engine's pure-JAX attention: the definition's result, chunk by chunk
-        token_seq, positions = token_positions(query_start, seq_lens, q.shape[0])
-        return ragged_paged_attention_chunked(q, k_pages, v_pages, page_table, token_seq, positions, **kwargs)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
     quantized = isinstance(k_pages, QuantizedPages)
     if quantized and backend == "cpu" and k_pages.values.dtype != jnp.int8:
         raise ValueError("attention backend 'cpu' (the C++ kernel) reads int8 pages but not fp8 ones "
                          "(kv_cache_dtype fp8); use attention_backend 'reference'")
-    if model_parallel_mesh() is not None:  # tensor parallelism: each device runs the kernel on its own heads
+    if backend != "reference" and model_parallel_mesh() is not None:
+        # Tensor parallelism: each device runs the kernel on its own heads (the reference is left to GSPMD).
         attention = functools.partial(ragged_paged_attention, backend=backend, **kwargs)
         if quantized:  # the scales [N, B, Hkv] split over heads like the values
             specs = (HEADS, QuantizedPages(KV_HEADS, KV_SCALE_HEADS, k_pages.dtype),
@@ -112,7 +112,22 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array | QuantizedPages, v_
             return jax.shard_map(attention, in_specs=specs, out_specs=HEADS, check_vma=False)(
                 q, k_pages, v_pages, page_table, query_start, seq_lens)
         return shard_over_heads(attention, q, k_pages, v_pages, page_table, query_start, seq_lens)
-    if backend == "cpu" and quantized:  # int8 rows widened and scaled in registers as the kernel reads them
+    return _attention(q, k_pages, v_pages, page_table, query_start, seq_lens, backend=backend, **kwargs)
+
+
+# Jitted so that a model's layers, which call attention with the same shapes, share one trace and one lowering of it
+# per step shape instead of one per layer (jit caches the trace by shapes; the lowered module calls one function
+# from every layer, and XLA inlines the calls back, so the compiled step is the same). For a 32-layer model on the
+# Triton kernel that takes the step's trace and lowering from ~3 s to ~0.5 s (docs/kernels.md).
+@functools.partial(jax.jit, static_argnames=("backend", "scale", "sliding_window", "soft_cap"))
+def _attention(q: jax.Array, k_pages: jax.Array | QuantizedPages, v_pages: jax.Array | QuantizedPages,
+               page_table: jax.Array, query_start: jax.Array, seq_lens: jax.Array, *, backend: str, scale: float,
+               sliding_window: int | None, soft_cap: float | None) -> jax.Array:
+    kwargs = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if backend == "reference":  # the engine's pure-JAX attention: the definition's result, chunk by chunk
+        token_seq, positions = token_positions(query_start, seq_lens, q.shape[0])
+        return ragged_paged_attention_chunked(q, k_pages, v_pages, page_table, token_seq, positions, **kwargs)
+    if backend == "cpu" and isinstance(k_pages, QuantizedPages):  # int8 rows widened and scaled as the kernel reads
         return cpu_kernels.ragged_paged_attention(q, k_pages.values, v_pages.values, page_table, query_start, seq_lens,
                                                   k_scales=k_pages.scales, v_scales=v_pages.scales, **kwargs)
     if backend == "cpu":  # reads a uint16 (bfloat16 bits) cache as it is
@@ -121,15 +136,14 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array | QuantizedPages, v_
     args = (q, _kernel_pages(k_pages), _kernel_pages(v_pages), page_table, query_start, seq_lens)
     if backend == "pallas":
         # Chosen by the platform being lowered for, not the host's: jax.export from a CPU host for tpu or cuda
-        # gets that platform's kernel (and lowering for CPU fails: there is no branch for it).
+        # gets that platform's kernel (and lowering for CPU fails: there is no branch for it). Every branch is
+        # traced; cuda and rocm share one callable so that the Triton kernel is traced once.
+        triton = functools.partial(ragged_paged_attention_gpu, **kwargs)
         return jax.lax.platform_dependent(*args, tpu=functools.partial(ragged_paged_attention_tpu, **kwargs),
-                                          cuda=functools.partial(ragged_paged_attention_gpu, **kwargs),
-                                          rocm=functools.partial(ragged_paged_attention_gpu, **kwargs))
+                                          cuda=triton, rocm=triton)
     if backend in ("pallas-interpret", "pallas-interpret-tpu"):
         return ragged_paged_attention_tpu(*args, **kwargs, interpret=True)
-    if backend == "pallas-interpret-gpu":
-        return ragged_paged_attention_gpu(*args, **kwargs, interpret=True)
-    raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+    return ragged_paged_attention_gpu(*args, **kwargs, interpret=True)  # "pallas-interpret-gpu"
 
 
 def _kernel_pages(pages: jax.Array | QuantizedPages) -> jax.Array | QuantizedPages:

@@ -447,6 +447,41 @@ def test_the_phase_profile_times_each_step_of_a_layer_kernel_call(hf_model_dir):
     assert cpu_kernels.phase_profile().calls["decoder_layers"].count == 0
 
 
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_a_step_traces_and_lowers_the_kernel_once_not_once_per_layer(platform, hf_model_dir, monkeypatch):
+    """The layers' attention calls share one trace and one lowered function per step shape: the kernel is traced
+    once and its custom call appears once in the lowered step, however many layers call it."""
+    import sys
+    from pathlib import Path
+
+    from pallas_kernels import interface
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/ and tools/ run from the checkout
+    from benchmarks.trace_lower import abstract_executor
+    from jserve.engine.packing import pack
+    from tools.check_lowering import CUSTOM_CALL
+
+    layers = 3
+    # A page-table width of each platform's own, so that neither case finds the other's trace in jit's cache.
+    max_model_len = {"cuda": 256, "tpu": 512}[platform]
+    executor = abstract_executor(hf_model_dir("llama", num_hidden_layers=layers), "bfloat16", max_model_len)
+    kernel = {"cuda": "ragged_paged_attention_gpu", "tpu": "ragged_paged_attention_tpu"}[platform]
+    traced = []
+    original = getattr(interface, kernel)
+    monkeypatch.setattr(interface, kernel, lambda *a, **k: traced.append(1) or original(*a, **k))
+
+    def lowered_text() -> str:
+        traced.clear()
+        packed, layout = pack(max(executor.warmup_batches(), key=lambda b: b.page_table.shape[1]))
+        step = jax.jit(executor._packed_forward, static_argnums=(3,))
+        return step.trace(executor.params, executor.kv_cache, packed, layout).lower(
+            lowering_platforms=(platform,)).as_text()
+
+    assert lowered_text().count(CUSTOM_CALL[platform]) == 1 and len(traced) == 1
+    monkeypatch.setattr(interface, "_attention", interface._attention.__wrapped__)  # the per-layer trace it avoids
+    assert lowered_text().count(CUSTOM_CALL[platform]) == layers and len(traced) == layers
+
+
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_check_lowering_passes(platform):
     """The CI gate itself: every kernel exports for its platform at the 8B and benchmark shapes (~3 s each)."""
