@@ -27,6 +27,8 @@ MAX_PROMPT_CONTEXT_TOKENS = 64
 # and the bound keeps the cost of one add() independent of the output's length.
 MAX_HELD_TOKENS = 128
 REPLACEMENT_CHAR = "\ufffd"
+# SentencePiece's space and byte-fallback tokens (<0x00>..<0xFF>), as vocabularies spell them.
+SENTENCEPIECE_SPACE = "\u2581"
 
 # Files that hold a vocabulary; a directory with only tokenizer_config.json would load as an empty tokenizer.
 _VOCAB_FILES = frozenset({"tokenizer.json", "vocab.json", "vocab.txt", "tekken.json"})
@@ -121,6 +123,27 @@ def _model_type_only_config(path: str) -> Any | None:
     return config
 
 
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: the printable character a byte-level BPE vocabulary spells each byte with."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    unprintable = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(unprintable)}}
+
+
+_BYTE_DECODER = {char: byte for byte, char in _bytes_to_unicode().items()}
+
+
+def _decoder_types(state: Any) -> set[str]:
+    """The types of a `tokenizers` decoder's JSON state, Sequence members included."""
+    if not isinstance(state, dict):
+        return set()
+    types = {state.get("type")}
+    for member in state.get("decoders") or []:
+        types |= _decoder_types(member)
+    return types
+
+
 def _plain_rust_decode(hf: Any):
     """The `tokenizers` decode that hf.decode(ids, clean_up_tokenization_spaces=False) comes down to, when hf is a
     fast tokenizer whose class changes neither step (transformers' TokenizersBackend); else None."""
@@ -142,6 +165,7 @@ class Tokenizer:
         self.hf = hf
         self._rust_decode = _plain_rust_decode(hf)
         self._token_text: dict[bool, dict[int, str]] = {True: {}, False: {}}  # decode_token's, by skip_special_tokens
+        self._token_bytes: dict[int, bytes] = {}
 
     @property
     def eos_token_id(self) -> int | None:
@@ -169,6 +193,48 @@ class Tokenizer:
         """Ids that decode(skip_special_tokens=True) may drop (a superset is safe: it only delays text)."""
         added = self.hf.added_tokens_decoder.items()
         return frozenset(i for i, token in added if token.special) | frozenset(self.hf.all_special_ids)
+
+    @cached_property
+    def added_token_ids(self) -> frozenset[int]:
+        """Ids of added tokens, whose vocabulary entry is their literal text (not spelled in bytes or with ▁)."""
+        return frozenset(self.hf.added_tokens_decoder)
+
+    @cached_property
+    def token_spelling(self) -> str:
+        """How the vocabulary spells a token's bytes: "byte_level" (GPT-2's byte alphabet), "sentencepiece" (▁ for a
+        space, <0xNN> byte-fallback tokens) or "text" (neither: a token's bytes are its decoded text's)."""
+        decoder = getattr(getattr(self.hf, "backend_tokenizer", None), "decoder", None)
+        if decoder is None:  # a slow (Python) tokenizer
+            if hasattr(self.hf, "byte_decoder"):
+                return "byte_level"
+            return "sentencepiece" if hasattr(self.hf, "sp_model") else "text"
+        types = _decoder_types(json.loads(decoder.__getstate__()))
+        if "ByteLevel" in types:
+            return "byte_level"
+        return "sentencepiece" if types & {"Metaspace", "ByteFallback", "Replace"} else "text"
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes, remembered: for a token that is part of a multi-byte character (a byte-level BPE
+        byte, a <0xE2> byte-fallback token) not valid UTF-8 on its own, where decode([token_id]) gives U+FFFD. The
+        bytes of an output's tokens, joined, are its text's UTF-8; a SentencePiece word's ▁ is its space."""
+        token_id = int(token_id)
+        raw = self._token_bytes.get(token_id)
+        if raw is None:
+            raw = self._token_bytes[token_id] = self._spelled_bytes(token_id)
+        return raw
+
+    def _spelled_bytes(self, token_id: int) -> bytes:
+        spelling = self.token_spelling
+        token = None if spelling == "text" or token_id in self.added_token_ids else \
+            self.hf.convert_ids_to_tokens(token_id)
+        if isinstance(token, str) and token:
+            if spelling == "byte_level" and all(char in _BYTE_DECODER for char in token):
+                return bytes(_BYTE_DECODER[char] for char in token)
+            if spelling == "sentencepiece":
+                if token_id in self.byte_token_ids:
+                    return bytes([int(token[3:5], 16)])
+                return token.replace(SENTENCEPIECE_SPACE, " ").encode()
+        return self.decode([token_id], skip_special_tokens=False).encode()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):

@@ -62,6 +62,13 @@ def metric_values(url: str) -> dict[str, float]:
             for sample in family.samples}
 
 
+def metric_total(url: str, name: str) -> float:
+    """The sum of a metric's samples over all its label values (e.g. a counter's every finish reason)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name)
+
+
 def wait_until(predicate, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

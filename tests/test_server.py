@@ -15,10 +15,12 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_helpers import TEST_ENGINE_ARGS, ServerThread, metric_values, wait_until
+from server_helpers import TEST_ENGINE_ARGS, ServerThread, metric_total, metric_values, wait_until
+from transformers import AutoTokenizer
 
 from jserve.config import EngineConfig
 from jserve.sampling_params import SamplingParams
+from jserve.server.responses import ChoiceState, completion_logprobs
 from jserve.server.settings import ServerSettings
 
 API_KEY = "test-key"
@@ -215,6 +217,70 @@ def test_chat_logprobs(client, model_name):
     assert streamed == pytest.approx([t.logprob for t in content])
 
 
+# Emoji, an accented letter and CJK: each character is several byte tokens of the tiny byte-level vocabulary.
+MULTIBYTE = "🌟é中🌟"
+
+
+def _utf8(raw: bytes) -> str | None:
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return None
+
+
+def _token_string(raw: bytes) -> str:
+    return _utf8(raw) if _utf8(raw) is not None else "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def test_chat_logprobs_of_partial_characters_carry_their_bytes(client, model_name):
+    """The regex makes the random model write MULTIBYTE; its tokens' bytes join to the content, and a token that
+    is part of a character is named by its bytes (OpenAI's "bytes:\\xNN"), not U+FFFD."""
+    full = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=30, temperature=0,
+                                          logprobs=True, top_logprobs=5,
+                                          extra_body={"structured_outputs": {"regex": MULTIBYTE}})
+    choice = full.choices[0]
+    assert choice.message.content == MULTIBYTE and choice.finish_reason == "stop"
+    content = choice.logprobs.content
+    # The EOS that ends the reply is among the logprobs (as in vLLM: one entry per completion token), its text left
+    # out of the content.
+    assert len(content) == full.usage.completion_tokens and content[-1].token == "</s>"
+    assert b"".join(bytes(t.bytes) for t in content[:-1]) == MULTIBYTE.encode()
+    assert any(_utf8(bytes(t.bytes)) is None for t in content)  # precondition: partial characters occur
+    for t in content:
+        assert all(top.token == _token_string(bytes(top.bytes)) for top in [t, *t.top_logprobs])
+    stream = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=30, temperature=0,
+                                            logprobs=True, top_logprobs=5, stream=True,
+                                            extra_body={"structured_outputs": {"regex": MULTIBYTE}})
+    streamed = [t for c in stream for ch in c.choices if ch.logprobs for t in ch.logprobs.content]
+    assert [(t.token, t.bytes) for t in streamed] == [(t.token, t.bytes) for t in content]
+
+
+def test_completion_logprobs_of_partial_characters(client, loose_client, model_name):
+    kwargs = dict(model=model_name, prompt=PROMPTS[1], max_tokens=30, temperature=0, logprobs=5,
+                  extra_body={"structured_outputs": {"regex": MULTIBYTE}})
+    full = client.completions.create(**kwargs)
+    text, lp = full.choices[0].text, full.choices[0].logprobs
+    assert text == MULTIBYTE
+    raw = [bytes.fromhex(t.removeprefix("bytes:").replace("\\x", "")) if t.startswith("bytes:") else t.encode()
+           for t in lp.tokens]
+    assert b"".join(raw) == text.encode() + b"</s>"  # the EOS that ends it last
+    # text_offset: the character (of the returned text) that each token's first byte belongs to.
+    starts = [sum(len(r) for r in raw[:i]) for i in range(len(raw))]
+    assert lp.text_offset == [len(text.encode()[:b].decode("utf-8", errors="ignore")) for b in starts]
+    assert all(0 <= offset < len(text) for offset in lp.text_offset[:-1]) and lp.text_offset[-1] == len(text)
+    chunks = list(loose_client.completions.create(**kwargs, stream=True))
+    assert [o for c in chunks for o in c.choices[0].logprobs.text_offset] == lp.text_offset
+    assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == lp.tokens
+
+
+def test_byte_tokens_are_distinct_top_logprobs_keys():
+    """Three candidate byte tokens (parts of different characters) are three keys, named by their bytes."""
+    token_bytes = {1: b"\xf0\x9f", 2: b"\xe4", 3: b"\xc3", 4: b" ok"}.__getitem__
+    lp = completion_logprobs([{2: -0.5, 1: -1.0, 3: -2.0, 4: -3.0}], token_bytes, 4, ChoiceState())
+    assert lp["tokens"] == ["bytes:\\xe4"]
+    assert lp["top_logprobs"] == [{"bytes:\\xe4": -0.5, "bytes:\\xf0\\x9f": -1.0, "bytes:\\xc3": -2.0, " ok": -3.0}]
+
+
 def test_include_usage_and_cached_tokens(client, loose_client, model_name):
     prompt = " ".join(PROMPTS) * 3  # long enough to fill whole KV blocks, which the prefix cache keeps
     first = client.completions.create(model=model_name, prompt=prompt, max_tokens=4, temperature=0)
@@ -296,7 +362,12 @@ def test_models_tokenize_detokenize_version(server, client, offline, model_name)
     chat = httpx.post(f"{server.url}/tokenize", headers=AUTH, json={"messages": MESSAGES}).json()
     assert chat["tokens"] == offline.get_tokenizer().apply_chat_template(MESSAGES)
     text = httpx.post(f"{server.url}/detokenize", headers=AUTH, json={"tokens": tok["tokens"]}).json()["prompt"]
-    assert text == offline.get_tokenizer().decode(tok["tokens"])
+    assert text == offline.get_tokenizer().decode(tok["tokens"], skip_special_tokens=False)
+    # The chat prompt round-trips, special tokens included (as vLLM's /detokenize): the template's own text.
+    text = httpx.post(f"{server.url}/detokenize", headers=AUTH, json={"tokens": chat["tokens"]}).json()["prompt"]
+    reference = AutoTokenizer.from_pretrained(server.state.engine.engine.model_dir)
+    assert text == reference.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert "<s>" in text
     assert httpx.post(f"{server.url}/detokenize", headers=AUTH, json={"tokens": [10**9]}).status_code == 400
     assert httpx.get(f"{server.url}/version").json()["version"]
 
@@ -331,6 +402,17 @@ def test_metrics_are_exported(server, client, model_name):
         assert name in values, name
     assert values["jserve:generation_tokens_total"] >= 2 and values["jserve:e2e_request_latency_seconds_count"] >= 1
     assert values["jserve:prompt_tokens_total"] > 0
+
+
+def test_request_metrics_count_requests_not_samples(server, client, model_name):
+    """One finished request (its n samples together) is one count in request_success_total, in the e2e and in
+    the TTFT histograms alike."""
+    names = ("jserve:request_success_total", "jserve:e2e_request_latency_seconds_count",
+             "jserve:time_to_first_token_seconds_count")
+    assert wait_until(lambda: drained(server), 30)
+    before = [metric_total(server.url, name) for name in names]
+    client.completions.create(model=model_name, prompt="hi", max_tokens=3, n=4, temperature=1.0, seed=1)
+    assert [metric_total(server.url, name) - b for name, b in zip(names, before, strict=True)] == [1, 1, 1]
 
 
 # ----- load and disconnects -----

@@ -80,6 +80,22 @@ def test_json_object_outputs_parse_streamed_and_not(client, server):
     assert stopped >= 2
 
 
+def test_stop_reason_tells_a_stop_string_from_the_schema_end(client, server):
+    """A reply that ends at the schema's end has stop_reason null and matches; a stop string ends one early with
+    finish_reason "stop" too, and its stop_reason (the string) says so: the text is a prefix, not valid JSON."""
+    kwargs = dict(model=server.state.model_name, messages=MESSAGES, temperature=0, max_tokens=120,
+                  response_format={"type": "json_schema", "json_schema": {"name": "person",
+                                                                          "schema": Person.model_json_schema()}})
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "stop" and whole.model_extra["stop_reason"] is None
+    Person.model_validate_json(whole.message.content)
+    cut = client.chat.completions.create(**kwargs, stop=[","]).choices[0]
+    assert cut.finish_reason == "stop" and cut.model_extra["stop_reason"] == ","
+    assert whole.message.content.startswith(cut.message.content + ",")
+    with pytest.raises(ValueError):
+        json.loads(cut.message.content)
+
+
 @pytest.mark.parametrize("constraint", ["regex", "choice", "grammar"])
 def test_structured_outputs_field_on_completions_and_chat(client, server, constraint):
     model = server.state.model_name

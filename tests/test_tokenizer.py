@@ -209,6 +209,64 @@ def test_byte_fallback_run_waits_for_its_end(toks) -> None:
     assert "".join(deltas) == " ∑ ok"
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@PROPERTY
+@given(text=texts)
+def test_token_bytes_join_to_the_text(toks, kind: str, text: str) -> None:
+    """An output's token bytes, joined, are the UTF-8 of the text the stream emits for it (Hugging Face's decode
+    in context), though single tokens of an emoji or a CJK character are not valid UTF-8 on their own."""
+    tok = toks[kind]
+    out = tok.encode(text, add_special_tokens=False)
+    joined = b"".join(tok.token_bytes(i) for i in out)
+    assert joined == "".join(stream(tok, tok.encode("A:"), out, skip=False)).encode()
+    if kind == "byte_level":
+        assert joined == text.encode()
+
+
+def _hf_byte_level_bytes(hf, token_id: int) -> bytes:
+    """The token's bytes by transformers' own GPT-2 byte alphabet (its slow-tokenizer conversion's)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_decoder = {char: byte for byte, char in bytes_to_unicode().items()}
+    return bytes(byte_decoder[char] for char in hf.convert_ids_to_tokens(token_id))
+
+
+def _real_tokenizers() -> list:
+    from checkpoints import DEMO_MODEL_DIR, default_model
+
+    return [DEMO_MODEL_DIR] + ([default_model()] if default_model() is not None else [])  # + SmolLM2's GGUF
+
+
+@pytest.mark.parametrize("path", _real_tokenizers(), ids=lambda p: p.name)
+def test_token_bytes_of_real_byte_level_tokenizers(path) -> None:
+    tok = load_tokenizer(path)
+    assert tok.token_spelling == "byte_level"
+    for text in ["🌟🌟", "你好，世界", "naïve café 👨\u200d👩\u200d👧", "<|im_start|>user\nhi<|im_end|>"]:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert any(not _is_utf8(tok.token_bytes(i)) for i in ids) or "<" in text  # partial characters occur
+        assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    added = tok.added_token_ids
+    ordinary = [i for i in range(tok.vocab_size) if i not in added]
+    assert [tok.token_bytes(i) for i in ordinary] == [_hf_byte_level_bytes(tok.hf, i) for i in ordinary]
+    assert all(tok.token_bytes(i) == tok.hf.convert_ids_to_tokens(i).encode() for i in added)
+
+
+def test_token_bytes_of_sentencepiece_bytes_and_spaces(toks) -> None:
+    tok = toks["byte_fallback"]
+    assert tok.token_spelling == "sentencepiece"
+    out = tok.encode("∑ ok", add_special_tokens=False)
+    assert [tok.token_bytes(i) for i in out if i in tok.byte_token_ids] == [bytes([b]) for b in "∑".encode()]
+    assert b"".join(tok.token_bytes(i) for i in out) == " ∑ ok".encode()  # the ▁ of each word is its space
+
+
+def _is_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def test_special_tokens_kept_or_skipped(toks) -> None:
     tok = toks["byte_level"]
     out = tok.encode("Hi") + [tok.eos_token_id] + tok.encode(" there")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -93,6 +94,44 @@ def test_a_named_function_is_called_with_valid_arguments(client, server):
         jsonschema.validate(json.loads(call.function.arguments), ADD)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_call_cut_by_a_stop_string_stays_content(client, server, stream):
+    """The stop string ends the arguments before their JSON does: no tool call with arguments json.loads rejects
+    (as tool_choice "required"), but the text as content, finish_reason "stop" and the stop string as stop_reason."""
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    kwargs = dict(model=server.state.model_name, messages=MESSAGES, tools=TOOLS, tool_choice=choice, temperature=0,
+                  max_tokens=60, stop=[","])
+    if stream:
+        chunks = list(client.chat.completions.create(**kwargs, stream=True))
+        content, calls, finish = reassemble(chunks)
+        stop_reason = chunks[-1].choices[0].model_extra["stop_reason"]
+    else:
+        reply = client.chat.completions.create(**kwargs).choices[0]
+        content, calls, finish = reply.message.content, reply.message.tool_calls or [], reply.finish_reason
+        stop_reason = reply.model_extra["stop_reason"]
+    assert calls == [] and finish == "stop" and stop_reason == ","
+    assert content.startswith('{"city"') and "," not in content
+    with pytest.raises(ValueError):
+        json.loads(content)
+
+
+def test_streamed_tool_calls_carry_the_logprobs(client, server):
+    kwargs = dict(model=server.state.model_name, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                  temperature=0, max_tokens=80, logprobs=True, top_logprobs=2)
+    reply = client.chat.completions.create(**kwargs).choices[0]
+    assert reply.message.tool_calls and reply.logprobs.content
+    streamed = [t for c in client.chat.completions.create(**kwargs, stream=True) for ch in c.choices
+                if ch.logprobs for t in ch.logprobs.content]
+    assert [t.model_dump() for t in streamed] == [t.model_dump() for t in reply.logprobs.content]
+
+
+def test_parallel_tool_calls_null_is_the_default(server):
+    body = dict(model=server.state.model_name, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                parallel_tool_calls=None, temperature=0, max_tokens=150)
+    reply = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)  # an explicit JSON null
+    assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["tool_calls"]
+
+
 def test_tool_results_go_back_into_the_conversation(client, server):
     model = server.state.model_name
     first = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
@@ -143,8 +182,23 @@ def tool_request(choice: str = "auto", parser: str | None = "hermes") -> ToolReq
                     '{"name": "add", "parameters": {"a": 5, "b": 6}}', None,
      [("get_weather", {"city": "a;b", "unit": "celsius"}), ("add", {"a": 5, "b": 6})]),
     ("llama3_json", "The answer is 3.", "The answer is 3.", []),
+    # Arguments that are not a JSON object are no call (OpenAI's arguments always are one): the text stays.
+    ("hermes", '<tool_call>{"name": "add", "arguments": [1]}</tool_call>',
+     '<tool_call>{"name": "add", "arguments": [1]}</tool_call>', []),
+    ("hermes", '<tool_call>{"name": "add", "arguments": 7}</tool_call>',
+     '<tool_call>{"name": "add", "arguments": 7}</tool_call>', []),
+    ("hermes", '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}</tool_call>', None,
+     [("add", {"a": 1, "b": 2})]),  # arguments as JSON text of an object, as some models write them
+    ("llama3_json", '{"name": "add", "parameters": "x"}', '{"name": "add", "parameters": "x"}', []),
 ])
 def test_auto_parsers_read_the_model_formats(parser, text, content, calls):
     got_content, got = tool_request(parser=parser).calls(text)
     assert got_content == content
     assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+
+
+@pytest.mark.parametrize(("choice", "text"), [("add", '{"a": 1'), ("add", "[1, 2]"), ("required", '[{"name": "add"'),
+                                              ("required", "{}")])
+def test_forced_output_that_is_no_call_stays_content(choice, text):
+    """Output a stop string cut (or anything else that is not the constrained JSON) is left as content."""
+    assert tool_request(choice).calls(text) == (text, [])

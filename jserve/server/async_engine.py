@@ -32,6 +32,13 @@ from jserve.server.protocol import APIError
 logger = logging.getLogger(__name__)
 
 
+def request_finish_reason(output: RequestOutput) -> str:
+    """A finished request's reason for jserve:request_success_total: its samples' least complete one ("abort" over
+    "length" over "stop"), so one count per request still shows any sample that was cut short."""
+    reasons = {out.finish_reason or "abort" for out in output.outputs}
+    return next((r for r in ("abort", "length") if r in reasons), "stop")
+
+
 class EngineDeadError(RuntimeError):
     """The engine thread stopped (it failed for good, or the server is shutting down)."""
 
@@ -310,10 +317,9 @@ class AsyncEngine:
         else:
             self.metrics.inter_token_latency.observe(now - tracked.last_output)
         tracked.last_output = now
-        if output.finished:
+        if output.finished:  # one count per engine request (a prompt and its n samples) here and in the histograms
             self.metrics.e2e_request_latency.observe(now - tracked.arrival)
-            for out in output.outputs:
-                self.metrics.request_finished(out.finish_reason or "abort")
+            self.metrics.request_finished(request_finish_reason(output))
 
     def _deliver(self, delivery: _Delivery) -> None:
         try:

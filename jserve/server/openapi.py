@@ -21,6 +21,9 @@ def _obj(required: list[str], **props: dict) -> dict:
 _STR, _INT, _NUM = {"type": "string"}, {"type": "integer"}, {"type": "number"}
 _NULL_STR = {"type": ["string", "null"]}
 _FINISH = {"type": ["string", "null"], "enum": ["stop", "length", None]}
+_CHAT_FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "tool_calls", None]}
+# vLLM's field: the stop string or stop_token_ids id that ended the choice, else null.
+_STOP_REASON = {"type": ["string", "integer", "null"]}
 _USAGE = _obj(["prompt_tokens", "completion_tokens", "total_tokens"], prompt_tokens=_INT,
               completion_tokens=_INT, total_tokens=_INT,
               prompt_tokens_details=_obj(["cached_tokens"], cached_tokens=_INT))
@@ -59,14 +62,15 @@ SCHEMAS = {
     "DetokenizeRequest": request_schema(DETOKENIZE_FIELDS, REQUIRED["detokenize"]),
     "Completion": _envelope("text_completion", _obj(
         ["index", "text", "finish_reason", "logprobs"], index=_INT, text=_STR, finish_reason=_FINISH,
-        logprobs=_COMPLETION_LOGPROBS), usage_required=False),
+        stop_reason=_STOP_REASON, logprobs=_COMPLETION_LOGPROBS), usage_required=False),
     "ChatCompletion": _envelope("chat.completion", _obj(
-        ["index", "message", "finish_reason"], index=_INT, finish_reason=_FINISH, logprobs=_CHAT_LOGPROBS,
+        ["index", "message", "finish_reason"], index=_INT, finish_reason=_CHAT_FINISH, stop_reason=_STOP_REASON,
+        logprobs=_CHAT_LOGPROBS,
         message=_obj(["role", "content"], role={"type": "string", "const": "assistant"}, content=_NULL_STR)),
         usage_required=True),
     "ChatCompletionChunk": _envelope("chat.completion.chunk", _obj(
-        ["index", "delta", "finish_reason"], index=_INT, finish_reason=_FINISH, logprobs=_CHAT_LOGPROBS,
-        delta=_obj([], role=_STR, content=_STR)), usage_required=False),
+        ["index", "delta", "finish_reason"], index=_INT, finish_reason=_CHAT_FINISH, stop_reason=_STOP_REASON,
+        logprobs=_CHAT_LOGPROBS, delta=_obj([], role=_STR, content=_STR)), usage_required=False),
     "ModelList": _obj(["object", "data"], object={"type": "string", "const": "list"}, data={
         "type": "array", "items": _obj(["id", "object", "created", "owned_by"], id=_STR, object=_STR,
                                        created=_INT, owned_by=_STR, root=_STR, max_model_len=_INT)}),

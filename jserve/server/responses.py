@@ -17,7 +17,7 @@ from jserve.outputs import CompletionOutput, Logprobs, RequestOutput
 
 # JSON has no -Infinity: a logprob of a token that cannot be sampled is reported as this (as vLLM does).
 MIN_LOGPROB = -9999.0
-TokenText = Callable[[int], str]
+TokenBytes = Callable[[int], bytes]  # a token id's own bytes (Tokenizer.token_bytes)
 
 
 def new_id(prefix: str) -> str:
@@ -49,32 +49,50 @@ def _top(entry: Logprobs, k: int) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda item: -item[1])[:k]
 
 
-def completion_logprobs(entries: list[Logprobs], text: TokenText, k: int, offset: int) -> dict:
-    """The legacy completions logprobs object for consecutive positions; offset is the text before them."""
+def token_string(raw: bytes) -> str:
+    """A token's text for logprobs: its bytes as UTF-8, or, for part of a multi-byte character (not valid UTF-8 on
+    its own), "bytes:" and each byte as \\xNN, as OpenAI writes such tokens; so distinct byte tokens stay distinct."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def _starts(raw: bytes) -> int:
+    """How many characters the bytes start (UTF-8 continuation bytes, 0b10xxxxxx, start none)."""
+    return sum((b & 0xC0) != 0x80 for b in raw)
+
+
+def completion_logprobs(entries: list[Logprobs], token_bytes: TokenBytes, k: int, state: ChoiceState) -> dict:
+    """The legacy completions logprobs object for consecutive positions of one choice; `state.text_offset` counts
+    the characters the tokens before them start. A token's text_offset is the index of the character its first
+    byte belongs to (the character it finishes, when that byte continues one an earlier token started)."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for entry in entries:
         token_id, logprob = next(iter(entry.items()))  # the chosen token comes first
-        tokens.append(text(token_id))
+        raw = token_bytes(token_id)
+        tokens.append(token_string(raw))
         token_lps.append(_lp(logprob))
         top: dict[str, float] = {}
         for t, lp in _top(entry, k):
-            top.setdefault(text(t), _lp(lp))  # tokens with the same text share a key: keep the likelier one
+            top.setdefault(token_string(token_bytes(t)), _lp(lp))  # same text, same key: the likelier one stays
         tops.append(top)
-        offsets.append(offset)
-        offset += len(tokens[-1])
+        continues = bool(raw) and (raw[0] & 0xC0) == 0x80
+        offsets.append(max(0, state.text_offset - continues))
+        state.text_offset += _starts(raw)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _token_logprob(token: str, logprob: float) -> dict:
-    return {"token": token, "logprob": _lp(logprob), "bytes": list(token.encode("utf-8"))}
+def _token_logprob(raw: bytes, logprob: float) -> dict:
+    return {"token": token_string(raw), "logprob": _lp(logprob), "bytes": list(raw)}
 
 
-def chat_logprobs(entries: list[Logprobs], text: TokenText, k: int) -> dict:
+def chat_logprobs(entries: list[Logprobs], token_bytes: TokenBytes, k: int) -> dict:
     content = []
     for entry in entries:
         token_id, logprob = next(iter(entry.items()))
-        content.append({**_token_logprob(text(token_id), logprob),
-                        "top_logprobs": [_token_logprob(text(t), lp) for t, lp in _top(entry, k)]})
+        content.append({**_token_logprob(token_bytes(token_id), logprob),
+                        "top_logprobs": [_token_logprob(token_bytes(t), lp) for t, lp in _top(entry, k)]})
     return {"content": content, "refusal": None}
 
 
@@ -94,6 +112,7 @@ class ChoiceDelta:
     logprobs: list[Logprobs]
     finish_reason: str | None
     first: bool  # this choice's first delta (chat sends the role before it)
+    stop_reason: int | str | None = None  # the stop string or stop_token_ids id that ended it (vLLM's field)
 
 
 @dataclass
@@ -101,6 +120,7 @@ class ChoiceTracker:
     """Per-request bookkeeping: choice index = prompt index * n + sample index, as vLLM numbers them."""
 
     n: int
+    stop_token_ids: frozenset[int] = frozenset()  # the request's: an EOS (or a grammar's end) is no stop_reason
     choices: dict[int, ChoiceState] = field(default_factory=dict)
     prompt_tokens: dict[int, int] = field(default_factory=dict)
     cached_tokens: dict[int, int] = field(default_factory=dict)
@@ -123,12 +143,17 @@ class ChoiceTracker:
             reason = finish_reason(out)
             if not (text or logprobs or reason):
                 continue
-            deltas.append(ChoiceDelta(index, text, logprobs, reason, first=not state.started))
+            deltas.append(ChoiceDelta(index, text, logprobs, reason, first=not state.started,
+                                      stop_reason=self._stop_reason(out)))
             state.text_len, state.num_logprobs = len(out.text), state.num_logprobs + len(logprobs)
             state.started, state.finished = True, reason is not None
             if reason is not None:
                 self.finals[index] = out
         return deltas
+
+    def _stop_reason(self, out: CompletionOutput) -> int | str | None:
+        reason = out.stop_reason if out.finish_reason == "stop" else None
+        return reason if isinstance(reason, str) or reason in self.stop_token_ids else None
 
     def usage(self) -> dict:
         return usage(sum(self.prompt_tokens.values()), sum(self.completion_tokens.values()),
@@ -148,35 +173,40 @@ class ResponseHeader:
                 **extra}
 
 
-def completion_choice(delta: ChoiceDelta, text: TokenText, k: int | None, state: ChoiceState) -> dict:
-    logprobs = None
-    if k is not None:
-        logprobs = completion_logprobs(delta.logprobs, text, k, state.text_offset)
-        state.text_offset += sum(len(t) for t in logprobs["tokens"])
-    return {"index": delta.index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+def completion_choice(delta: ChoiceDelta, token_bytes: TokenBytes, k: int | None, state: ChoiceState) -> dict:
+    logprobs = None if k is None else completion_logprobs(delta.logprobs, token_bytes, k, state)
+    return {"index": delta.index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason,
+            "stop_reason": delta.stop_reason}
 
 
-def chat_message_choice(delta: ChoiceDelta, text: TokenText, k: int | None) -> dict:
-    logprobs = None if k is None else chat_logprobs(delta.logprobs, text, k)
+def chat_message_choice(delta: ChoiceDelta, token_bytes: TokenBytes, k: int | None) -> dict:
+    logprobs = None if k is None else chat_logprobs(delta.logprobs, token_bytes, k)
     return {"index": delta.index, "message": {"role": "assistant", "content": delta.text}, "logprobs": logprobs,
-            "finish_reason": delta.finish_reason}
+            "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
 
 
-def chat_chunk_choices(delta: ChoiceDelta, text: TokenText, k: int | None) -> list[dict]:
+def chat_chunk_choices(delta: ChoiceDelta, token_bytes: TokenBytes, k: int | None) -> list[dict]:
     """A chat delta as stream choices: the role on its own first (OpenAI's shape), then the content."""
     choices = []
     if delta.first:
         choices.append({"index": delta.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None})
-    logprobs = None if k is None else chat_logprobs(delta.logprobs, text, k)
+    logprobs = None if k is None else chat_logprobs(delta.logprobs, token_bytes, k)
     body = {"content": delta.text} if delta.text else {}
-    choices.append({"index": delta.index, "delta": body, "logprobs": logprobs, "finish_reason": delta.finish_reason})
+    choices.append({"index": delta.index, "delta": body, "logprobs": logprobs, "finish_reason": delta.finish_reason,
+                    **_stop_reason(delta)})
     return choices
+
+
+def _stop_reason(delta: ChoiceDelta) -> dict:
+    """A chunk's stop_reason: on the chunk that finishes its choice, as vLLM streams it."""
+    return {"stop_reason": delta.stop_reason} if delta.finish_reason is not None else {}
 
 
 def tool_chunk_choices(choice: dict) -> list[dict]:
     """A finished chat choice (a message that may hold tool_calls) as stream choices: the role, then the content or
-    each call (its id, type and name with the whole arguments), then the finish reason, as OpenAI streams them."""
+    each call (its id, type and name with the whole arguments), then the finish reason, as OpenAI streams them. The
+    choice's logprobs ride on the chunk after the role, so the stream carries what the whole message does."""
     index, message = choice["index"], choice["message"]
     chunks = [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
     if message.get("content"):
@@ -185,7 +215,9 @@ def tool_chunk_choices(choice: dict) -> list[dict]:
     for i, call in enumerate(message.get("tool_calls") or []):
         chunks.append({"index": index, "delta": {"tool_calls": [{"index": i, **call}]}, "logprobs": None,
                        "finish_reason": None})
-    chunks.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]})
+    chunks.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"],
+                   "stop_reason": choice.get("stop_reason")})
+    chunks[1]["logprobs"] = choice.get("logprobs")
     return chunks
 
 
@@ -198,6 +230,7 @@ def merge_deltas(deltas: list[ChoiceDelta]) -> list[ChoiceDelta]:
             m.text += d.text
             m.logprobs = m.logprobs + d.logprobs
             m.finish_reason = d.finish_reason or m.finish_reason
+            m.stop_reason = d.stop_reason if d.finish_reason is not None else m.stop_reason
         else:
-            merged[d.index] = ChoiceDelta(d.index, d.text, list(d.logprobs), d.finish_reason, d.first)
+            merged[d.index] = ChoiceDelta(d.index, d.text, list(d.logprobs), d.finish_reason, d.first, d.stop_reason)
     return [merged[i] for i in sorted(merged)]

@@ -130,9 +130,13 @@ async def _compile_constraint(engine: AsyncEngine, constraint: StructuredOutputs
         raise bad_request(str(e), e.param) from None
 
 
-async def _token_texts(tokenizer: TokenizerWorker, deltas: list[R.ChoiceDelta]) -> dict[int, str]:
+def _tracker(req: GenerationRequest) -> R.ChoiceTracker:
+    return R.ChoiceTracker(req.params.n, frozenset(req.params.stop_token_ids or ()))
+
+
+async def _token_bytes(tokenizer: TokenizerWorker, deltas: list[R.ChoiceDelta]) -> dict[int, bytes]:
     ids = {token for d in deltas for entry in d.logprobs for token in entry}
-    return await tokenizer.token_texts(ids) if ids else {}
+    return await tokenizer.token_bytes(ids) if ids else {}
 
 
 def _stream_error(error: Exception) -> bytes:
@@ -216,13 +220,13 @@ async def _generate(request: Request, req, asked: str, served, admission, id_pre
 
 async def _completion_events(gen: Generation, req: CompletionRequest, header: R.ResponseHeader,
                              tokenizer: TokenizerWorker) -> AsyncIterator[bytes]:
-    tracker, k = R.ChoiceTracker(req.params.n), req.params.logprobs
+    tracker, k = _tracker(req), req.params.logprobs
     extra = {"usage": None} if req.include_usage else {}
     async for prompt_index, output in gen:
         deltas = tracker.update(prompt_index, output)
-        texts = await _token_texts(tokenizer, deltas) if k is not None else {}
+        token_bytes = await _token_bytes(tokenizer, deltas) if k is not None else {}
         for d in deltas:
-            choice = R.completion_choice(d, texts.__getitem__, k, tracker.choices[d.index])
+            choice = R.completion_choice(d, token_bytes.__getitem__, k, tracker.choices[d.index])
             yield R.sse(header.obj("text_completion", [choice], **extra))
     if req.include_usage:
         yield R.sse(header.obj("text_completion", [], usage=tracker.usage()))
@@ -230,12 +234,12 @@ async def _completion_events(gen: Generation, req: CompletionRequest, header: R.
 
 async def _completion_body(gen: Generation, req: CompletionRequest, header: R.ResponseHeader,
                            tokenizer: TokenizerWorker) -> dict:
-    tracker, k, deltas = R.ChoiceTracker(req.params.n), req.params.logprobs, []
+    tracker, k, deltas = _tracker(req), req.params.logprobs, []
     async for prompt_index, output in gen:
         deltas += tracker.update(prompt_index, output)
     merged = R.merge_deltas(deltas)
-    texts = await _token_texts(tokenizer, merged) if k is not None else {}
-    choices = [R.completion_choice(d, texts.__getitem__, k, R.ChoiceState()) for d in merged]
+    token_bytes = await _token_bytes(tokenizer, merged) if k is not None else {}
+    choices = [R.completion_choice(d, token_bytes.__getitem__, k, R.ChoiceState()) for d in merged]
     return header.obj("text_completion", choices, usage=tracker.usage())
 
 
@@ -272,13 +276,13 @@ async def _chat_events(gen: Generation, req: ChatRequest, header: R.ResponseHead
         if req.include_usage:
             yield R.sse(header.obj("chat.completion.chunk", [], usage=body["usage"]))
         return
-    tracker, k = R.ChoiceTracker(req.params.n), req.params.logprobs
+    tracker, k = _tracker(req), req.params.logprobs
     extra = {"usage": None} if req.include_usage else {}
     async for prompt_index, output in gen:
         deltas = tracker.update(prompt_index, output)
-        texts = await _token_texts(tokenizer, deltas) if k is not None else {}
+        token_bytes = await _token_bytes(tokenizer, deltas) if k is not None else {}
         for d in deltas:
-            for choice in R.chat_chunk_choices(d, texts.__getitem__, k):
+            for choice in R.chat_chunk_choices(d, token_bytes.__getitem__, k):
                 yield R.sse(header.obj("chat.completion.chunk", [choice], **extra))
     if req.include_usage:
         yield R.sse(header.obj("chat.completion.chunk", [], usage=tracker.usage()))
@@ -286,12 +290,12 @@ async def _chat_events(gen: Generation, req: ChatRequest, header: R.ResponseHead
 
 async def _chat_body(gen: Generation, req: ChatRequest, header: R.ResponseHeader,
                      tokenizer: TokenizerWorker) -> dict:
-    tracker, k, deltas = R.ChoiceTracker(req.params.n), req.params.logprobs, []
+    tracker, k, deltas = _tracker(req), req.params.logprobs, []
     async for prompt_index, output in gen:
         deltas += tracker.update(prompt_index, output)
     merged = R.merge_deltas(deltas)
-    texts = await _token_texts(tokenizer, merged) if k is not None else {}
-    choices = [R.chat_message_choice(d, texts.__getitem__, k) for d in merged]
+    token_bytes = await _token_bytes(tokenizer, merged) if k is not None else {}
+    choices = [R.chat_message_choice(d, token_bytes.__getitem__, k) for d in merged]
     if req.tools is not None:
         for choice in choices:
             _tool_message(choice, req.tools)

@@ -7,7 +7,6 @@ import asyncio
 import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
 from typing import TypeVar
 
 from jserve.server.protocol import bad_request
@@ -21,7 +20,6 @@ class TokenizerWorker:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # ids at or above it are rejected before they reach the tokenizer
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jserve-tokenizer")
-        self._token_text = lru_cache(maxsize=1 << 16)(self._decode_one)
 
     async def _call(self, fn: Callable[..., T], *args) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -42,15 +40,15 @@ class TokenizerWorker:
                               f"{str(e)[:300]}", "messages") from None
 
     async def decode(self, ids: list[int]) -> str:
+        """The text of the ids, special tokens included (as vLLM's /detokenize): /tokenize's ids of a chat prompt
+        come back as the prompt."""
         self.check_ids(ids, "tokens")
-        return await self._call(self.tokenizer.decode, ids)
+        return await self._call(functools.partial(self.tokenizer.decode, skip_special_tokens=False), ids)
 
-    async def token_texts(self, ids: set[int]) -> dict[int, str]:
-        """Each token's own text, for logprobs (cached: the same tokens come back all the time)."""
-        return await self._call(lambda: {i: self._token_text(i) for i in ids})
-
-    def _decode_one(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+    async def token_bytes(self, ids: set[int]) -> dict[int, bytes]:
+        """Each token's own bytes, for logprobs (the tokenizer remembers them: the same tokens come back all the
+        time)."""
+        return await self._call(lambda: {i: self.tokenizer.token_bytes(i) for i in ids})
 
     def check_ids(self, ids: list[int], param: str) -> None:
         bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)

@@ -62,18 +62,23 @@ class ToolRequest:
         return {"json": {"type": "array", "items": items, "minItems": 1, **({} if self.parallel else {"maxItems": 1})}}
 
     def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(the message content left, the calls) of a finished output."""
-        if self.choice == "required":
-            try:
-                items = json.loads(text)
-            except ValueError:
-                return text, []  # cut short by max_tokens: no complete call
-            return None, [ToolCall(item["name"], json.dumps(item["arguments"])) for item in items]
-        if self.choice != "auto":
-            return None, [ToolCall(self.choice, text)]
-        if self.parser == "hermes":
-            return _parse_hermes(text, self.functions)
-        return _parse_llama3_json(text, self.functions)
+        """(the message content left, the calls) of a finished output. Output that a stop string or stop token
+        ended before the constraint did is no complete call: it stays as content, as OpenAI never returns a call
+        whose arguments do not parse."""
+        if self.choice == "auto":
+            if self.parser == "hermes":
+                return _parse_hermes(text, self.functions)
+            return _parse_llama3_json(text, self.functions)
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return text, []
+        if self.choice != "required":
+            return (None, [ToolCall(self.choice, text)]) if isinstance(value, dict) else (text, [])
+        calls = [_call(item, self.functions, "arguments") for item in value] if isinstance(value, list) else []
+        if not calls or None in calls:
+            return text, []
+        return None, calls
 
 
 def _parameters(function: dict) -> dict:
@@ -109,7 +114,8 @@ def parse_tool_request(body: dict, parser: str | None) -> ToolRequest | None:
     if choice == "auto" and parser is None:
         raise bad_request('tool_choice "auto" needs the server started with --tool-call-parser (hermes or '
                           'llama3_json); "required" and a named function work without one', "tool_choice")
-    parallel = body.get("parallel_tool_calls", True)
+    parallel = body.get("parallel_tool_calls")
+    parallel = True if parallel is None else parallel  # null is the default, as for the other nullable fields
     if not isinstance(parallel, bool):
         raise bad_request("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     return ToolRequest(tools, choice, parallel, parser)
@@ -122,10 +128,18 @@ def _is_function_tool(tool: Any) -> bool:
 
 
 def _call(obj: Any, functions: dict[str, dict], arguments_key: str) -> ToolCall | None:
+    """The call a parsed object names, or None where it is none: an unknown name, or arguments that are not a JSON
+    object (an object, or JSON text of one, as OpenAI's arguments always are)."""
     if not isinstance(obj, dict) or obj.get("name") not in functions:
         return None
     arguments = obj.get(arguments_key, obj.get("arguments", {}))
-    return ToolCall(obj["name"], arguments if isinstance(arguments, str) else json.dumps(arguments))
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            return None
+        return ToolCall(obj["name"], arguments) if isinstance(parsed, dict) else None
+    return ToolCall(obj["name"], json.dumps(arguments)) if isinstance(arguments, dict) else None
 
 
 def _parse_hermes(text: str, functions: dict[str, dict]) -> tuple[str | None, list[ToolCall]]:
