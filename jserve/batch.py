@@ -15,11 +15,12 @@ from tqdm.auto import tqdm
 
 from jserve.config import EngineConfig
 from jserve.outputs import RequestOutput
-from jserve.sampling_params import RequestOutputKind, SamplingParams
+from jserve.sampling_params import SAMPLING_FIELDS, RequestOutputKind, SamplingParams
 
-_SAMPLING_FIELDS = {"n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                    "frequency_penalty", "logit_bias", "seed", "max_tokens", "min_tokens", "stop",
-                    "stop_token_ids", "ignore_eos", "logprobs", "skip_special_tokens", "structured_outputs"}
+# A line may set any SamplingParams field but output_kind (the job writes finished results only); any other key is
+# a malformed line, so a typo (or another library's name, such as max_new_tokens) is not silently ignored.
+_SAMPLING_FIELDS = SAMPLING_FIELDS - {"output_kind"}
+_LINE_FIELDS = {"id", "prompt", "messages", "priority"}
 
 
 @dataclass
@@ -45,6 +46,10 @@ def parse_line(line: str, line_no: int, default_max_tokens: int) -> BatchItem:
     has_prompt, has_messages = "prompt" in obj, "messages" in obj
     if has_prompt == has_messages:
         raise MalformedLine(f"line {line_no}: needs exactly one of 'prompt' or 'messages'")
+    unknown = [k for k in obj if k not in _SAMPLING_FIELDS and k not in _LINE_FIELDS]
+    if unknown:
+        raise MalformedLine(f"line {line_no}: unknown field(s) {', '.join(map(repr, unknown))}; a line takes "
+                            f"{', '.join(sorted(_LINE_FIELDS))} and SamplingParams' fields but output_kind")
     fields = {k: v for k, v in obj.items() if k in _SAMPLING_FIELDS}
     if isinstance(fields.get("logit_bias"), dict):  # JSON object keys are strings
         try:
@@ -84,13 +89,33 @@ def read_done_ids(output: Path) -> set[str]:
     return done
 
 
+def _logprobs_json(entry: dict[int, float] | None) -> dict | None:
+    """One position's logprobs, {chosen id: lp, top ids: lps} (the chosen token first), as JSON (whose object keys
+    cannot stay integers): the chosen token and its logprob, and every token of the entry (the top ones, and the
+    chosen one if it is not among them, as vLLM lists them) by descending logprob."""
+    if entry is None:
+        return None  # the first prompt token: nothing precedes it
+    (token, logprob), *_ = entry.items()
+    top = [{"token_id": t, "logprob": lp} for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])]
+    return {"token_id": token, "logprob": logprob, "top_logprobs": top}
+
+
 def result_record(item_id: str, output: RequestOutput) -> dict:
-    choices = [{"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
-               for c in output.outputs]
+    """A finished request as a JSONL record; logprobs and prompt_logprobs appear when the line asked for them."""
+    choices = []
+    for c in output.outputs:
+        choice = {"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                  "stop_reason": c.stop_reason}
+        if c.logprobs is not None:
+            choice["logprobs"] = [_logprobs_json(entry) for entry in c.logprobs]
+        choices.append(choice)
     completion_tokens = sum(len(c.token_ids) for c in output.outputs)
-    return {"id": item_id, "prompt": output.prompt, "text": choices[0]["text"], "choices": choices,
-            "usage": {"prompt_tokens": len(output.prompt_token_ids), "completion_tokens": completion_tokens,
-                      "cached_tokens": output.num_cached_tokens}}
+    record = {"id": item_id, "prompt": output.prompt, "text": choices[0]["text"], "choices": choices,
+              "usage": {"prompt_tokens": len(output.prompt_token_ids), "completion_tokens": completion_tokens,
+                        "cached_tokens": output.num_cached_tokens}}
+    if output.prompt_logprobs is not None:
+        record["prompt_logprobs"] = [_logprobs_json(entry) for entry in output.prompt_logprobs]
+    return record
 
 
 def run_batch(config: EngineConfig, input_path: Path, output_path: Path, *, strict: bool = False,

@@ -11,6 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
+from jserve.arg_types import integer, output_file
 from jserve.bench.cli import add_bench_parser
 from jserve.chat import add_chat_parser
 from jserve.config import QUANTIZATIONS, SUPPORTED_DTYPES, ModelLoadError
@@ -22,10 +23,12 @@ from jserve.server.cli import add_serve_parser
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     gen = sub.add_parser("generate", help="offline batch generation over a JSONL file")
     gen.add_argument("--input", required=True, help="JSONL: one object per line with 'prompt' or 'messages', "
-                                                     "an optional 'id' and optional sampling fields")
-    gen.add_argument("--output", required=True, help="JSONL results, appended and flushed as each finishes")
+                                                     "an optional 'id' and 'priority', and any SamplingParams "
+                                                     "fields; any other key makes the line malformed")
+    gen.add_argument("--output", required=True, type=output_file,
+                     help="JSONL results, appended and flushed as each finishes")
     gen.add_argument("--strict", action="store_true", help="stop at the first malformed line instead of skipping it")
-    gen.add_argument("--max-tokens", type=int, default=128, help="default max_tokens for lines that set none")
+    gen.add_argument("--max-tokens", type=integer(1), default=128, help="default max_tokens for lines that set none")
     add_engine_args(gen)
     gen.set_defaults(run=_run_generate)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,25 +89,25 @@ class ModelConfig:
                 f"jserve supports {', '.join(SUPPORTED_MODEL_TYPES)}")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ModelLoadError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
-        num_heads = cfg["num_attention_heads"]
-        hidden = cfg["hidden_size"]
-        head_dim = cfg.get("head_dim") or hidden // num_heads
+        num_heads = _positive_int(cfg, "num_attention_heads", source)
+        hidden = _positive_int(cfg, "hidden_size", source)
+        head_dim = _positive_int(cfg, "head_dim", source, hidden // num_heads)
         attention_bias = bool(cfg.get("attention_bias", False))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
             model_type=model_type,
-            vocab_size=cfg["vocab_size"],
+            vocab_size=_positive_int(cfg, "vocab_size", source),
             hidden_size=hidden,
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
+            intermediate_size=_positive_int(cfg, "intermediate_size", source),
+            num_layers=_positive_int(cfg, "num_hidden_layers", source),
             num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            num_kv_heads=_positive_int(cfg, "num_key_value_heads", source, num_heads),
             head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(_rope_param(cfg, "rope_theta", 10000.0)),
+            rms_norm_eps=_positive_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
+            rope_theta=_positive_float(_rope_param(cfg, "rope_theta", 10000.0), "rope_theta", source),
             rope_scaling=_rope_scaling(cfg, source),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            max_position_embeddings=_positive_int(cfg, "max_position_embeddings", source, 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type != "qwen2" and attention_bias,
@@ -134,6 +136,30 @@ class ModelConfig:
         # Chat models often list their end-of-turn token only in generation_config.json (as vLLM reads it).
         extra = _generation_eos_ids(Path(path) / "generation_config.json")
         return dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra)))
+
+
+_REQUIRED = object()
+
+
+def _positive_int(cfg: dict, key: str, source: str, default: object = _REQUIRED) -> int:
+    """cfg[key] as a positive integer; a missing or null optional field takes `default`. Anything else (a string, a
+    bool, a float, zero or less) raises ModelLoadError naming the file and the field, before it reaches array
+    shapes and kernels where it would fail without saying where it came from."""
+    if default is _REQUIRED:
+        value = cfg[key]  # KeyError: the caller reports the missing field
+    else:
+        value = cfg.get(key)
+        if value is None:
+            return default  # type: ignore[return-value]
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ModelLoadError(f"{source}: {key} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _positive_float(value: object, key: str, source: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+        raise ModelLoadError(f"{source}: {key} must be a positive number, got {value!r}")
+    return float(value)
 
 
 def _generation_eos_ids(path: Path) -> tuple[int, ...]:

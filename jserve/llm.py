@@ -5,12 +5,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence as Seq
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from jserve.config import EngineConfig
 from jserve.engine.data_parallel import create_engine
 from jserve.outputs import RequestOutput
-from jserve.sampling_params import InvalidParameterError, RequestOutputKind, SamplingParams
+from jserve.sampling_params import SAMPLING_FIELDS, InvalidParameterError, RequestOutputKind, SamplingParams
 
 PromptType = str | list[int] | dict
 
@@ -39,11 +40,15 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: PromptType | Seq[PromptType],
-                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
+                 sampling_params: SamplingParams | dict | Seq[SamplingParams | dict] | None = None, *,
                  use_tqdm: bool = True, priority: Seq[int] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (a string, token ids, or {"prompt_token_ids": [...]}) in input order."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                  and isinstance(prompts[0], int)):
+        """Generate for every prompt (a string, token ids, or {"prompt_token_ids": [...]}) in input order.
+
+        Token ids may be Python or NumPy integers (a 1-D array is one prompt); sampling_params may also be a dict of
+        SamplingParams' fields."""
+        if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
+            prompts = [prompts]  # one prompt's token ids, as a tokenizer's NumPy output gives them
+        elif isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and _is_token_id(prompts[0])):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise InvalidParameterError("prompt", f"prompt must be a string, a list of token ids, a dict or a list "
@@ -52,12 +57,12 @@ class LLM:
         if self._broken is not None:
             raise RuntimeError(f"this LLM's engine could not be restored after a failed step ({self._broken}); "
                                "build a new LLM")
-        params = _per_prompt(sampling_params, len(prompts), "sampling_params")
+        params = [_sampling_params(p) for p in _per_prompt(sampling_params, len(prompts), "sampling_params")]
         priorities = _per_prompt(priority, len(prompts), "priority") if priority is not None else [0] * len(prompts)
         return self._run(prompts, params, priorities, use_tqdm)
 
     def chat(self, messages: list[dict] | Seq[list[dict]],
-             sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
+             sampling_params: SamplingParams | dict | Seq[SamplingParams | dict] | None = None, *,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -110,6 +115,25 @@ class LLM:
             self._broken = f"{type(e).__name__}: {e}"
             raise RuntimeError(f"an engine step failed ({type(error).__name__}: {error}) and the engine could not "
                                f"be restored: {type(e).__name__}: {e}; build a new LLM") from e
+
+
+def _is_token_id(value: object) -> bool:
+    # NumPy integer scalars count: ids often come from a tokenizer's arrays. A bool is no id.
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _sampling_params(value: object) -> SamplingParams:
+    """A SamplingParams, or a dict of its fields."""
+    if isinstance(value, SamplingParams):
+        return value
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - SAMPLING_FIELDS, key=str)
+        if unknown:
+            raise InvalidParameterError(str(unknown[0]), f"sampling_params has unknown field(s) "
+                                                         f"{', '.join(map(repr, unknown))}")
+        return SamplingParams(**value)
+    raise TypeError(f"sampling_params must be a SamplingParams, a dict of its fields or a list of those, got "
+                    f"{type(value).__name__}")
 
 
 def _per_prompt(value, count: int, name: str) -> list:

@@ -52,12 +52,19 @@ class StructuredOutputsParams:
             object.__setattr__(self, "choice", list(self.choice))
 
 
+# StructuredOutputsParams' fields: the keys a `structured_outputs` dict may hold.
+STRUCTURED_OUTPUT_KEYS = tuple(f.name for f in dataclasses.fields(StructuredOutputsParams))
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request.
 
     temperature 0 is greedy. top_k 0 (or -1) means no top-k cut. `seed` makes sampling reproducible
-    whatever else shares the batch. `stop` strings are matched on the detokenized text and cut from it.
+    whatever else shares the batch. `stop` strings are matched on the detokenized text and cut from it (kept with
+    include_stop_str_in_output, which keeps a stop_token_ids token's text too). Before min_tokens tokens nothing
+    stops a request: EOS and stop_token_ids are banned, and the text those tokens produce is not matched against
+    `stop` (vLLM's rules).
     """
 
     n: int = 1
@@ -90,15 +97,21 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        # Checked before list() so that a bare number names its field instead of failing as "not iterable".
+        _check(self.stop is None or isinstance(self.stop, (list, tuple)), "stop",
+               f"stop must be a string or a list of strings, got {type(self.stop).__name__}")
+        _check(self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)), "stop_token_ids",
+               f"stop_token_ids must be a list of token ids, got {type(self.stop_token_ids).__name__}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
         if isinstance(self.structured_outputs, dict):
-            try:
-                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
-            except TypeError as e:  # an unknown key
-                raise InvalidParameterError("structured_outputs", f"structured_outputs: {e}") from None
+            unknown = sorted(set(self.structured_outputs) - set(STRUCTURED_OUTPUT_KEYS), key=str)
+            _check(not unknown, "structured_outputs",
+                   f"structured_outputs got an unexpected keyword {', '.join(map(repr, unknown))}; "
+                   f"the allowed keys are {', '.join(STRUCTURED_OUTPUT_KEYS)}")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -150,6 +163,10 @@ class SamplingParams:
 
     def clone(self, **changes) -> SamplingParams:
         return dataclasses.replace(self, **changes)
+
+
+# The fields a user sets (a dict of sampling fields, a JSONL line): all but the engine's own eos_token_ids.
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {"eos_token_ids"}
 
 
 class InvalidParameterError(ValueError):

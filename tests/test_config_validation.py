@@ -1,6 +1,6 @@
-"""Configuration errors caught at start-up, each naming its flag and allowed range: block_size over the C++ attention
-kernel's limit, Qwen2's per-layer sliding window (matched against transformers), and the server's admission
-capacity across data-parallel replicas."""
+"""Configuration errors caught at start-up, each naming its flag (or config.json field) and allowed range: config.json
+numbers of the wrong type or sign, block_size over the C++ attention kernel's limit, Qwen2's per-layer sliding window
+(matched against transformers), and the server's admission capacity across data-parallel replicas."""
 
 from __future__ import annotations
 
@@ -78,3 +78,15 @@ def test_capacity_counts_every_data_parallel_replica():
 
     assert AsyncEngine(engine(1), max_queued_requests=10).capacity == 18
     assert AsyncEngine(engine(3), max_queued_requests=10).capacity == 3 * 8 + 10
+
+
+@pytest.mark.parametrize(("field", "value"), [("hidden_size", "64"), ("num_hidden_layers", -1), ("vocab_size", 0),
+                                              ("num_attention_heads", True), ("intermediate_size", 128.0),
+                                              ("num_key_value_heads", "2"), ("head_dim", -8),
+                                              ("max_position_embeddings", "2048"), ("rms_norm_eps", "1e-6")])
+def test_a_config_json_number_of_the_wrong_type_or_sign_names_the_file_and_field(hf_model_dir, tmp_path, field, value):
+    config = json.loads((hf_model_dir("llama") / "config.json").read_text())
+    config[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=rf"config\.json: {field} must be a positive (integer|number), got "):
+        ModelConfig.from_pretrained(tmp_path)

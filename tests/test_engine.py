@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from hf_models import load_hf
+from transformers import AutoTokenizer
 
 import cpu_kernels
 from jserve.config import EngineConfig
@@ -346,6 +347,13 @@ def test_stop_strings_and_stop_tokens_end_generation(hf_model_dir, llm_factory):
     assert by_token.token_ids == free.token_ids[:first + 1]
     assert (by_token.finish_reason, by_token.stop_reason) == ("stop", stop_token)
     assert by_token.text == tokenizer.decode(free.token_ids[:first])
+    # vLLM: include_stop_str_in_output keeps the stop token's text, as transformers decodes the token ids.
+    included = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+        temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_token], include_stop_str_in_output=True),
+        use_tqdm=False)[0].outputs[0]
+    hf_tokenizer = AutoTokenizer.from_pretrained(hf_model_dir("llama"))
+    assert included.token_ids == by_token.token_ids
+    assert included.text == hf_tokenizer.decode(by_token.token_ids, skip_special_tokens=True) != by_token.text
     stop_text = free.text[len(free.text) // 2:][:3]
     assert stop_text.strip(), "the greedy text should have visible characters to stop on"
     by_string = llm.generate({"prompt_token_ids": prompt}, SamplingParams(

@@ -1,4 +1,5 @@
-"""The jitted sampler against a NumPy reference written here (vLLM's processing order).
+"""The jitted sampler against a NumPy reference written here (vLLM's processing order), and the sampling parameters
+as users pass them (clear errors naming a bad field; NumPy token ids and dicts of fields).
 
 Shapes are kept to a handful (V = 64, S in {1, 8, 4096}) so few variants compile on a small CPU box.
 """
@@ -6,6 +7,7 @@ Shapes are kept to a handful (V = 64, S in {1, 8, 4096}) so few variants compile
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import numpy as np
@@ -25,7 +27,7 @@ from jserve.engine.sampler import (
     sample,
 )
 from jserve.engine.sequence import Sequence
-from jserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from jserve.sampling_params import MAX_LOGPROBS, InvalidParameterError, SamplingParams
 
 V = 64
 EOS = 7
@@ -377,3 +379,34 @@ def test_metadata_cache_gives_what_build_metadata_gives_step_after_step() -> Non
         for seq in batch:
             seq.append_token(11 + seq.num_output_tokens)
     assert cache.build([a, b], 4) is not cache.build([a, b], 4)  # fresh step counts every call
+
+
+# ------------------------------------------------------------------------------------- parameters as users pass them
+
+
+@pytest.mark.parametrize(("kwargs", "param", "message"), [
+    (dict(stop=5), "stop", "stop must be a string or a list of strings, got int"),
+    (dict(stop_token_ids=7), "stop_token_ids", "stop_token_ids must be a list of token ids, got int"),
+    (dict(structured_outputs={"foo": 1}), "structured_outputs",
+     "unexpected keyword 'foo'; the allowed keys are json, json_object, regex, choice, grammar"),
+])
+def test_a_bad_field_is_an_invalid_parameter_error_naming_it(kwargs, param, message):
+    with pytest.raises(InvalidParameterError, match=re.escape(message)) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param
+
+
+def test_generate_takes_numpy_token_ids_and_a_dict_of_sampling_fields(hf_model_dir, llm_factory):
+    llm = llm_factory(hf_model_dir("llama"))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    expected = llm.generate([5, 6, 7], params, use_tqdm=False)[0].outputs[0].token_ids
+    ids = np.array([5, 6, 7])
+    for prompts in (ids, list(ids), {"prompt_token_ids": ids}, [ids, list(ids)]):
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == [expected] * len(outputs)
+    as_dict = {"temperature": 0, "max_tokens": 4, "ignore_eos": True}
+    assert llm.generate([5, 6, 7], as_dict, use_tqdm=False)[0].outputs[0].token_ids == expected
+    with pytest.raises(InvalidParameterError, match="unknown field.*'max_new_tokens'"):
+        llm.generate([5, 6, 7], {"max_new_tokens": 4}, use_tqdm=False)
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams, a dict"):
+        llm.generate([5, 6, 7], 0.5, use_tqdm=False)

@@ -98,8 +98,28 @@ def test_stop_strings_end_speculative_steps_where_the_model_alone_stops(llms):
     free = generate(plain, [(prompt, greedy(40))])[0].outputs[0]
     stop_text = free.text[len(free.text) // 2:][:2]
     assert stop_text.strip()
-    items = [(prompt, greedy(40, stop=[stop_text])), (prompt, greedy(40, stop_token_ids=[free.token_ids[20]]))]
+    items = [(prompt, greedy(40, stop=[stop_text])), (prompt, greedy(40, stop_token_ids=[free.token_ids[20]])),
+             (prompt, greedy(40, stop_token_ids=[free.token_ids[20]], include_stop_str_in_output=True))]
     assert tokens_and_text(generate(spec, items)) == tokens_and_text(generate(plain, items))
+
+
+def test_min_tokens_holds_back_stop_strings(llms):
+    """vLLM's rule: text produced by the first min_tokens tokens takes no part in stop-string matching (as EOS and
+    stop_token_ids cannot end a request before min_tokens); on both executors, in the decode bursts that follow
+    min_tokens and mid-draft."""
+    plain, spec = llms
+    tokenizer, prompt, min_tokens = plain.get_tokenizer(), np.random.default_rng(9).integers(3, 500, 30).tolist(), 12
+    free = generate(plain, [(prompt, greedy(40))])[0].outputs[0]
+    pieces = [tokenizer.decode([t]) for t in free.token_ids]
+    # A token's text that the first min_tokens tokens produce and a later token produces again: only the later ends it.
+    stop_text = next(p for p in pieces[:min_tokens] if p.strip() and "\ufffd" not in p and p in pieces[min_tokens:])
+    late = free.text.find(stop_text, len(tokenizer.decode(free.token_ids[:min_tokens])))
+    items, drafts = [(prompt, greedy(40, min_tokens=min_tokens, stop=[stop_text]))], spec.engine.stats.spec_num_drafts
+    for llm in llms:
+        out = generate(llm, items)[0].outputs[0]
+        assert (out.text, out.finish_reason, out.stop_reason) == (free.text[:late], "stop", stop_text)
+        assert len(out.token_ids) > min_tokens and out.token_ids == free.token_ids[:len(out.token_ids)]
+    assert spec.engine.stats.spec_num_drafts > drafts
 
 
 def test_seeded_sampling_gives_the_tokens_it_gives_without_speculation(llms):

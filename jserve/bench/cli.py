@@ -11,21 +11,29 @@ from jserve.arg_types import integer, non_negative_float, output_file, positive_
 from jserve.bench import DATASETS
 from jserve.engine_args import add_engine_args
 
+# The --random-* flags' values where they are not given. Their argparse default is None, so that giving one is seen.
+RANDOM_DEFAULTS = {"random_input_len": 1024, "random_output_len": 128, "random_range_ratio": 0.0}
 
-def add_dataset_args(parser: argparse.ArgumentParser, *, default_dataset: str, default_num_prompts: int,
+
+def add_dataset_args(parser: argparse.ArgumentParser, *, default_dataset: str | None, default_num_prompts: int,
                      with_seed: bool) -> None:
-    """with_seed: False where the engine flags already define --seed (it then seeds the requests too)."""
+    """default_dataset None: random when a --random-* flag is given, else mixed (see resolve_dataset_args).
+    with_seed: False where the engine flags already define --seed (it then seeds the requests too)."""
     group = parser.add_argument_group("dataset")
+    default_help = ("random when a --random-* flag is given, else mixed" if default_dataset is None
+                    else default_dataset)
     group.add_argument("--dataset", "--dataset-name", dest="dataset", choices=DATASETS, default=default_dataset,
                        help="random: uniform random tokens; prefix-repetition: shared prefixes + random suffixes; "
                             "mixed: ShareGPT-like synthetic (prompts 16-1024, outputs 16-512 tokens, log-uniform); "
-                            "sharegpt: a ShareGPT-format JSON file (--dataset-path)")
+                            f"sharegpt: a ShareGPT-format JSON file (--dataset-path) (default: {default_help})")
     group.add_argument("--dataset-path", help="ShareGPT-format JSON for --dataset sharegpt")
     group.add_argument("--num-prompts", type=integer(1), default=default_num_prompts, help="how many requests")
-    group.add_argument("--random-input-len", type=integer(1), default=1024, help="random: mean prompt tokens")
-    group.add_argument("--random-output-len", type=integer(1), default=128, help="random: mean output tokens")
-    group.add_argument("--random-range-ratio", type=range_ratio, default=0.0,
-                       help="random: lengths are uniform in [len * (1 - r), len * (1 + r)]")
+    group.add_argument("--random-input-len", type=integer(1), default=None,
+                       help=f"random: mean prompt tokens (default {RANDOM_DEFAULTS['random_input_len']})")
+    group.add_argument("--random-output-len", type=integer(1), default=None,
+                       help=f"random: mean output tokens (default {RANDOM_DEFAULTS['random_output_len']})")
+    group.add_argument("--random-range-ratio", type=range_ratio, default=None,
+                       help="random: lengths are uniform in [len * (1 - r), len * (1 + r)] (default 0)")
     group.add_argument("--prefix-repetition-prefix-len", type=integer(0), default=256)
     group.add_argument("--prefix-repetition-suffix-len", type=integer(1), default=256)
     group.add_argument("--prefix-repetition-num-prefixes", type=integer(1), default=10)
@@ -38,6 +46,22 @@ def add_dataset_args(parser: argparse.ArgumentParser, *, default_dataset: str, d
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
+def resolve_dataset_args(args: argparse.Namespace) -> None:
+    """Fill in what the dataset flags leave open: with no --dataset, the --random-* flags mean the random data set
+    (as in vLLM's `bench throughput`), else mixed; --random-* flags beside another --dataset are an error rather
+    than silently unused. The --random-* flags not given take RANDOM_DEFAULTS."""
+    given = [name for name in RANDOM_DEFAULTS if getattr(args, name) is not None]
+    if args.dataset is None:
+        args.dataset = "random" if given else "mixed"
+    if given and args.dataset != "random":
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        verb = "applies" if len(given) == 1 else "apply"
+        raise ValueError(f"{flags} {verb} to --dataset random only, not --dataset {args.dataset}")
+    for name, default in RANDOM_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+
+
 def add_throughput_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("throughput", help="offline throughput of jserve or transformers on the same requests")
     p.add_argument("--backend", choices=("jserve", "hf"), default="jserve",
@@ -46,7 +70,7 @@ def add_throughput_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hf-batch-size", type=integer(1), default=32, help="rows per static batch for --backend hf")
     p.add_argument("--hf-sort", action=argparse.BooleanOptionalAction, default=True,
                    help="sort requests longest first before batching (less padding: the strongest baseline)")
-    add_dataset_args(p, default_dataset="mixed", default_num_prompts=256, with_seed=False)
+    add_dataset_args(p, default_dataset=None, default_num_prompts=256, with_seed=False)
     add_engine_args(p)
     p.set_defaults(run=_run_throughput)
 
@@ -99,6 +123,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 def _run_throughput(args: argparse.Namespace) -> int:
     from jserve.bench.throughput import run_throughput
 
+    resolve_dataset_args(args)
     return run_throughput(args)
 
 
@@ -111,4 +136,5 @@ def _run_latency(args: argparse.Namespace) -> int:
 def _run_serve(args: argparse.Namespace) -> int:
     from jserve.bench.serve import run_serve
 
+    resolve_dataset_args(args)
     return run_serve(args)

@@ -288,8 +288,9 @@ class LLMEngine:
                 raise InvalidParameterError("prompt", "a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            text, ids = None, list(prompt)
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
+            # NumPy integer ids (a tokenizer's array output) become Python ints; anything else is refused below.
+            text, ids = None, [int(t) if isinstance(t, np.integer) else t for t in prompt]
             # The model's embedding table bounds the ids, not the tokenizer: an id past the table would be clamped
             # by the gather and silently read another token's row.
             vocab = self.model_config.vocab_size

@@ -142,15 +142,20 @@ class OutputProcessor:
         reason, stop_reason = None, None
         ends_on_eos = not params.ignore_eos and token in params.eos_token_ids  # the engine's, set per request
         if (ends_on_eos or token in params.stop_token_ids) and seq.num_output_tokens > params.min_tokens:
-            # The stop token's own text is not output; text held back before it (half a character) is.
+            # The stop token's own text is output only with include_stop_str_in_output, and then as
+            # skip_special_tokens renders it (an EOS is usually special: no text), as in vLLM. Text held back before
+            # it (half a character) is output.
             reason, stop_reason = "stop", token
-            delta = stream.detokenizer.finish()
+            kept = stream.detokenizer.add(token) if params.include_stop_str_in_output else ""
+            delta = kept + stream.detokenizer.finish()
         else:
             delta = stream.detokenizer.add(token)
             if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = "length"
                 delta += stream.detokenizer.finish()
-        if params.stop:
+        # Text produced by the first min_tokens tokens never takes part in stop-string matching (vLLM): it bypasses
+        # the matcher, which therefore holds nothing back until min_tokens is reached.
+        if params.stop and seq.num_output_tokens > params.min_tokens:
             emit, matched = stream.stop_matcher.feed(delta)
             if matched is not None:
                 reason, stop_reason = "stop", matched
