@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 from types import SimpleNamespace
 
@@ -191,3 +192,29 @@ def test_cli_several_models(tmp_path, caplog):
 def test_cli_errors(argv, message, capsys):
     assert main(["serve", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("models.yaml", "models: [\n", "models.yaml: not valid YAML"),
+    ("models.json", '{"models": [', "models.json: Expecting value"),
+    ("models.yaml", "models:\n  - {model: /m/a, max_model_len: abc}\n", "models.yaml: models[0]: max_model_len"),
+])
+def test_cli_config_file_errors(name, text, message, tmp_path, capsys):
+    """A config file that does not parse, or holds a bad value, is a usage error naming the file (exit 2), as
+    unknown settings are; never a traceback."""
+    (tmp_path / name).write_text(text)
+    assert main(["serve", "--config", str(tmp_path / name)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_names_the_model_that_failed_to_load(caplog):
+    """On a several-model server the start-up failure names the model whose KV budget is too small."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    argv = ["serve", "--port", str(port), "--no-warmup", "--compilation-cache-dir", "", "--max-model-len", "64"]
+    for name, budget in (("a", 1 << 20), ("b", 1000)):
+        argv += ["--model", str(DEMO_MODEL_DIR), "--served-model-name", name, "--kv-cache-memory-bytes", str(budget)]
+    with caplog.at_level(logging.ERROR, logger="jserve.server.cli"):
+        assert main(argv) == 2
+    assert "jserve: the model b failed to load: KV cache budget of 1000 bytes" in caplog.text

@@ -92,7 +92,10 @@ def _per_model(values: list | None, count: int, flag: str) -> list:
 
 def _config_file_models(path: str, base: EngineConfig) -> list[ServedModel]:
     text = Path(path).read_text()
-    data = json.loads(text) if path.endswith(".json") else _yaml(text)
+    try:
+        data = json.loads(text) if path.endswith(".json") else _yaml(text)
+    except ValueError as e:  # json.JSONDecodeError, and yaml.YAMLError made one by _yaml
+        raise ValueError(f"{path}: {e}") from None
     entries = data.get("models") if isinstance(data, dict) else None
     if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
         raise ValueError(f"{path}: expected {{'models': [{{'model': ..., ...}}, ...]}}")
@@ -105,14 +108,21 @@ def _config_file_models(path: str, base: EngineConfig) -> list[ServedModel]:
         if unknown or not entry.get("model"):
             raise ValueError(f"{path}: models[{i}] " + (f"has unknown settings {unknown}" if unknown
                                                        else "needs a 'model'"))
-        models.append(ServedModel(name or default_name(str(entry["model"])), base.replace(**entry)))
+        try:
+            config = base.replace(**entry)
+        except ValueError as e:
+            raise ValueError(f"{path}: models[{i}]: {e}") from None
+        models.append(ServedModel(name or default_name(str(entry["model"])), config))
     return models
 
 
 def _yaml(text: str):
     import yaml
 
-    return yaml.safe_load(text)
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:  # not a ValueError: made one so `jserve serve` exits 2 with the reason
+        raise ValueError(f"not valid YAML: {e}") from None
 
 
 def models_from_args(args: argparse.Namespace) -> EngineConfig | list[ServedModel]:
@@ -198,7 +208,8 @@ def run_serve(args: argparse.Namespace) -> int:
                 args.host, args.port)
     server.run()
     if failed:
-        logger.error("jserve: the model failed to load: %s", failed[0])
+        # health() names the model that failed where several are served ("the model b failed to load: ...")
+        logger.error("jserve: %s", app.state.server.health()[1])
         return EXIT_LOAD_FAILED
     if engine_failed:
         logger.error("jserve: the engine failed: %s", engine_failed[0])

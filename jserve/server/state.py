@@ -119,7 +119,7 @@ class ServerState:
         self._load_task = asyncio.ensure_future(self._load())
 
     async def _load(self) -> None:
-        model = self.primary
+        model = None  # None while planning the KV budgets, which concern every model
         try:
             if len(self.models) > 1:  # every budget explicit, and checked, before any model takes memory
                 for served in await asyncio.to_thread(plan_kv_budgets, self._served):
@@ -127,8 +127,8 @@ class ServerState:
             for model in self.models.values():
                 await model.load(self.settings, self._engine_died)
         except Exception as e:
-            logger.exception("the model %s failed to load", model.name)
-            self.load_error, self._failed_model = e, model.name
+            self.load_error, self._failed_model = e, model.name if model is not None else None
+            logger.exception("%s failed to load", self._which(self._failed_model))
             if self._on_load_error is not None:
                 self._on_load_error(e)
 
@@ -138,8 +138,11 @@ class ServerState:
         if self.on_fatal is not None:
             self.on_fatal(error)
 
-    def _which(self, name: str) -> str:
-        return f"the model {name}" if len(self.models) > 1 else "the model"
+    def _which(self, name: str | None) -> str:
+        """How messages name a model: by its name where several are served (None: all of them)."""
+        if len(self.models) == 1:
+            return "the model"
+        return f"the model {name}" if name is not None else "the models"
 
     def health(self) -> tuple[str, str | None]:
         """("loading" | "ready" | "dead", why it is not ready): ready only when every model is."""
