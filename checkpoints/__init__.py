@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 # A 4M-parameter Llama with a ChatML tokenizer, trained on Python's standard library: small enough to ship and to
@@ -27,3 +28,18 @@ def default_model() -> Path | None:
 class CheckpointError(ValueError):
     """A checkpoint (its directory, config.json, tokenizer or weight files) cannot be used; the message says which
     file and why. jserve raises it as jserve.config.ModelLoadError, the same class."""
+
+
+def is_gguf_file(path: str | os.PathLike) -> bool:
+    """Whether path is a GGUF file: named *.gguf, or a file that begins with GGUF's magic bytes (Ollama keeps its
+    models as blobs named by their digest, `~/.ollama/models/blobs/sha256-...`, with no suffix)."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    if path.suffix == ".gguf":
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False

@@ -114,7 +114,13 @@ def iter_tensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
         start, end = info["data_offsets"]
         if end > data.size:
             raise CheckpointError(f"{path}: tensor {name} runs past the end of the file (truncated?)")
-        yield name, data[start:end].view(dtype).reshape(info["shape"])
+        shape = info["shape"]
+        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if not 0 <= start <= end or end - start != size:
+            # as the safetensors library refuses it; else numpy's view or reshape fails naming neither
+            raise CheckpointError(f"{path}: tensor {name} holds bytes {start}..{end} ({end - start} bytes), but "
+                                  f"{info['dtype']} {list(shape)} takes {size} (a damaged header?)")
+        yield name, data[start:end].view(dtype).reshape(shape)
 
 
 def llama_name_map(tie_word_embeddings: bool) -> Callable[[str], list[Target] | None]:

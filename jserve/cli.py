@@ -56,9 +56,12 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> None:
 
 def _run_convert(args: argparse.Namespace) -> int:
     from jserve.convert import convert
+    from jserve.orbax_io import read_checkpoint
 
     out = convert(args.model, args.out, args.dtype, args.quantization)
-    stored = args.dtype if args.quantization is None else f"{args.dtype}, {args.quantization} weights"
+    # The marker, not the flag: a source quantized elsewhere (compressed-tensors) is stored int8 without the flag.
+    quantization = read_checkpoint(out).quantization
+    stored = args.dtype if quantization is None else f"{args.dtype}, {quantization} weights"
     print(f"wrote {out} ({stored}); serve it with: jserve serve --model {out} --dtype {args.dtype}")
     return 0
 

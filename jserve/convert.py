@@ -19,7 +19,7 @@ from flax import nnx
 
 from jserve.config import SUPPORTED_DTYPES, ModelLoadError
 from jserve.gguf_loading import find_gguf
-from jserve.loading import load_model, resolve_model_path
+from jserve.loading import load_model, resolve_model_path, stored_quantization
 from jserve.models.quantization import HEAD_SCALE_PATH, SCHEMES
 from jserve.orbax_io import (
     FORMAT,
@@ -68,16 +68,22 @@ def convert(model: str, out: str | Path, dtype: str = "float32", quantization: s
         if any(out.iterdir()):
             raise ModelLoadError(f"{out}: not empty; convert into a new or empty directory (nothing in it is "
                                  "overwritten)")
+    gguf_file = find_gguf(source)
+    # A GGUF file's tokenizer is built before anything is written: a file without one (no vocabulary) then leaves
+    # no unfinished conversion behind.
+    tokenizer = load_tokenizer(gguf_file) if gguf_file is not None else None
     loaded = load_model(source, dtype, quantization=quantization)
+    # A checkpoint quantized elsewhere (compressed-tensors W8A16) loads as int8 weights with their scales whatever
+    # was asked: the marker must say so, or the restore expects float weights and finds scales.
+    quantization = quantization or stored_quantization(source)
     out.mkdir(parents=True, exist_ok=True)
     _save_params(loaded.state, out / PARAMS_DIR)
-    gguf_file = find_gguf(source)
-    if gguf_file is None:
+    if tokenizer is None:
         for name in _COPIED_FILES:
             if (source / name).is_file():
                 shutil.copy2(source / name, out / name)
     else:
-        load_tokenizer(gguf_file).hf.save_pretrained(str(out))
+        tokenizer.hf.save_pretrained(str(out))
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "dtype": dtype, "jserve_version": _jserve_version(),
             "source": str(gguf_file or source), "model_config": config_to_dict(loaded.config)}
     if quantization is not None:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from checkpoints import is_gguf_file
 from checkpoints.gguf_reader import GGUFFile, GGUFTensor, open_gguf
 from checkpoints.safetensors_loader import ParamSource, Tensor, assemble_state, hf_names
 from jserve.config import ModelConfig, ModelLoadError, RopeScaling
@@ -50,12 +51,13 @@ _REQUIRED = object()
 
 
 def find_gguf(path: str | Path) -> Path | None:
-    """The GGUF file a model path names: the path itself where it is a .gguf file, the one .gguf file of a directory
-    that has no safetensors checkpoint, else None (a Hugging Face checkpoint directory). A directory with several
-    .gguf files (quantizations of one model, or the parts of a split file) raises ModelLoadError: name one."""
+    """The GGUF file a model path names: the path itself where it is a GGUF file (named .gguf, or an Ollama blob),
+    the one .gguf file of a directory that has no safetensors checkpoint, else None (a Hugging Face checkpoint
+    directory). A directory with several .gguf files (quantizations of one model, or the parts of a split file)
+    raises ModelLoadError: name one."""
     path = Path(path)
     if path.is_file():
-        return path if path.suffix == ".gguf" else None
+        return path if is_gguf_file(path) else None
     if not path.is_dir() or any((path / name).is_file()
                                 for name in ("model.safetensors", "model.safetensors.index.json")):
         return None

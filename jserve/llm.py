@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import numpy as np
@@ -41,11 +42,12 @@ class LLM:
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | dict | Seq[SamplingParams | dict] | None = None, *,
-                 use_tqdm: bool = True, priority: Seq[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable[..., tqdm] = True,
+                 priority: Seq[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (a string, token ids, or {"prompt_token_ids": [...]}) in input order.
 
         Token ids may be Python or NumPy integers (a 1-D array is one prompt); sampling_params may also be a dict of
-        SamplingParams' fields."""
+        SamplingParams' fields. use_tqdm: a progress bar from 8 prompts on, or a tqdm-like class to show one with."""
         if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
             prompts = [prompts]  # one prompt's token ids, as a tokenizer's NumPy output gives them
         elif isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and _is_token_id(prompts[0])):
@@ -63,16 +65,32 @@ class LLM:
 
     def chat(self, messages: list[dict] | Seq[list[dict]],
              sampling_params: SamplingParams | dict | Seq[SamplingParams | dict] | None = None, *,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+             use_tqdm: bool | Callable[..., tqdm] = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None,
+             priority: Seq[int] | None = None) -> list[RequestOutput]:
+        """Apply the chat template to each conversation, then generate (vLLM's `LLM.chat` arguments).
+
+        chat_template replaces the model's template; continue_final_message renders the last message open, so the
+        model continues it (add_generation_prompt must then be False, as transformers requires); tools go to the
+        template, which renders them where it knows how; chat_template_kwargs are further variables of the
+        template (e.g. enable_thinking)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.engine.tokenizer
-        prompts = [{"prompt_token_ids": tokenizer.apply_chat_template(conv, add_generation_prompt)}
+        kwargs = dict(chat_template_kwargs or {})
+        if chat_template is not None:
+            kwargs["chat_template"] = chat_template
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
+        if tools:
+            kwargs["tools"] = tools
+        prompts = [{"prompt_token_ids": tokenizer.apply_chat_template(conv, add_generation_prompt, **kwargs)}
                    for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
 
     def _run(self, prompts: list, params: list[SamplingParams], priorities: list[int],
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool | Callable[..., tqdm]) -> list[RequestOutput]:
         ids = [f"offline-{next(self._request_ids)}" for _ in prompts]
         added = []
         try:
@@ -86,7 +104,9 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
         results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm or len(ids) < _PROGRESS_BAR_MIN_PROMPTS)
+        # A callable is the progress bar's class (vLLM's use_tqdm), used whatever the number of prompts.
+        bar = use_tqdm(total=len(ids), desc="Generating") if callable(use_tqdm) else \
+            tqdm(total=len(ids), desc="Generating", disable=not use_tqdm or len(ids) < _PROGRESS_BAR_MIN_PROMPTS)
         try:
             while len(results) < len(ids):
                 try:

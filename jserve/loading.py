@@ -13,11 +13,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, Sharding
 
-from checkpoints import dummy
+from checkpoints import dummy, is_gguf_file
 from checkpoints.dummy import DummySource
-from checkpoints.safetensors_loader import ParamSource, load_state
+from checkpoints.safetensors_loader import ParamSource, hf_names, load_state
 from jserve.config import LOAD_FORMATS, ModelConfig, ModelLoadError
-from jserve.gguf_loading import find_gguf, gguf_model_config, load_gguf_state
+from jserve.gguf_loading import find_gguf, gguf_model_config, gguf_tensor_name, load_gguf_state
 from jserve.models import model_class
 from jserve.models.quantization import (
     compressed_tensors_format,
@@ -50,14 +50,16 @@ class LoadedModel:
 
 
 def resolve_model_path(model: str) -> Path:
-    """A local directory as is (its GGUF file where it holds one and no safetensors) or a local .gguf file;
-    otherwise a Hugging Face hub id fetched (or found in the local HF cache)."""
+    """A local directory as is (its GGUF file where it holds one and no safetensors) or a local GGUF file (named
+    .gguf, or an Ollama blob); otherwise a Hugging Face hub id fetched (or found in the local HF cache)."""
     path = Path(model).expanduser()
     if path.exists():
-        if not path.is_dir() and path.suffix != ".gguf":
-            raise ModelLoadError(f"{model}: not a directory or a .gguf file (expected a checkpoint directory with "
+        if not path.is_dir() and not is_gguf_file(path):
+            raise ModelLoadError(f"{model}: not a directory or a GGUF file (expected a checkpoint directory with "
                                  "config.json, or a GGUF file)")
         return find_gguf(path) or path
+    if path.suffix == ".gguf":  # a file's name, not a hub id (the hub fetch takes no .gguf files)
+        raise ModelLoadError(f"{model}: no such GGUF file")
     if model.count("/") == 1 and not model.startswith((".", "/")):
         try:
             from huggingface_hub import snapshot_download
@@ -66,7 +68,7 @@ def resolve_model_path(model: str) -> Path:
         except Exception as e:  # offline, unknown repo, gated: all mean "cannot use this id"
             raise ModelLoadError(f"{model}: no such local directory, and fetching it from the Hugging Face hub "
                                  f"failed ({type(e).__name__}: {e})") from None
-    raise ModelLoadError(f"{model}: no such directory")
+    raise ModelLoadError(f"{model}: no such file or directory")
 
 
 def model_config(model_path: str | Path) -> ModelConfig:
@@ -147,7 +149,9 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
     # A quantized weight is read from the checkpoint in `dtype` and its scale made from it, or, from a quantized
     # conversion, both are read as stored.
     scales = set() if stored_quantized else {scale_path(path) for path in quantized}
-    read_as = np.dtype(np.int8) if prequantized is not None else np.dtype(dtype)
+    # Dummy weights of a compressed-tensors checkpoint are drawn in dtype and quantized like any float weight (drawn
+    # as int8, normal(0, 0.02) rounds to zeros).
+    read_as = np.dtype(np.int8) if prequantized is not None and load_format == "auto" else np.dtype(dtype)
     shapes = {path: (leaf.shape, read_as if path in quantized and not stored_quantized else np.dtype(leaf.dtype))
               for path, leaf in _flatten(pure) if path not in scales}
     axes = {tuple(path): var.get_metadata().get("logical_axes") for path, var in nnx.to_flat_state(state)}
@@ -181,7 +185,13 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
 
     def place_one(path: tuple, source: ParamSource) -> jax.Array:
         if path in quantized and not stored_quantized:
-            return place_quantized_one(path, *quantize_rows(np.asarray(source.read()), quantization))
+            try:
+                rows = quantize_rows(np.asarray(source.read()), quantization)
+            except ValueError as e:  # inf or NaN: its message names no tensor
+                names = hf_names(path)  # a GGUF file's own tensor names where the source is one
+                names = names if gguf_file is None else "/".join(map(gguf_tensor_name, names.split("/")))
+                raise ModelLoadError(f"{model_dir}: cannot quantize {names} to {quantization} ({e})") from None
+            return place_quantized_one(path, *rows)
         if stored_quantized and place_quantized is not None and (path in quantized or path in weight_of_scale):
             return place_stored(path, source)
         if place is not None:

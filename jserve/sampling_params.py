@@ -91,8 +91,19 @@ class SamplingParams:
     cache_salt: str | None = None
     # Constrained decoding (a JSON schema, a regex, a choice, a grammar); a dict is read as its fields.
     structured_outputs: StructuredOutputsParams | None = None
+    # Keep only the prompt's last k tokens (left truncation; -1: as many as fit, max_model_len - 1), vLLM's field.
+    truncate_prompt_tokens: int | None = None
+    # Only these tokens may be generated (vLLM's field); None: any token.
+    allowed_token_ids: list[int] | None = None
+    # Words never generated (vLLM's field): the last token of each word's tokens is forbidden wherever the output
+    # ends in the tokens before it.
+    bad_words: list[str] | None = None
     # Filled by the engine, not by users: the tokens that end the request besides stop_token_ids.
     eos_token_ids: list[int] = field(default_factory=list, repr=False)
+    # Filled by the engine, not by users: the vocabulary outside allowed_token_ids, which the sampler forbids.
+    banned_token_ids: tuple[int, ...] = field(default=(), repr=False)
+    # Filled by the engine, not by users: the token ids of each bad word, as vLLM tokenizes them.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -104,6 +115,15 @@ class SamplingParams:
                f"stop_token_ids must be a list of token ids, got {type(self.stop_token_ids).__name__}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        _check(self.allowed_token_ids is None or isinstance(self.allowed_token_ids, (list, tuple)),
+               "allowed_token_ids", f"allowed_token_ids must be a list of token ids, got "
+                                    f"{type(self.allowed_token_ids).__name__}")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        _check(self.bad_words is None or isinstance(self.bad_words, (list, tuple)), "bad_words",
+               f"bad_words must be a list of strings, got {type(self.bad_words).__name__}")
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
         if self.top_k == -1:
             self.top_k = 0
         if isinstance(self.structured_outputs, dict):
@@ -144,6 +164,16 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "stop must be non-empty strings")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "stop_token_ids must be non-negative integers")
+        _check(self.allowed_token_ids is None or (len(self.allowed_token_ids) > 0 and all(
+            _is_int(t) and t >= 0 for t in self.allowed_token_ids)), "allowed_token_ids",
+               "allowed_token_ids must be a non-empty list of non-negative integers")
+        _check(self.bad_words is None or all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
+               "bad_words must be non-blank strings")
+        _check(self.truncate_prompt_tokens is None or (_is_int(self.truncate_prompt_tokens)
+                                                      and (self.truncate_prompt_tokens >= 1
+                                                           or self.truncate_prompt_tokens == -1)),
+               "truncate_prompt_tokens", f"truncate_prompt_tokens must be -1 or a positive integer, got "
+                                         f"{self.truncate_prompt_tokens!r}")
         _check(self.cache_salt is None or (isinstance(self.cache_salt, str)
                                            and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_LEN), "cache_salt",
                f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_LEN} characters")
@@ -165,8 +195,9 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
 
-# The fields a user sets (a dict of sampling fields, a JSONL line): all but the engine's own eos_token_ids.
-SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {"eos_token_ids"}
+# The fields a user sets (a dict of sampling fields, a JSONL line): all but the engine's own ones.
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {
+    "eos_token_ids", "banned_token_ids", "bad_words_token_ids"}
 
 
 class InvalidParameterError(ValueError):

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from functools import cached_property
 from typing import Any
 
+from checkpoints import is_gguf_file
 from jserve.config import ModelLoadError
 from jserve.sampling_params import InvalidParameterError
 
@@ -66,10 +67,10 @@ def load_tokenizer(path: str | os.PathLike[str], *, trust_remote_code: bool = Fa
 
 
 def _gguf_file(path: str) -> str | None:
-    """The GGUF file whose metadata holds the tokenizer: path itself, or a directory's one .gguf file where the
-    directory has no tokenizer files of its own."""
+    """The GGUF file whose metadata holds the tokenizer: path itself (named .gguf, or an Ollama blob), or a
+    directory's one .gguf file where the directory has no tokenizer files of its own."""
     if os.path.isfile(path):
-        return path if path.endswith(".gguf") else None
+        return path if is_gguf_file(path) else None
     if not os.path.isdir(path):
         return None
     names = os.listdir(path)

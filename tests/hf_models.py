@@ -80,6 +80,9 @@ def save_tokenizer(out_dir: Path) -> Path:
     fast = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
         chat_template=("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-                       "{% if add_generation_prompt %}<s>assistant\n{% endif %}"))
+                       "{% if add_generation_prompt %}<s>assistant\n"
+                       # a template variable, as Qwen3's enable_thinking: what chat_template_kwargs set
+                       "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+                       "{% endif %}"))
     fast.save_pretrained(out_dir)
     return Path(out_dir)

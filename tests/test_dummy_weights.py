@@ -92,6 +92,29 @@ def test_quantized_dummy_weights_are_the_float_draw_quantized_where_it_lives(con
     assert tokens[0] == tokens[1] and len(tokens[0]) == 10
 
 
+def test_dummy_weights_of_a_compressed_tensors_checkpoint_are_the_float_draw(config_only_dir, tmp_path):
+    """A config.json with a compressed-tensors quantization_config, no weights: dummy weights are the float draw
+    (quantized by --quantization int8 as any float draw is), not a draw cast to int8 (all zeros)."""
+    from jserve.models.quantization import quantize_rows
+
+    ct = tmp_path / "ct"
+    shutil.copytree(config_only_dir, ct)
+    config = json.loads((ct / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {
+        "g": {"weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}}}}
+    (ct / "config.json").write_text(json.dumps(config))
+
+    def down(model, name: str = "weight") -> np.ndarray:
+        return np.asarray(model.state["layers"][0]["mlp"]["down_proj"][name][...])
+
+    float_draw = down(load_model(config_only_dir, load_format="dummy"))
+    np.testing.assert_array_equal(down(load_model(ct, load_format="dummy")), float_draw)
+    q, scale = quantize_rows(float_draw)
+    model = load_model(ct, load_format="dummy", quantization="int8")
+    np.testing.assert_allclose(down(model, "scale"), scale, rtol=1e-6)
+    assert np.abs(down(model).astype(np.int32) - q).max() <= 1 and np.abs(q).max() == 127
+
+
 def test_sharded_draw_follows_the_rules(config_only_dir):
     """Under tensor parallelism each parameter is drawn with its rules sharding (never whole on one device), and
     the model computes what the unsharded one does, with float or int8 weights."""

@@ -379,6 +379,128 @@ def test_logprobs_are_the_models_log_softmax(hf_model_dir, llm_factory, executor
             assert lp == pytest.approx(expected[position, t], abs=1e-4)
 
 
+def test_allowed_token_ids_restrict_every_sampler_path(hf_model_dir, llm_factory, executor):
+    """vLLM's allowed_token_ids: only those tokens are generated, greedy (decode bursts), sampled, under a penalty
+    (single steps) and with logprobs; greedy picks transformers' argmax over the allowed tokens."""
+    model_dir = hf_model_dir("llama")
+    llm = llm_factory(model_dir, attention_backend=executor)
+    prompt = np.random.default_rng(5).integers(3, 500, 9).tolist()
+    allowed = [7, 40, 133, 300, 451]
+    base = dict(max_tokens=12, ignore_eos=True, allowed_token_ids=allowed)
+    outputs = llm.generate([{"prompt_token_ids": prompt}] * 3, [
+        SamplingParams(temperature=0, **base), SamplingParams(temperature=1.0, seed=3, n=2, **base),
+        SamplingParams(temperature=0.7, seed=4, presence_penalty=1.0, logprobs=1, **base)], use_tqdm=False)
+    for output in outputs:
+        for completion in output.outputs:
+            assert set(completion.token_ids) <= set(allowed)
+    hf = load_hf(model_dir)
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(12):
+            logits = hf(torch.tensor([tokens])).logits[0, -1]
+            tokens.append(allowed[int(logits[allowed].argmax())])
+    assert outputs[0].outputs[0].token_ids == tokens[len(prompt):]
+    with pytest.raises(ValueError, match="outside the vocabulary") as info:
+        llm.generate("x", SamplingParams(allowed_token_ids=[5, 10**6]), use_tqdm=False)
+    assert info.value.param == "allowed_token_ids"
+    with pytest.raises(ValueError, match="non-empty") as info:
+        SamplingParams(allowed_token_ids=[])
+
+
+def test_bad_words_follow_vllms_rule(hf_model_dir, llm_factory, executor):
+    """vLLM's bad_words: each word is tokenized as is and, where that gives as many tokens with another first one,
+    after a space; a word's last token is forbidden wherever the output ends in its other tokens (always, for a
+    one-token word). Greedy tokens match transformers' under that rule; the prompt's free greedy output holds both
+    words (">ang" is its tokens 32, 304), so the rule is exercised."""
+    model_dir = hf_model_dir("llama")
+    llm = llm_factory(model_dir, attention_backend=executor)
+    hf_tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    words = [">ang", "ci"]
+    encoded = [hf_tokenizer.encode(w.lstrip(), add_special_tokens=False) for w in words]
+    spaced = [hf_tokenizer.encode(" " + w.lstrip(), add_special_tokens=False) for w in words]
+    banned = encoded + [s for e, s in zip(encoded, spaced, strict=True) if s[0] != e[0] and len(s) == len(e)]
+    prompt = np.random.default_rng(33).integers(3, 500, 7).tolist()
+    free, constrained = llm.generate([{"prompt_token_ids": prompt}] * 2, [
+        greedy(16), greedy(16).clone(bad_words=words)], use_tqdm=False)
+    for ids in encoded:
+        assert any(free.outputs[0].token_ids[i:i + len(ids)] == ids for i in range(16))
+    hf = load_hf(model_dir)
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(16):
+            logits = hf(torch.tensor([tokens])).logits[0, -1]
+            output = tokens[len(prompt):]
+            for ids in banned:
+                if len(ids) - 1 <= len(output) and output[len(output) - len(ids) + 1:] == ids[:-1]:
+                    logits[ids[-1]] = -float("inf")
+            tokens.append(int(logits.argmax()))
+    assert constrained.outputs[0].token_ids == tokens[len(prompt):]
+    for ids in encoded:
+        assert not any(constrained.outputs[0].token_ids[i:i + len(ids)] == ids for i in range(16))
+
+
+def test_use_tqdm_takes_a_progress_bar_class(hf_model_dir, llm_factory):
+    """vLLM's use_tqdm may be a tqdm class: the call's progress is shown with it, one update per finished prompt."""
+    from tqdm import tqdm
+
+    bars = []
+
+    class Recording(tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, disable=True, **kwargs)
+            self.updates = 0
+            bars.append(self)
+
+        def update(self, n=1):
+            self.updates += n
+
+    llm = llm_factory(hf_model_dir("llama"))
+    llm.generate(["a", "b"], greedy(2), use_tqdm=Recording)
+    assert [(bar.total, bar.updates) for bar in bars] == [(2, 2)]
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(hf_model_dir, llm_factory):
+    """vLLM's truncate_prompt_tokens=k: the request runs on the prompt's last k tokens (so a prompt longer than
+    max_model_len fits), and reports those as its prompt_token_ids; -1 keeps as many as leave room for a token."""
+    llm = llm_factory(hf_model_dir("llama"))
+    prompt = np.random.default_rng(6).integers(3, 500, 600).tolist()  # longer than max_model_len (512)
+    truncated = llm.generate({"prompt_token_ids": prompt}, greedy(5).clone(truncate_prompt_tokens=40),
+                             use_tqdm=False)[0]
+    alone = llm.generate({"prompt_token_ids": prompt[-40:]}, greedy(5), use_tqdm=False)[0]
+    assert truncated.prompt_token_ids == prompt[-40:]
+    assert truncated.outputs[0].token_ids == alone.outputs[0].token_ids
+    longest = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=None, truncate_prompt_tokens=-1),
+                           use_tqdm=False)[0]
+    assert longest.prompt_token_ids == prompt[-511:] and len(longest.outputs[0].token_ids) == 1
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)
+
+
+def test_chat_takes_vllms_template_arguments(hf_model_dir, llm_factory):
+    """LLM.chat's chat_template, continue_final_message, tools and chat_template_kwargs reach the template as
+    transformers' apply_chat_template takes them, for each conversation of a batch."""
+    model_dir = hf_model_dir("llama")
+    llm = llm_factory(model_dir)
+    hf_tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    partial = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "The quick"}]
+    out = llm.chat(partial, greedy(2), use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+    assert out[0].prompt_token_ids == hf_tokenizer.apply_chat_template(
+        partial, tokenize=True, return_dict=False, add_generation_prompt=False, continue_final_message=True)
+    assert hf_tokenizer.decode(out[0].prompt_token_ids).endswith("The quick")
+    template = ("{% for m in messages %}[{{ m['role'] }}|{{ m['content'] }}]{% endfor %}"
+                "{% if tools %}tools:{{ tools | length }}{% endif %}{{ greeting }}"
+                "{% if add_generation_prompt %}[assistant|{% endif %}")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    outs = llm.chat([partial[:1], partial], greedy(2), use_tqdm=False, chat_template=template, tools=tools,
+                    chat_template_kwargs={"greeting": "hi"})
+    for conversation, output in zip([partial[:1], partial], outs, strict=True):
+        assert output.prompt_token_ids == hf_tokenizer.apply_chat_template(
+            conversation, tokenize=True, return_dict=False, chat_template=template, tools=tools, greeting="hi",
+            add_generation_prompt=True)
+    assert hf_tokenizer.decode(outs[0].prompt_token_ids) == "[user|hello]tools:1hi[assistant|"
+
+
 @pytest.mark.parametrize("prompt, params, param, message", [
     ([5] * 600, SamplingParams(), "prompt", "This model's maximum context length is 512 tokens. However, your "
                                             "request has 600 input tokens."),

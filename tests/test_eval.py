@@ -81,6 +81,20 @@ def test_strided_scheme_by_hand():
             llama_perplexity_windows(tokens, 8, stride=stride)
 
 
+def test_a_bad_stride_or_text_is_refused_before_the_model_loads(tmp_path, capsys):
+    """The window check and the text need no model: a stride of --context, or a text that is not UTF-8 (named), is
+    refused before a (possibly large) model loads."""
+    assert main(["eval", "perplexity", "--model", str(tmp_path / "no-such-model"), "--context", "64",
+                 "--stride", "64", "--disable-tqdm"]) == 2
+    err = capsys.readouterr().err
+    assert "--stride must be 0 (llama-perplexity's default scheme) or in [1, --context - 1] = [1, 63]" in err
+    assert "no-such-model" not in err
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    assert main(["eval", "perplexity", "--model", str(tmp_path / "no-such-model"), "--text",
+                 str(tmp_path / "latin1.txt")]) == 2
+    assert f"--text {tmp_path / 'latin1.txt'}: not UTF-8 text" in capsys.readouterr().err
+
+
 def test_tokenization_puts_bos_first_where_the_tokenizer_does(tiny_tokenizer_dir, tmp_path):
     from tokenizers import processors
 
@@ -150,6 +164,24 @@ def test_cli_writes_the_json(hf_model_dir, llm_factory, text, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"Final estimate: PPL = {report['perplexity']:.4f} +/- " in printed
     assert f"Scored {report['num_scored_tokens']} of the text's {report['num_text_tokens']} tokens" in printed
+
+
+def test_a_window_as_long_as_the_models_context(hf_model_dir, text, tmp_path):
+    """--context equal to max_position_embeddings (llama-perplexity -c n_ctx_train) scores: a window of C tokens
+    needs C positions, not C + 1 (each request's one generated token is the window's last, forced), and every
+    window's last token scores as transformers scores it."""
+    model_dir = hf_model_dir("llama", max_position_embeddings=64)
+    (tmp_path / "text.txt").write_text(text)
+    out = tmp_path / "ppl.json"
+    flags = [flag for i, flag in enumerate(ENGINE_FLAGS) if "--max-model-len" not in ENGINE_FLAGS[max(0, i - 1):i + 1]]
+    assert main(["eval", "perplexity", "--model", str(model_dir), "--text", str(tmp_path / "text.txt"),
+                 "--context", "64", "--stride", "16", "--chunks", "3", "--output-json", str(out), "--disable-tqdm",
+                 *flags]) == 0
+    report = json.loads(out.read_text())
+    tokens, bos = tokenize_text(load_tokenizer(model_dir), text)
+    expected = hf_nll(load_hf(model_dir), llama_perplexity_windows(tokens, 64, 16, bos, 3))
+    assert report["num_scored_tokens"] == len(expected) == 48
+    assert report["mean_nll"] == pytest.approx(float(np.mean(expected)), rel=1e-5)
 
 
 def test_the_default_text_ships():

@@ -113,6 +113,25 @@ def test_model_paths_resolve_to_the_file(gguf_file, hf_model_dir, tmp_path):
         (two / name).write_bytes(path.read_bytes())
     with pytest.raises(ModelLoadError, match=r"holds 2 GGUF files \(a-Q4_K_M.gguf, a-Q8_0.gguf\); name the one"):
         resolve_model_path(str(two))
+    # a mistyped file name: a missing file, never a hub id (which "models/x.gguf" would otherwise look like)
+    with pytest.raises(ModelLoadError, match=r"^models/a-Q8_0.gguf: no such GGUF file$"):
+        resolve_model_path("models/a-Q8_0.gguf")
+
+
+def test_an_ollama_blob_is_a_gguf_file(gguf_file, tmp_path):
+    """Ollama keeps a model as a blob named by its digest, without the .gguf suffix: it is recognised by GGUF's magic
+    bytes, for the weights and for the tokenizer alike; a file that is neither is refused by name."""
+    path = gguf_file("llama")
+    blob = tmp_path / "blobs" / "sha256-0123abcd"
+    blob.parent.mkdir()
+    blob.write_bytes(path.read_bytes())
+    assert resolve_model_path(str(blob)) == blob
+    assert model_config(blob) == model_config(path)
+    assert load_tokenizer(blob).encode("def f(x):") == load_tokenizer(path).encode("def f(x):")
+    other = tmp_path / "blobs" / "sha256-ffff"
+    other.write_bytes(b"{}")
+    with pytest.raises(ModelLoadError, match=r"sha256-ffff: not a directory or a GGUF file"):
+        resolve_model_path(str(other))
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen2"])

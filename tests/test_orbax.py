@@ -132,6 +132,23 @@ def test_an_int8_conversion_with_its_head_in_float_restores_as_stored(sources, m
     assert got[("layers", 0, "mlp", "down_proj", "weight")].dtype == np.int8
 
 
+def test_a_compressed_tensors_checkpoint_converts_to_its_int8_weights(sources, tmp_path, capsys):
+    """A compressed-tensors W8A16 source loads as int8 weights and scales without --quantization: its conversion's
+    marker says int8 (else the restore expects float weights and finds scales), and restores them bitwise."""
+    from test_quantization import _compressed_tensors_checkpoint
+
+    ct = _compressed_tensors_checkpoint(sources["safetensors"], tmp_path / "ct", "int-quantized")
+    out = tmp_path / "out"
+    assert main(["convert", "--model", str(ct), "--out", str(out)]) == 0
+    assert f"wrote {out} (float32, int8 weights)" in capsys.readouterr().out
+    marker = json.loads((out / MARKER).read_text())
+    assert marker["quantization"] == "int8" and marker["quantized_head"] is False
+    want, got = _flat(load_model(ct, "float32").state), _flat(load_model(out, "float32").state)
+    assert want.keys() == got.keys() and got[("layers", 0, "mlp", "down_proj", "weight")].dtype == np.int8
+    for path, array in want.items():
+        np.testing.assert_array_equal(got[path], array, err_msg=str(path))
+
+
 def test_dtype_flag_must_match_the_checkpoint(converted):
     out = converted("safetensors", "bfloat16")
     with pytest.raises(ModelLoadError, match=rf"{out}.*holds bfloat16 parameters.*--dtype bfloat16"):
@@ -155,6 +172,30 @@ def test_truncated_checkpoint_is_a_clear_error(converted, tmp_path):
     shutil.rmtree(broken / PARAMS_DIR)
     with pytest.raises(ModelLoadError, match=rf"{broken}: no {PARAMS_DIR}/"):
         load_model(broken, "float32")
+
+
+def test_a_safetensors_header_whose_offsets_do_not_fit_the_shape_is_named(sources, tmp_path):
+    """A source whose header gives a tensor fewer bytes than its dtype and shape take (the safetensors library
+    refuses the file too) names the file and the tensor, rather than failing in a NumPy reshape."""
+    import struct
+
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    bent = tmp_path / "bent"
+    shutil.copytree(sources["safetensors"], bent)
+    raw = (bent / "model.safetensors").read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + length])
+    start, end = header["model.norm.weight"]["data_offsets"]
+    header["model.norm.weight"]["data_offsets"] = [start, end - 4]
+    text = json.dumps(header).encode()
+    (bent / "model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + length:])
+    with pytest.raises(SafetensorError):
+        load_file(str(bent / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=rf"{bent / 'model.safetensors'}: tensor model.norm.weight holds bytes "
+                                             rf"{start}..{end - 4} \(252 bytes\), but F32 \[64\] takes 256"):
+        load_model(bent, "float32")
 
 
 def test_config_that_does_not_match_the_params(sources, converted, tmp_path):
@@ -199,6 +240,20 @@ def test_cli_convert_and_its_refusals(sources, tmp_path, capsys):
     assert main(["convert", "--model", str(sources["gguf"]), "--out", str(busy)]) == 2
     assert f"{busy}: not empty" in capsys.readouterr().err
     assert (busy / "notes.txt").read_text() == "keep me"
+
+
+def test_a_gguf_file_without_a_tokenizer_leaves_nothing_behind(sources, tmp_path, monkeypatch, capsys):
+    """A GGUF file with no vocabulary cannot be served: its conversion fails before writing anything, so the
+    directory stays empty (not an unfinished conversion that has to be deleted before the next try)."""
+    import gguf_files
+
+    monkeypatch.setattr(gguf_files, "_add_tokenizer", lambda writer, model_dir, vocab_size: None)
+    path = gguf_files.write_gguf(sources["safetensors"], tmp_path / "no-vocab.gguf", "Q8_0")
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main(["convert", "--model", str(path), "--out", str(out)]) == 2
+    assert "no tokenizer.ggml.tokens (no vocabulary)" in capsys.readouterr().err
+    assert list(out.iterdir()) == []
 
 
 _TP_WORKER = textwrap.dedent("""

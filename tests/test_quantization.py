@@ -128,6 +128,32 @@ def _dequantized_float_model(quantized: LoadedModel, model_dir) -> LoadedModel:
     return reference
 
 
+def test_a_weight_holding_inf_is_named_when_quantized(hf_model_dir, tmp_path):
+    """--quantization int8 of a checkpoint whose matrix holds an inf names the tensor (a GGUF file's by its GGUF
+    name); float loading takes it."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from jserve.config import ModelLoadError
+
+    bent = tmp_path / "inf"
+    shutil.copytree(hf_model_dir("llama"), bent)
+    tensors = load_file(str(bent / "model.safetensors"))
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 4] = np.inf
+    save_file(tensors, str(bent / "model.safetensors"))
+    assert not np.isfinite(load_file(str(bent / "model.safetensors"))["model.layers.1.mlp.up_proj.weight"]).all()
+    with pytest.raises(ModelLoadError, match=rf"{bent}: cannot quantize model.layers.1.mlp.gate_proj.weight/"
+                                             r"model.layers.1.mlp.up_proj.weight to int8 \(.*inf or NaN\)"):
+        load_model(bent, "float32", quantization="int8")
+    load_model(bent, "float32")
+    from gguf_files import write_gguf
+
+    path = write_gguf(bent, tmp_path / "inf.gguf")
+    with pytest.raises(ModelLoadError, match=r"inf.gguf: cannot quantize blk.1.ffn_gate.weight/blk.1.ffn_up.weight"):
+        load_model(path, "float32", quantization="int8")
+
+
 def test_loaded_weights_are_the_checkpoint_quantized_per_row(hf_model_dir):
     model_dir = hf_model_dir("llama")
     model = load_model(model_dir, "float32", quantization="int8")

@@ -76,21 +76,21 @@ class AmbiguousRow(AssertionError):
 
 
 def ref_probs(row: np.ndarray, seq: Sequence) -> np.ndarray:
-    """The distribution a sampled row draws from: processing, temperature, top-k, top-p, min-p."""
+    """The distribution a sampled row draws from, in vLLM v1's order: processing, temperature, min-p (against the
+    most likely token), top-k, then top-p over what min-p and top-k keep."""
     p = seq.params
     x = ref_processed(row, seq) / p.temperature
     order = np.argsort(-x, kind="stable")
-    keep = np.zeros(len(x), bool)
-    keep[order[:p.top_k] if p.top_k else order] = True
+    keep = softmax(x) >= p.min_p * softmax(x).max()
+    if p.top_k:
+        keep[order[p.top_k:]] = False
     probs = softmax(np.where(keep, x, -np.inf))
     if p.top_p < 1:
         cum = np.cumsum(probs[order])
         if np.min(np.abs(cum - p.top_p)) < 1e-4:
             raise AmbiguousRow(f"cumulative mass within 1e-4 of top_p {p.top_p}")
         size = int(np.searchsorted(cum, p.top_p)) + 1  # smallest prefix whose mass reaches top_p
-        keep[:] = False
-        keep[order[:size]] = True
-    keep &= probs >= p.min_p * probs.max()
+        keep[order[size:]] = False
     return softmax(np.where(keep, x, -np.inf))
 
 
@@ -188,6 +188,8 @@ FILTER_CASES = {
     "top_k": dict(temperature=1.0, top_k=5),
     "top_p": dict(temperature=0.7, top_p=0.6),
     "min_p": dict(temperature=1.3, min_p=0.1),
+    # vLLM v1 counts top-p's mass after min-p's cut: here that keeps 2 tokens, min-p after top-p would keep 4
+    "min_p_then_top_p": dict(temperature=1.0, top_p=0.8, min_p=0.1),
     "all_with_bias": dict(temperature=0.9, top_k=12, top_p=0.8, min_p=0.05, logit_bias={3: 4.0, 9: -50.0}),
 }
 

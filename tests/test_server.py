@@ -7,6 +7,7 @@ One server (a tiny random Llama) is shared by every test here. Outputs are check
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 
@@ -187,6 +188,55 @@ def test_engine_extras_and_penalties_match_offline(client, offline, model_name):
                                      temperature=0.8, presence_penalty=0.5, frequency_penalty=0.3,
                                      logit_bias={str(favoured): 4.0}, extra_body={**body, "priority": -1})
     assert full.choices[0].text == want.text and full.usage.completion_tokens == len(want.token_ids)
+
+
+def test_vllm_token_restrictions_match_offline(client, offline, model_name):
+    """vLLM's allowed_token_ids, bad_words and truncate_prompt_tokens through extra_body give the offline API's
+    tokens; an id outside the vocabulary is a 400 naming the field."""
+    free = offline.generate(PROMPTS[0], greedy(8), use_tqdm=False)[0].outputs[0]
+    tokenizer = offline.get_tokenizer()
+    word = next(w for w in (tokenizer.decode([t]).strip() for t in free.token_ids) if w and "\ufffd" not in w)
+    allowed = tokenizer.encode(" return value", add_special_tokens=False)
+    cases = [dict(allowed_token_ids=allowed), dict(bad_words=[word]), dict(truncate_prompt_tokens=3)]
+    for extra in cases:
+        want = offline.generate(PROMPTS[0], greedy(8, **extra), use_tqdm=False)[0]
+        full = client.completions.create(model=model_name, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                         extra_body=extra)
+        assert full.choices[0].text == want.outputs[0].text != free.text, extra
+        assert set(want.outputs[0].token_ids) <= set(extra.get("allowed_token_ids", want.outputs[0].token_ids))
+        assert full.usage.prompt_tokens == len(want.prompt_token_ids)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model_name, prompt="hi", max_tokens=2,
+                                  extra_body={"allowed_token_ids": [offline.engine.model_config.vocab_size]})
+    assert info.value.body["param"] == "allowed_token_ids"
+
+
+def test_chat_template_arguments_render_as_transformers_does(server, client, model_dir, model_name):
+    """chat_template_kwargs and continue_final_message reach the template (vLLM's fields): /tokenize and a chat's
+    prompt are transformers' own rendering; conflicting or reserved arguments are a 400 naming the field."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(model_dir)
+    render = functools.partial(hf.apply_chat_template, tokenize=True, return_dict=False)
+    partial = MESSAGES + [{"role": "assistant", "content": "Hello"}]
+    cases = [({"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}},
+              render(MESSAGES, add_generation_prompt=True, enable_thinking=False)),
+             ({"messages": partial, "continue_final_message": True, "add_generation_prompt": False},
+              render(partial, continue_final_message=True))]
+    for body, want in cases:
+        assert httpx.post(f"{server.url}/tokenize", headers=AUTH, json=body).json()["tokens"] == want
+        extra = {k: v for k, v in body.items() if k != "messages"}
+        reply = client.chat.completions.create(model=model_name, messages=body["messages"], max_tokens=2,
+                                               extra_body=extra)
+        assert reply.usage.prompt_tokens == len(want)
+    # the arguments mattered
+    assert cases[0][1] != render(MESSAGES, add_generation_prompt=True)
+    assert cases[1][1] != render(partial, add_generation_prompt=False)
+    for extra, param in [({"continue_final_message": True}, "continue_final_message"),
+                         ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs")]:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=model_name, messages=partial, max_tokens=2, extra_body=extra)
+        assert info.value.body["param"] == param
 
 
 def test_completion_logprobs(client, loose_client, model_name):

@@ -253,7 +253,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.outputs.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_text, prompt_ids = self._tokenize_prompt(prompt)
+        prompt_text, prompt_ids = self._tokenize_prompt(prompt, params.truncate_prompt_tokens)
         params = self._resolve_params(params, len(prompt_ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = []
@@ -278,7 +278,11 @@ class LLMEngine:
             self._grammars = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids)
         return self._grammars
 
-    def _tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+    def _tokenize_prompt(self, prompt: str | list[int] | dict,
+                         truncate: int | None = None) -> tuple[str | None, list[int]]:
+        """-> (the prompt's text or None, its token ids: the last `truncate` of them where set, as vLLM's
+        truncate_prompt_tokens; -1, vLLM's "as many as the model takes", keeps max_model_len - 1, the most a prompt
+        may hold here, where a request must have room for a token)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
@@ -301,6 +305,8 @@ class LLMEngine:
         else:
             raise InvalidParameterError("prompt", f"prompt must be a string or a list of token ids, got "
                                                   f"{type(prompt).__name__}")
+        if truncate is not None:  # before the length checks: truncation is what makes a long prompt fit
+            ids = ids[-(self.max_model_len - 1 if truncate == -1 else truncate):]
         if not ids:
             raise InvalidParameterError("prompt", "the prompt is empty: it must contain at least one token")
         if len(ids) >= self.max_model_len:
@@ -319,11 +325,31 @@ class LLMEngine:
                               f"{max_tokens} in the completion). Please reduce the length of the messages or "
                               "completion.")
         vocab = self.model_config.vocab_size
-        for token in list(params.logit_bias or {}) + list(params.stop_token_ids):
-            if token >= vocab:
-                raise InvalidParameterError("logit_bias" if token in (params.logit_bias or {}) else "stop_token_ids",
-                                            f"token id {token} is outside the vocabulary (size {vocab})")
-        return params.clone(max_tokens=max_tokens, eos_token_ids=list(self.eos_token_ids))
+        for name in ("logit_bias", "stop_token_ids", "allowed_token_ids"):
+            for token in getattr(params, name) or ():
+                if token >= vocab:
+                    raise InvalidParameterError(name, f"token id {token} is outside the vocabulary (size {vocab})")
+        banned = ()
+        if params.allowed_token_ids is not None:  # forbidden by a -inf logit bias, which every sampler path applies
+            banned = tuple(np.setdiff1d(np.arange(vocab), params.allowed_token_ids).tolist())
+        return params.clone(max_tokens=max_tokens, eos_token_ids=list(self.eos_token_ids), banned_token_ids=banned,
+                            bad_words_token_ids=self._bad_words_token_ids(params.bad_words or []))
+
+    def _bad_words_token_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's token ids as vLLM finds them: the word with its leading spaces stripped, and with one
+        space before it where that tokenizes into another first token but as many tokens (the word inside text)."""
+        out: list[tuple[int, ...]] = []
+        for word in words:
+            plain = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            out.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for ids in out for t in ids):
+            raise InvalidParameterError("bad_words", f"a bad word tokenizes to an id outside the model's vocabulary "
+                                                     f"(size {vocab})")
+        return tuple(out)
 
     def _sampling_seed(self, seed: int | None, index: int) -> int:
         # n > 1 with a seed: sample i uses seed + i, so every sample is reproducible and they differ.

@@ -1,7 +1,8 @@
 """Token sampling for a padded batch: per-request parameters live in arrays so one jitted call mixes them.
 
-The order follows vLLM: the returned logprobs come from the model's raw logits; then logit bias, penalties
-(repetition, frequency, presence), temperature, top-k, top-p, min-p, and one draw per row from that row's
+The order follows vLLM (v1): the returned logprobs come from the model's raw logits; then logit bias (with
+allowed_token_ids and bad_words), penalties (repetition, frequency, presence), temperature, min-p, top-k, top-p
+over what min-p and top-k keep, and one draw per row from that row's
 own PRNG key, fold_in(key(seed), step), so a seeded request gets the same tokens whatever shares its batch.
 """
 
@@ -137,7 +138,8 @@ def build_metadata(seqs: list[Sequence], pad_to: int,
 class MetadataCache:
     """build_metadata for consecutive steps of the same sequences, where only `steps` changes: the last batch's
     metadata is kept and its step counts replaced. Rows with a penalty (their history grows) or a pending
-    min_tokens (its bias lifts) change more than that, so a batch holding one is never kept."""
+    min_tokens (its bias lifts) or a bad word of several tokens (its ban follows the output) change more than
+    that, so a batch holding one is never kept."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None
@@ -148,7 +150,7 @@ class MetadataCache:
         if key != self._key:
             self._meta = build_metadata(seqs, pad_to)
             fixed = all(not _sampling_row(seq).has_penalty and seq.num_output_tokens >= seq.params.min_tokens
-                        for seq in seqs)
+                        and not has_dynamic_bias(seq.params) for seq in seqs)
             self._key = key if fixed else None
             return self._meta
         steps = np.zeros(pad_to, np.int32)
@@ -167,7 +169,7 @@ class SamplingRow:
     values: tuple  # temperature, top_k, top_p, min_p, repetition, presence, frequency penalty, hashed seed
     has_filter: bool  # a sampled row with top-k, top-p or min-p
     has_penalty: bool
-    has_bias: bool  # a logit_bias (min_tokens adds a bias only while it is pending)
+    has_bias: bool  # logit_bias, allowed_token_ids or bad_words (min_tokens adds a bias only while it is pending)
 
 
 def _sampling_row(seq: Sequence) -> SamplingRow:
@@ -177,7 +179,8 @@ def _sampling_row(seq: Sequence) -> SamplingRow:
         draw = _draw_params(p)
         row = SamplingRow(values=(*draw, p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
                                   hash_seed(_seed_of(seq))),
-                          has_filter=_has_filter(*draw[1:]), has_penalty=has_penalty(p), has_bias=bool(p.logit_bias))
+                          has_filter=_has_filter(*draw[1:]), has_penalty=has_penalty(p),
+                          has_bias=bool(p.logit_bias or p.banned_token_ids or p.bad_words_token_ids))
         seq.sampling_row = row
     return row
 
@@ -201,6 +204,12 @@ def _has_filter(top_k: int, top_p: float, min_p: float) -> bool:
 
 def has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def has_dynamic_bias(p: SamplingParams) -> bool:
+    """Whether the row's bias changes with its output: a bad word of several tokens (bans its last token only after
+    the ones before it)."""
+    return any(len(word) > 1 for word in p.bad_words_token_ids)
 
 
 def _default_history_bucket(width: int) -> int:
@@ -229,25 +238,36 @@ def _history(penalized: list[tuple[int, Sequence]], pad_to: int,
     return history, num_prompt
 
 
-def _bias_entries(seq: Sequence) -> list[tuple[int, float]]:
+def _bias_entries(seq: Sequence) -> tuple[np.ndarray, np.ndarray]:
+    """-> (token ids, the bias added to each) of the sequence's row."""
     p = seq.params
-    entries = list((p.logit_bias or {}).items())
+    ids, values = list((p.logit_bias or {}).keys()), list((p.logit_bias or {}).values())
     if seq.num_output_tokens < p.min_tokens:
         # As in vLLM, EOS is forbidden only when it would end the request (not with ignore_eos).
         banned = list(p.stop_token_ids or []) + ([] if p.ignore_eos else list(p.eos_token_ids))
-        entries += [(t, float("-inf")) for t in banned]
-    return entries
+        ids += banned
+        values += [float("-inf")] * len(banned)
+    if p.bad_words_token_ids:  # vLLM's rule: forbid a word's last token where the output ends in the ones before it
+        output = seq.output_token_ids
+        for word in p.bad_words_token_ids:
+            if len(word) == 1 or (len(word) - 1 <= len(output) and tuple(output[1 - len(word):]) == word[:-1]):
+                ids.append(word[-1])
+                values.append(float("-inf"))
+    ids_array, values_array = np.array(ids, np.int32), np.array(values, np.float32)
+    if p.banned_token_ids:  # the vocabulary outside allowed_token_ids: forbidden
+        ids_array = np.concatenate([ids_array, np.asarray(p.banned_token_ids, np.int32)])
+        values_array = np.concatenate([values_array, np.full(len(p.banned_token_ids), -np.inf, np.float32)])
+    return ids_array, values_array
 
 
 def _bias(biased: list[tuple[int, Sequence]], pad_to: int) -> tuple[np.ndarray, np.ndarray]:
     """bias_ids i32[S, B] and bias_values f32[S, B] (-1 id padding) of the (row, sequence) pairs that may have one."""
     entries = [(i, _bias_entries(seq)) for i, seq in biased]
-    width = pow2_bucket(max((len(e) for _, e in entries), default=0), _BIAS_FLOOR)
+    width = pow2_bucket(max((len(e[0]) for _, e in entries), default=0), _BIAS_FLOOR)
     ids = np.full((pad_to, width), -1, np.int32)
     values = np.zeros((pad_to, width), np.float32)
-    for i, row in entries:
-        if row:
-            ids[i, :len(row)], values[i, :len(row)] = zip(*row, strict=True)
+    for i, (row_ids, row_values) in entries:
+        ids[i, :len(row_ids)], values[i, :len(row_ids)] = row_ids, row_values
     return ids, values
 
 
@@ -332,20 +352,21 @@ def _draw(x: jax.Array, meta: SamplingMetadata) -> jax.Array:
 
 
 def _apply_filters(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
-    """Top-k, then top-p over the top-k renormalised, then min-p; each cut is a threshold on the logit."""
+    """Min-p and top-k, then top-p over what they keep, renormalised (vLLM v1's order: its min-p runs before its
+    top-k/top-p sampler); each cut is a threshold on the logit."""
     vocab = x.shape[-1]
     srt = _sort_descending(x)
+    m_cut = srt[:, 0] + jnp.log(min_p)  # p < min_p * p_max  <=>  logit < max_logit + log(min_p)
     k_off = (top_k <= 0) | (top_k >= vocab)
     kth = jnp.take_along_axis(srt, jnp.clip(top_k - 1, 0, vocab - 1)[:, None], axis=-1)[:, 0]
-    k_cut = jnp.where(k_off, -jnp.inf, kth)
+    k_cut = jnp.maximum(jnp.where(k_off, -jnp.inf, kth), m_cut)
     srt = jnp.where(srt < k_cut[:, None], -jnp.inf, srt)
     cum = jnp.cumsum(jax.nn.softmax(srt, axis=-1), axis=-1)
     mass_before = jnp.pad(cum[:, :-1], ((0, 0), (1, 0)))  # shifted rather than cum - p: stays monotone
     num_kept = jnp.sum(mass_before < top_p[:, None], axis=-1)  # >= 1: the top token has 0 mass before it
     last_kept = jnp.take_along_axis(srt, (num_kept - 1)[:, None], axis=-1)[:, 0]
     p_cut = jnp.where(top_p >= 1.0, -jnp.inf, last_kept)  # top_p = 1 keeps all, whatever the rounding
-    m_cut = srt[:, 0] + jnp.log(min_p)  # p < min_p * p_max  <=>  logit < max_logit + log(min_p)
-    cut = jnp.maximum(jnp.maximum(k_cut, p_cut), m_cut)
+    cut = jnp.maximum(k_cut, p_cut)
     return jnp.where(x < cut[:, None], -jnp.inf, x)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from jserve.config import EngineConfig
 from jserve.engine.kv_cache import BlockManager
-from jserve.engine.sampler import has_penalty
+from jserve.engine.sampler import has_dynamic_bias, has_penalty
 from jserve.engine.sequence import ScheduledSeq, Sequence, SequenceStatus
 from jserve.engine.speculative import Proposer
 from jserve.sampling_params import RequestOutputKind
@@ -144,7 +144,8 @@ class Scheduler:
     def _burst_length(self, out: SchedulerOutput) -> int:
         """How many decode steps to run in one fused forward-and-sample device call; 0: this step needs the plain
         forward and sampler (a prompt chunk; logprobs, which are per step; penalties and a pending min_tokens, which
-        change the sampling metadata every step; a constraint, whose token mask the host computes each step).
+        change the sampling metadata every step, as do bad words of several tokens; a constraint, whose token mask
+        the host computes each step).
 
         Up to decode_burst steps when no request waits, nor past any sequence's max_tokens or max_model_len,
         halved until the free blocks hold their slots; while any request streams (not FINAL_ONLY), no more than fit
@@ -154,7 +155,8 @@ class Scheduler:
             seq, params = chunk.seq, chunk.seq.params
             if not _is_decode(chunk):
                 return 0  # a prompt token (a one-token prompt's only step): not a decode
-            if params.logprobs is not None or has_penalty(params) or seq.num_output_tokens < params.min_tokens:
+            if params.logprobs is not None or has_penalty(params) or seq.num_output_tokens < params.min_tokens \
+                    or has_dynamic_bias(params):
                 return 0
             if seq.grammar is not None:  # its mask comes from the host, one step at a time
                 return 0
@@ -219,10 +221,11 @@ class Scheduler:
     def _draft_limit(self, seq: Sequence, budget: int) -> int:
         """How many draft tokens a decoding sequence may carry: none for a constrained one (its token masks come one
         step at a time) or one with min_tokens pending (its EOS ban lifts mid-draft); never past the step's budget,
-        its max_tokens or max_model_len (the token after the last draft is always emitted too)."""
+        its max_tokens or max_model_len (the token after the last draft is always emitted too); none for one with a
+        bad word of several tokens either (its ban depends on the tokens before it, drafts included)."""
         params = seq.params
         if seq.num_output_tokens == 0 or seq.num_computed_tokens != seq.num_tokens - 1 or seq.grammar is not None \
-                or seq.num_output_tokens < params.min_tokens:
+                or seq.num_output_tokens < params.min_tokens or has_dynamic_bias(params):
             return 0
         return max(0, min(self.num_speculative_tokens, budget - 1, params.max_tokens - seq.num_output_tokens - 1,
                           self.max_model_len - seq.num_tokens - 1))

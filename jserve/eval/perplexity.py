@@ -25,9 +25,13 @@ The scheme, with N the text's tokens and C = --context (llama-perplexity's -c):
 log-likelihood) over the scored tokens; the ± is llama.cpp's (it prints it in the default scheme): the perplexity
 times the standard error of the mean NLL, sqrt((mean(nll^2) - mean(nll)^2) / (count - 1)).
 
-Every window is one request of the same batch, `max_tokens=1`, `prompt_logprobs=0`: the smallest top-k, whose
-entry at each position still holds the logprob of the prompt's own next token, which is all this needs. Positions
-a window does not score are computed anyway (they are its context).
+Every window is one request of the same batch: its tokens but the last as the prompt, with `prompt_logprobs=0`
+(the smallest top-k, whose entry at each position still holds the logprob of the prompt's own next token), and
+the window's last token as the one generated token, forced by a logit bias, with `logprobs=0`: the logprob
+returned is the raw one (vLLM's order: before the bias), so it is that token's logprob given the rest of the
+window. A window of C tokens then needs a max_model_len of C, not C + 1, as llama.cpp evaluates C tokens and reads
+the logits of the first C - 1: a window as long as the model's context (`--context` = max_position_embeddings)
+fits. Positions a window does not score are computed anyway (they are its context).
 
 Where the two tools' tokenizers agree, the same tokens are scored with the same context; they can differ where the
 text holds a special token's spelling (llama.cpp reads it as plain text, Hugging Face tokenizers as the special
@@ -70,8 +74,11 @@ class Window:
 def read_text(path: str | Path) -> str:
     """The file's text as llama.cpp's `-f` reads it: every byte as it is (no newline translation), one trailing
     newline dropped."""
-    with open(path, encoding="utf-8", newline="") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:  # its own message names the codec and byte, not the file
+        raise ValueError(f"--text {path}: not UTF-8 text ({e})") from None
     return text[:-1] if text.endswith("\n") else text
 
 
@@ -98,6 +105,12 @@ def tokenize_text(tokenizer, text: str, add_bos: bool | None = None) -> tuple[li
     return ([bos] if bos is not None else []) + list(ids), bos
 
 
+def check_stride(context: int, stride: int) -> None:
+    if not 0 <= stride < context:
+        raise ValueError(f"--stride must be 0 (llama-perplexity's default scheme) or in [1, --context - 1] = "
+                         f"[1, {context - 1}], got {stride}")
+
+
 def llama_perplexity_windows(tokens: Sequence[int], context: int, stride: int = 0, bos_id: int | None = None,
                              max_chunks: int | None = None) -> list[Window]:
     """llama-perplexity's windows over the text's tokens (BOS already first where the model uses one): stride 0 is
@@ -118,9 +131,7 @@ def llama_perplexity_windows(tokens: Sequence[int], context: int, stride: int = 
                 chunk[0] = bos_id
             windows.append(Window(i * context, chunk, first))
         return windows
-    if not 0 < stride < context:
-        raise ValueError(f"--stride must be 0 (llama-perplexity's default scheme) or in [1, --context - 1] = "
-                         f"[1, {context - 1}], got {stride}")
+    check_stride(context, stride)
     count = (n - context + stride - 1) // stride
     if max_chunks is not None:
         count = min(count, max_chunks)
@@ -128,14 +139,27 @@ def llama_perplexity_windows(tokens: Sequence[int], context: int, stride: int = 
             for i in range(count)]
 
 
+# The logit bias that makes a window's last token the one generated (the largest SamplingParams allows): any token
+# whose logprob is above -FORCE_BIAS wins the argmax with it.
+FORCE_BIAS = 100.0
+
+
 def score_windows(llm, windows: Sequence[Window], use_tqdm: bool = False) -> np.ndarray:
-    """The negative log-likelihood of every scored token, window by window, from one batch of requests."""
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    outputs = llm.generate([{"prompt_token_ids": w.tokens} for w in windows], params, use_tqdm=use_tqdm)
+    """The negative log-likelihood of every scored token, window by window, from one batch of requests: the window
+    but its last token as the prompt, the last token generated (forced; see the module's docstring)."""
+    params = [SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, logprobs=0, ignore_eos=True,
+                             logit_bias={w.tokens[-1]: FORCE_BIAS}) for w in windows]
+    outputs = llm.generate([{"prompt_token_ids": w.tokens[:-1]} for w in windows], params, use_tqdm=use_tqdm)
     nll = []
     for window, out in zip(windows, outputs, strict=True):
-        for position in range(window.first_scored, len(window.tokens)):
+        for position in range(window.first_scored, len(window.tokens) - 1):
             nll.append(-out.prompt_logprobs[position][window.tokens[position]])
+        last, sample = window.tokens[-1], out.outputs[0]
+        if list(sample.token_ids) != [last]:
+            raise ValueError(f"the window at token {window.start}: its last token {last} has a logprob below "
+                             f"-{FORCE_BIAS:g}, or the logits are not numbers (a logit bias of {FORCE_BIAS:g} did not "
+                             "make it the argmax)")
+        nll.append(-sample.logprobs[0][last])
     return np.asarray(nll, dtype=np.float64)
 
 
@@ -171,10 +195,11 @@ def run_perplexity(args: Namespace) -> int:
     from jserve.engine_args import engine_config_from_args
     from jserve.llm import LLM
 
+    check_stride(args.context, args.stride)  # before the model loads
     text = read_text(args.text)
     config = engine_config_from_args(args)
-    if config.max_model_len is None:  # a window plus the one token each request generates
-        config = config.replace(max_model_len=args.context + 1)
+    if config.max_model_len is None:  # a window: its last token is the one each request generates
+        config = config.replace(max_model_len=args.context)
     llm = LLM(**dataclasses.asdict(config))
     result = evaluate(llm, text, args.context, args.stride, args.add_bos, args.chunks,
                       use_tqdm=not args.disable_tqdm)

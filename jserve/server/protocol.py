@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from jserve.sampling_params import (
@@ -208,6 +208,13 @@ SAMPLING_FIELDS: dict[str, dict] = {
     "skip_special_tokens": _bool("Leave special tokens out of the text (default true)."),
     "include_stop_str_in_output": _bool("Keep the matched stop string at the end of the text."),
     "priority": _int("Scheduling priority: lower values are served first (default 0)."),
+    "allowed_token_ids": _nullable(_TOKEN_IDS, "Only these token ids may be generated."),
+    "bad_words": _nullable({"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LENGTH},
+                            "maxItems": MAX_STOP_STRINGS},
+                           "Words never generated: a word's last token is forbidden wherever the output ends in the "
+                           "tokens before it (vLLM's rule)."),
+    "truncate_prompt_tokens": _int("Keep only the prompt's last k tokens; -1: as many as the context holds.",
+                                   minimum=-1),
     "cache_salt": _nullable({"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_LEN},
                             "Prefix-cache isolation: only requests with the same salt share cached prompt blocks."),
     "structured_outputs": _nullable(
@@ -263,6 +270,10 @@ CHAT_FIELDS: dict[str, dict] = {
     "top_logprobs": _int("With logprobs, also return this many most likely tokens at each position.",
                          minimum=0, maximum=MAX_LOGPROBS),
     "add_generation_prompt": _bool("End the rendered prompt with the assistant turn's header (default true)."),
+    "continue_final_message": _bool("Render the last message open, so the model continues it (then "
+                                    "add_generation_prompt must be false; default false)."),
+    "chat_template_kwargs": _nullable({"type": "object"}, "Further variables of the chat template, e.g. "
+                                                          "{\"enable_thinking\": false} for Qwen3."),
     "tools": _nullable({"type": "array", "items": {"type": "object", "properties": {
         "type": {"type": "string", "enum": ["function"]},
         "function": {"type": "object", "properties": {"name": {"type": "string"}, "description": {"type": "string"},
@@ -282,6 +293,8 @@ TOKENIZE_FIELDS: dict[str, dict] = {
     "messages": _nullable(CHAT_FIELDS["messages"], "Chat messages to render with the chat template and tokenize."),
     "add_special_tokens": _bool("Add the tokenizer's special tokens to a prompt (default true)."),
     "add_generation_prompt": CHAT_FIELDS["add_generation_prompt"],
+    "continue_final_message": CHAT_FIELDS["continue_final_message"],
+    "chat_template_kwargs": CHAT_FIELDS["chat_template_kwargs"],
 }
 
 DETOKENIZE_FIELDS: dict[str, dict] = {
@@ -347,12 +360,14 @@ class CompletionRequest(GenerationRequest):
 class ChatRequest(GenerationRequest):
     messages: list[dict]
     add_generation_prompt: bool
+    template_kwargs: dict = field(default_factory=dict)  # continue_final_message and chat_template_kwargs
     tools: Any = None  # server.tools.ToolRequest, set by the route once it knows the server's tool-call parser
 
 
 _PARAM_NAMES = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                 "frequency_penalty", "seed", "min_tokens", "stop", "stop_token_ids", "ignore_eos",
-                "skip_special_tokens", "include_stop_str_in_output", "cache_salt")
+                "skip_special_tokens", "include_stop_str_in_output", "cache_salt", "allowed_token_ids", "bad_words",
+                "truncate_prompt_tokens")
 
 
 def _sampling_params(values: dict[str, Any], *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -437,7 +452,20 @@ def parse_chat(body: dict) -> ChatRequest:
     max_tokens = values.get("max_completion_tokens", values.get("max_tokens"))
     params = _sampling_params(values, max_tokens=max_tokens, logprobs=logprobs)
     return ChatRequest(params=params, messages=messages,
-                       add_generation_prompt=values.get("add_generation_prompt", True), **_common(values))
+                       add_generation_prompt=values.get("add_generation_prompt", True),
+                       template_kwargs=chat_template_kwargs(values), **_common(values))
+
+
+def chat_template_kwargs(values: dict[str, Any]) -> dict[str, Any]:
+    """The chat template's further arguments a chat or /tokenize body sets: continue_final_message (which, as in
+    vLLM and transformers, excludes add_generation_prompt) and chat_template_kwargs."""
+    kwargs = dict(values.get("chat_template_kwargs") or {})
+    if values.get("continue_final_message"):
+        if values.get("add_generation_prompt", True):
+            raise bad_request("continue_final_message needs add_generation_prompt set to false: the prompt cannot "
+                              "both continue the last message and open a new one", "continue_final_message")
+        kwargs["continue_final_message"] = True
+    return kwargs
 
 
 def request_schema(fields: dict[str, dict], required: list[str]) -> dict:

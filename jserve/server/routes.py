@@ -28,6 +28,7 @@ from jserve.server.protocol import (
     CompletionRequest,
     GenerationRequest,
     bad_request,
+    chat_template_kwargs,
     check_fields,
     parse_chat,
     parse_completion,
@@ -260,7 +261,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
 
     async def prompts(tokenizer: TokenizerWorker) -> list:
         return [await tokenizer.chat(req.messages, req.add_generation_prompt,
-                                     req.tools.tools if req.tools is not None else None)]
+                                     req.tools.tools if req.tools is not None else None, req.template_kwargs)]
 
     return await _generate(request, req, asked, served, admission, "chatcmpl", prompts, _chat_events, _chat_body)
 
@@ -337,7 +338,8 @@ async def tokenize(request: Request, state: ServerState) -> Response:
         tokens = await tokenizer.encode(values["prompt"], values.get("add_special_tokens", True))
     else:
         chat = parse_chat({"messages": values["messages"]})
-        tokens = await tokenizer.chat(chat.messages, values.get("add_generation_prompt", True))
+        tokens = await tokenizer.chat(chat.messages, values.get("add_generation_prompt", True),
+                                      template_kwargs=chat_template_kwargs(values))
     return JSONResponse({"count": len(tokens), "max_model_len": engine.engine.max_model_len, "tokens": tokens})
 
 

@@ -13,6 +13,12 @@ from jserve.server.protocol import bad_request
 from jserve.tokenizer import ChatTemplateError, Tokenizer
 
 T = TypeVar("T")
+# apply_chat_template's own arguments (transformers'), which the server sets or which would change what it returns:
+# a request's chat_template_kwargs holds the template's variables only. continue_final_message is the body's field.
+_RESERVED_TEMPLATE_ARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "tokenize", "padding",
+    "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "processor_kwargs"})
 
 
 class TokenizerWorker:
@@ -28,8 +34,16 @@ class TokenizerWorker:
         return await self._call(self.tokenizer.encode, text, add_special_tokens)
 
     async def chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                   tools: list[dict] | None = None) -> list[int]:
-        kwargs = {"tools": tools} if tools else {}  # the chat template renders the tools where it knows how
+                   tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+        """The prompt ids of a conversation; template_kwargs: continue_final_message and the template's own
+        variables (chat_template_kwargs), which may not set apply_chat_template's other arguments."""
+        kwargs = dict(template_kwargs or {})
+        taken = sorted(set(kwargs) & _RESERVED_TEMPLATE_ARGS)
+        if taken:
+            raise bad_request(f"chat_template_kwargs may not set {', '.join(taken)}: the server sets it",
+                              "chat_template_kwargs")
+        if tools:
+            kwargs["tools"] = tools  # the chat template renders the tools where it knows how
         try:
             return await self._call(functools.partial(self.tokenizer.apply_chat_template, **kwargs), messages,
                                     add_generation_prompt)
