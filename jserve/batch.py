@@ -1,7 +1,8 @@
 """`jserve generate`: a resumable batch job from a JSONL file of prompts to a JSONL file of results.
 
 Each result is written and flushed the moment its request finishes, so an interrupted job keeps what it did;
-a rerun skips the ids already present in the output file.
+a rerun skips the ids already present in the output file. Both files are UTF-8, as JSON Lines are, whatever the
+locale's encoding.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def drop_torn_last_line(output: Path) -> None:
 def read_done_ids(output: Path) -> set[str]:
     done = set()
     if output.exists():
-        for line in output.read_text().splitlines():
+        # errors="replace": a file another program wrote in another encoding still yields its (ASCII) ids.
+        for line in output.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
                 done.add(str(json.loads(line)["id"]))
             except (json.JSONDecodeError, KeyError, TypeError):
@@ -127,7 +129,7 @@ def run_batch(config: EngineConfig, input_path: Path, output_path: Path, *, stri
     drop_torn_last_line(output_path)
     done = read_done_ids(output_path)
     items, errors = [], 0
-    for line_no, line in enumerate(input_path.read_text().splitlines(), start=1):
+    for line_no, line in enumerate(input_path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -156,7 +158,8 @@ def run_batch(config: EngineConfig, input_path: Path, output_path: Path, *, stri
             print(f"jserve: skipping request {item.id}: {e}", file=sys.stderr)
             errors += 1
     written = 0
-    with open(output_path, "a") as out, tqdm(total=len(pending), desc="Generating", unit="req") as bar:
+    with open(output_path, "a", encoding="utf-8") as out, \
+            tqdm(total=len(pending), desc="Generating", unit="req") as bar:
         while pending:
             for output in engine.step():
                 if output.finished:

@@ -136,7 +136,10 @@ class RemoteBackend:
     """A jserve (or any OpenAI-compatible) server: POST /v1/chat/completions with stream=true, read as SSE."""
 
     def __init__(self, url: str, api_key: str | None, model: str | None = None, timeout: float = 600.0) -> None:
-        import httpx
+        try:
+            import httpx
+        except ImportError:  # not among jserve's own dependencies: the test and bench extras bring it
+            raise ChatError("--url needs the httpx package, which is not installed: pip install httpx") from None
 
         self.base = _base_url(url)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -179,13 +182,21 @@ class RemoteBackend:
             with self.client.stream("POST", self.base + "/v1/chat/completions", json=body) as response:
                 if response.status_code != 200:
                     raise ChatError(_http_error(response.status_code, response.read().decode("utf-8", "replace")))
+                events = 0
                 for line in response.iter_lines():
                     if not line.startswith("data:"):
                         continue
+                    events += 1
                     data = line[5:].strip()
                     if data == "[DONE]":
                         return
                     yield from _chunk_text(data)
+                # An OpenAI stream always ends with [DONE]: a body that ends before it (a server or proxy that
+                # went away, on a connection whose end marks the body's end) is a lost reply, not a short one.
+                if not events:
+                    raise ChatError(f"{self.base} answered without an event stream (no `data:` lines); it may not "
+                                    "support stream: true")
+                raise ChatError(f"the connection to {self.base} closed before the reply ended")
         except httpx.TransportError as e:
             raise ChatError(f"lost the connection to {self.base} ({type(e).__name__}: {e})") from None
 

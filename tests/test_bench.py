@@ -7,6 +7,7 @@ import asyncio
 import json
 import socket
 import statistics
+import sys
 import threading
 import time
 from argparse import Namespace
@@ -187,6 +188,25 @@ def test_sharegpt_file_gives_prompts_and_answer_lengths(tmp_path):
     assert sorted((r.prompt_len, r.output_len) for r in requests) == [(4, 5), (5, 6)]
     with pytest.raises(ValueError, match="only 2 usable"):
         sharegpt_requests(np.random.default_rng(0), WordTokenizer(), path, 3)
+
+
+def test_sharegpt_fixed_output_len_still_bounds_the_prompt(tmp_path):
+    # vLLM's is_valid_sequence(prompt_len, output_len, min_len=4, max_prompt_len=1024, max_total_len=2048,
+    # skip_min_output_len_check=output_len is not None): a fixed output length lifts only the answer's minimum.
+    def valid(prompt_len: int, output_len: int, fixed: bool) -> bool:
+        return not (prompt_len < 4 or (not fixed and output_len < 4) or prompt_len > 1024
+                    or prompt_len + output_len > 2048)
+
+    conversation = lambda n, m: {"conversations": [{"from": "human", "value": " ".join(["w"] * n)},
+                                                   {"from": "gpt", "value": " ".join(["a"] * m)}]}
+    shapes = [(2, 10), (5, 1), (6, 7), (1500, 10), (1000, 1040), (900, 5)]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps([conversation(n, m) for n, m in shapes]))
+    for fixed in (None, 100, 1100):
+        expected = sorted(n for n, m in shapes if valid(n, fixed or m, fixed is not None))
+        requests = sharegpt_requests(np.random.default_rng(0), WordTokenizer(), path, len(expected), fixed)
+        assert sorted(r.prompt_len for r in requests) == expected, fixed
+        assert all(r.output_len == (fixed or shapes[[n for n, _ in shapes].index(r.prompt_len)][1]) for r in requests)
 
 
 def test_build_requests_and_server_prompts():
@@ -388,6 +408,7 @@ class FakeServer:
 
     def __init__(self):
         self.bodies: list[dict] = []
+        self.fail_odd = False  # odd-numbered requests (the first is 0) fail in-band after their first chunk
         self.in_flight = 0
         self.max_in_flight = 0
         self.app = Starlette(routes=[Route("/v1/completions", self.generate, methods=["POST"]),
@@ -401,9 +422,10 @@ class FakeServer:
         body = await request.json()
         self.bodies.append(body)
         chat = "messages" in body
-        return StreamingResponse(self.stream(body["max_tokens"], chat), media_type="text/event-stream")
+        fail = self.fail_odd and len(self.bodies) % 2 == 0
+        return StreamingResponse(self.stream(body["max_tokens"], chat, fail), media_type="text/event-stream")
 
-    async def stream(self, n: int, chat: bool):
+    async def stream(self, n: int, chat: bool, fail: bool = False):
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
@@ -413,6 +435,10 @@ class FakeServer:
                     await asyncio.sleep(FAKE_TOKEN_S)
                 choice = {"index": 0, "delta": {"content": f" w{i}"}} if chat else {"index": 0, "text": f" w{i}"}
                 yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+                if fail:  # what jserve's routes send when a request fails after its stream began
+                    error = {"message": "engine died", "type": "service_unavailable", "code": 503}
+                    yield f"data: {json.dumps({'error': error})}\n\n"
+                    break
             yield f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': n}})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
@@ -444,7 +470,10 @@ def test_bench_serve_end_to_end_against_a_fake_server(fake_server, tmp_path):
             "--goodput", "ttft:10000", "tpot:10000", "--result-json", str(out)]
     has_matplotlib = _has_matplotlib()
     assert main(args + (["--plot", str(plot)] if has_matplotlib else [])) == 0
-    report = json.loads(out.read_text())
+    # Strict JSON (RFC 8259, what jq and JSON.parse read): no Infinity or NaN, so the default unlimited
+    # --request-rate is written as vLLM writes it, "inf".
+    report = json.loads(out.read_text(), parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
+    assert report["request_rate"] == "inf"
     timed = fake_server.bodies[1:]  # the first body is the test request sent before timing starts
     assert report["model"] == "fake-model"  # discovered from /v1/models
     assert (report["completed"], report["failed"]) == (6, 0)
@@ -484,6 +513,58 @@ def test_bench_serve_reports_a_dead_server():
     assert main(["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--model", "m", "--tokenizer",
                  str(DEMO_MODEL_DIR), "--num-prompts", "2", "--random-input-len", "4", "--random-output-len", "2",
                  "--disable-tqdm"]) == 2
+
+
+def test_bench_serve_counts_a_stream_that_fails_in_band_as_failed(fake_server, tmp_path):
+    # A 200 stream that carries some text and then an error event (OpenAI's {"error": {...}} shape) did not
+    # complete: it is a failed request, with the server's message, and the run exits 1.
+    fake_server.fail_odd = True
+    out = tmp_path / "failed.json"
+    assert main(["bench", "serve", "--base-url", fake_server.url, "--tokenizer", str(DEMO_MODEL_DIR),
+                 "--num-prompts", "4", "--random-input-len", "8", "--random-output-len", "3", "--max-concurrency", "1",
+                 "--disable-tqdm", "--result-json", str(out)]) == 1
+    report = json.loads(out.read_text())
+    assert (report["completed"], report["failed"]) == (2, 2)
+    assert sum("engine died" in e for e in report["errors"]) == 2
+    assert report["total_output_tokens"] == 6  # only the completed requests' tokens count
+
+
+def test_bench_serve_plot_without_matplotlib_is_refused_before_any_request(fake_server, tmp_path, monkeypatch,
+                                                                           capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` meets where it is not installed
+    assert main(["bench", "serve", "--base-url", fake_server.url, "--tokenizer", str(DEMO_MODEL_DIR),
+                 "--num-prompts", "2", "--random-input-len", "4", "--random-output-len", "2", "--disable-tqdm",
+                 "--plot", str(tmp_path / "p.png")]) == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err
+    assert fake_server.bodies == []  # no benchmark ran only to lose its report at the end
+
+
+def test_bench_serve_discovering_the_model_of_a_dead_server_is_one_line(capsys):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens here now
+    # No --model: the model is asked of GET /v1/models first.
+    assert main(["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--tokenizer", str(DEMO_MODEL_DIR),
+                 "--num-prompts", "2", "--random-input-len", "4", "--random-output-len", "2", "--disable-tqdm"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot reach" in err and "Traceback" not in err
+
+
+def test_bench_serve_model_discovery_reports_a_refused_key():
+    import httpx
+
+    from jserve.bench.serve import discover_model
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(401, json={"error": {"message": "invalid API key"}})
+
+    async def discover():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(refuse)) as client:
+            return await discover_model(client, "http://server", {})
+
+    with pytest.raises(ValueError, match="401.*invalid API key.*--api-key"):
+        asyncio.run(discover())
 
 
 def _has_matplotlib() -> bool:

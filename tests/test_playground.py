@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -24,9 +26,14 @@ from jserve.sampling_params import SamplingParams
 from jserve.server.settings import ServerSettings
 
 CHROMIUM = os.environ.get("JSERVE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
-                                reason=f"no Chromium at {CHROMIUM} (Debian: apt-get install -y chromium; .ci/run "
-                                       "installs it where apt-get exists)")
+NODE = shutil.which("node")
+
+
+def require_chromium() -> None:
+    # Every test of the live page needs the browser; the page's script alone (test_reply_stats_*) needs node only.
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"no Chromium at {CHROMIUM} (Debian: apt-get install -y chromium; .ci/run installs it where "
+                    "apt-get exists)")
 
 API_KEY = "playground-key"
 SCREENSHOT = Path(__file__).resolve().parents[1] / "docs" / "images" / "playground.png"
@@ -34,6 +41,7 @@ SCREENSHOT = Path(__file__).resolve().parents[1] / "docs" / "images" / "playgrou
 
 @pytest.fixture(scope="module")
 def server():
+    require_chromium()
     # decode_burst 1: a chunk per token, so streaming is visible even from this fast model.
     config = EngineConfig(model=str(DEMO_MODEL_DIR), **{**TEST_ENGINE_ARGS, "decode_burst": 1})
     srv = ServerThread(config, ServerSettings(api_key=API_KEY, served_model_name="demo")).start()
@@ -43,6 +51,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def browser():
+    require_chromium()
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
         yield b
@@ -174,3 +183,30 @@ def test_a_wrong_key_shows_the_401(page):
     assert wait_finished(page) == "error"
     error = page.inner_text("#error")
     assert error.startswith("401") and "API key" in error
+
+
+def reply_stats(*args) -> str:
+    """The page's own replyStats(start, first, last, count, unit, finish), run in node."""
+    if NODE is None:
+        pytest.skip("no node to run the page's script")
+    from jserve.server.playground import page as playground_page
+
+    script = playground_page().split("<script>", 1)[1].split("</script>", 1)[0]
+    function = re.search(r"^function replyStats\(.*?^}$", script, flags=re.S | re.M).group(0)
+    run = subprocess.run([NODE, "-e", f"{function}\nprocess.stdout.write(replyStats(...{json.dumps(args)}))"],
+                         capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+def test_reply_stats_rate_is_the_tokens_after_the_first_over_their_time():
+    # 11 tokens: the first 200 ms after sending, the last 1 s after the first. The rate after the first token is
+    # vLLM's 1 / TPOT = (output tokens - 1) / (E2EL - TTFT) = 10 tokens/s, not 11.
+    stats = reply_stats(1000, 1200, 2200, 11, "tokens", "length")
+    assert stats.split(" · ") == ["TTFT 200 ms", "11 tokens", "10.0 tok/s", "finish: length"]
+    # A stopped reply has no usage: its chunks, counted the same way.
+    assert reply_stats(0, 50, 550, 6, "chunks", "stopped").split(" · ") == \
+        ["TTFT 50 ms", "6 chunks", "10.0 chunks/s", "finish: stopped"]
+    # One chunk gives no time after the first token, so no rate; no chunk at all, only the finish reason.
+    assert reply_stats(0, 30, 30, 1, "tokens", "stop") == "TTFT 30 ms · 1 tokens · finish: stop"
+    assert reply_stats(0, None, None, 0, "tokens", "length") == "finish: length"

@@ -171,6 +171,12 @@ def test_serve_run_arguments_become_settings():
         parse_args({"replicas": "2"})
 
 
+def test_serve_run_arguments_take_dashes_for_every_name():
+    # Every name is read with `_` for `-`, as `jserve serve`'s flags spell them; shutdown_timeout too.
+    config, _, options = parse_args({"max-model-len": "256", "shutdown-timeout": "7", "num-replicas": "2"})
+    assert (config.max_model_len, options.num_replicas, options.graceful_shutdown_timeout_s) == (256, 2, 7.0)
+
+
 @needs_ray
 def test_64_streams_through_the_proxy_match_the_model_alone(cluster, expected):
     assert httpx.get(f"{cluster}/health").json() == {"status": "ok"}

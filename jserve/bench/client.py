@@ -66,6 +66,10 @@ async def send_request(client: httpx.AsyncClient, spec: RequestSpec, headers: di
                 if not payload or payload == "[DONE]":
                     continue
                 data = json.loads(payload)
+                if error := data.get("error"):  # the stream began, then the server failed the request in-band
+                    message = error.get("message", error) if isinstance(error, dict) else error
+                    result.error = f"error event after {len(result.chunk_times)} content chunks: {message}"
+                    return result
                 if text := chunk_text(data, spec.chat):
                     now = time.perf_counter()
                     if result.chunk_times:

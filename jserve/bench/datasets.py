@@ -109,8 +109,10 @@ def sharegpt_requests(rng: np.random.Generator, tokenizer: TokenizerLike, path: 
             break
         ids = tokenizer.encode(prompt, add_special_tokens=False)
         out = output_len or len(tokenizer.encode(answer, add_special_tokens=False))
-        if (len(ids) < SHAREGPT_MIN_LEN or out < SHAREGPT_MIN_LEN or len(ids) > SHAREGPT_MAX_PROMPT
-                or len(ids) + out > SHAREGPT_MAX_TOTAL) and output_len is None:
+        # vLLM's is_valid_sequence: a fixed output length (--sharegpt-output-len) skips only the check of the
+        # answer's own length; the prompt's bounds and the total still apply.
+        if (len(ids) < SHAREGPT_MIN_LEN or (output_len is None and out < SHAREGPT_MIN_LEN)
+                or len(ids) > SHAREGPT_MAX_PROMPT or len(ids) + out > SHAREGPT_MAX_TOTAL):
             continue
         requests.append(SampleRequest(ids, out, prompt=prompt))
     if len(requests) < num:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from argparse import Namespace
 from datetime import UTC, datetime
@@ -28,9 +29,20 @@ REQUEST_TIMEOUT_S = 6 * 3600
 
 
 async def discover_model(client: httpx.AsyncClient, base_url: str, headers: dict) -> str:
-    response = await client.get(base_url.rstrip("/") + "/v1/models", headers=headers)
-    response.raise_for_status()
-    models = response.json().get("data") or []
+    """The first model GET /v1/models lists. A server that is down, refuses the key or does not answer as an
+    OpenAI-compatible one is a ValueError (one line from the CLI, exit status 2), not a traceback."""
+    url = base_url.rstrip("/") + "/v1/models"
+    try:
+        response = await client.get(url, headers=headers)
+    except httpx.HTTPError as e:
+        raise ValueError(f"cannot reach {url} ({type(e).__name__}: {e}); is the server running?") from None
+    if response.status_code != 200:
+        raise ValueError(f"{url} answered HTTP {response.status_code}: {response.text[:300]}"
+                         + (" (pass the server's key with --api-key)" if response.status_code == 401 else ""))
+    try:
+        models = response.json().get("data") or []
+    except (ValueError, AttributeError):
+        raise ValueError(f"{url} did not answer as an OpenAI-compatible server: {response.text[:300]}") from None
     if not models:
         raise ValueError(f"{base_url}/v1/models lists no model; pass --served-model-name")
     return models[0]["id"]
@@ -113,7 +125,9 @@ async def benchmark(args: Namespace, tokenizer: TokenizerLike, special_ids: froz
     metrics = compute_metrics(results, duration, slos)
     report = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "base_url": args.base_url,
               "endpoint": args.endpoint, "model": model, "dataset": args.dataset, "num_prompts": len(requests),
-              "request_rate": args.request_rate, "burstiness": args.burstiness,
+              # JSON has no infinity: an unlimited rate is the string "inf", as vLLM writes it.
+              "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+              "burstiness": args.burstiness,
               "max_concurrency": args.max_concurrency, "goodput_slos_ms": {k: v * 1000 for k, v in slos.items()},
               **metrics, **per_request_fields(results, start)}
     if args.plot:
@@ -154,11 +168,16 @@ def format_report(report: dict) -> str:
 
 
 def run_serve(args: Namespace) -> int:
+    from checkpoints import is_gguf_file
     from jserve.tokenizer import load_tokenizer
 
+    if args.plot:  # matplotlib is checked now, not after every request has run
+        from jserve.bench.plot import _pyplot
+
+        _pyplot()
     tokenizer_path = args.tokenizer or args.model
     local = Path(tokenizer_path).expanduser() if tokenizer_path else None
-    if local is None or not (local.is_dir() or (local.is_file() and local.suffix == ".gguf")):
+    if local is None or not (local.is_dir() or is_gguf_file(local)):
         raise ValueError("bench serve needs a local tokenizer (a directory or a GGUF file) to build prompts: pass "
                          "--tokenizer PATH (or a --model that is a local checkpoint)")
     tokenizer = load_tokenizer(local)
@@ -166,5 +185,5 @@ def run_serve(args: Namespace) -> int:
     report = asyncio.run(benchmark(args, tokenizer, tokenizer.special_token_ids))
     print(format_report(report))
     if args.result_json:
-        Path(args.result_json).write_text(json.dumps(report, indent=2) + "\n")
+        Path(args.result_json).write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
     return 0 if report["failed"] == 0 else 1

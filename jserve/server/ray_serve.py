@@ -70,8 +70,9 @@ def _convert(value: Any, kind: Any) -> Any:
 def parse_args(args: dict[str, Any]) -> tuple[EngineConfig, ServerSettings, RayOptions]:
     """Split `serve run`'s arguments into the engine's, the server's and Ray's; unknown names are an error."""
     parts: list[tuple[type, dict]] = [(EngineConfig, {}), (ServerSettings, {}), (RayOptions, {})]
-    shutdown = args.get("shutdown_timeout")
-    args = {k.replace("-", "_"): v for k, v in args.items() if k != "shutdown_timeout"}
+    # Names are read with `_` for `-` (`max-model-len=...` is `max_model_len=...`), shutdown_timeout included.
+    args = {k.replace("-", "_"): v for k, v in args.items()}
+    shutdown = args.pop("shutdown_timeout", None)
     for name, value in args.items():
         for cls, values in parts:
             hints = typing.get_type_hints(cls)
