@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from jserve.config import EngineConfig
 from jserve.outputs import RequestOutput
-from jserve.sampling_params import SAMPLING_FIELDS, RequestOutputKind, SamplingParams
+from jserve.sampling_params import SAMPLING_FIELDS, RequestOutputKind, SamplingParams, with_defaults
 
 # A line may set any SamplingParams field but output_kind (the job writes finished results only); any other key is
 # a malformed line, so a typo (or another library's name, such as max_new_tokens) is not silently ignored.
@@ -31,6 +31,7 @@ class BatchItem:
     messages: list[dict] | None
     params: SamplingParams
     priority: int = 0
+    given: frozenset[str] = frozenset()  # the line's sampling fields: the model's defaults fill the rest
 
 
 class MalformedLine(ValueError):
@@ -52,6 +53,7 @@ def parse_line(line: str, line_no: int, default_max_tokens: int) -> BatchItem:
         raise MalformedLine(f"line {line_no}: unknown field(s) {', '.join(map(repr, unknown))}; a line takes "
                             f"{', '.join(sorted(_LINE_FIELDS))} and SamplingParams' fields but output_kind")
     fields = {k: v for k, v in obj.items() if k in _SAMPLING_FIELDS}
+    given = frozenset(k for k, v in fields.items() if v is not None)
     if isinstance(fields.get("logit_bias"), dict):  # JSON object keys are strings
         try:
             fields["logit_bias"] = {int(k): v for k, v in fields["logit_bias"].items()}
@@ -66,7 +68,7 @@ def parse_line(line: str, line_no: int, default_max_tokens: int) -> BatchItem:
     priority = obj.get("priority", 0)
     if not isinstance(priority, int):
         raise MalformedLine(f"line {line_no}: priority must be an integer")
-    return BatchItem(item_id, obj.get("prompt"), obj.get("messages"), params, priority)
+    return BatchItem(item_id, obj.get("prompt"), obj.get("messages"), params, priority, given)
 
 
 def drop_torn_last_line(output: Path) -> None:
@@ -149,7 +151,8 @@ def run_batch(config: EngineConfig, input_path: Path, output_path: Path, *, stri
             prompt = item.prompt
             if item.messages is not None:
                 prompt = {"prompt_token_ids": engine.tokenizer.apply_chat_template(item.messages)}
-            params = item.params.clone(output_kind=RequestOutputKind.FINAL_ONLY)  # only results are written
+            params = with_defaults(item.params, item.given, engine.sampling_defaults)  # the model's, as the server
+            params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)  # only results are written
             engine.add_request(item.id, prompt, params, priority=item.priority)
             pending[item.id] = item
         except ValueError as e:

@@ -171,6 +171,35 @@ def _generation_eos_ids(path: Path) -> tuple[int, ...]:
     return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
 
 
+# generation_config.json's sampling keys that become default sampling parameters, as vLLM reads them (its
+# --generation-config auto): each under its SamplingParams name.
+GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                          "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(model_dir: str | os.PathLike, setting: str = "auto") -> dict:
+    """The default sampling fields a model's creator recommends in its generation_config.json, by SamplingParams
+    name (max_new_tokens is max_tokens). setting: "auto" reads model_dir's file (a GGUF file has none: {}),
+    "vllm" ignores it ({}), anything else is a folder holding the file to read."""
+    if setting == "vllm":
+        return {}
+    folder = Path(model_dir) if setting == "auto" else Path(setting).expanduser()
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if setting != "auto":
+            raise ModelLoadError(f"--generation-config {setting}: no generation_config.json there")
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        if setting != "auto":
+            raise ModelLoadError(f"{path}: cannot read it ({e})") from None
+        return {}  # the optional file of a checkpoint: unreadable means no recommendation
+    if not isinstance(data, dict):
+        return {}
+    return {name: data[key] for key, name in GENERATION_CONFIG_KEYS.items() if data.get(key) is not None}
+
+
 def _rope_param(cfg: dict, key: str, default):
     # transformers >= 5 nests rope settings under "rope_parameters"; older configs keep them at the top level.
     params = cfg.get("rope_parameters") or {}
@@ -357,6 +386,10 @@ class EngineConfig:
       process_id: this process's rank in a multi-host run (0 runs the scheduler and the HTTP server).
       speculative_config: speculative decoding as vLLM's dict (or its JSON text: `--speculative-config`), e.g.
         {"method": "ngram", "num_speculative_tokens": 4}; None: off (SpeculativeConfig, docs/speculative.md).
+      generation_config: where requests that leave a sampling field out take its default, as vLLM's
+        --generation-config: "auto" (the model's generation_config.json: its temperature, top_p, top_k, min_p and
+        repetition_penalty, and max_new_tokens as the most tokens when a request sets no max_tokens) | "vllm"
+        (SamplingParams' own defaults) | a folder holding a generation_config.json.
     """
 
     model: str | None = None
@@ -386,6 +419,7 @@ class EngineConfig:
     num_processes: int = 1
     process_id: int = 0
     speculative_config: SpeculativeConfig | dict | str | None = None
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -416,6 +450,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
 

@@ -12,7 +12,13 @@ from tqdm.auto import tqdm
 from jserve.config import EngineConfig
 from jserve.engine.data_parallel import create_engine
 from jserve.outputs import RequestOutput
-from jserve.sampling_params import SAMPLING_FIELDS, InvalidParameterError, RequestOutputKind, SamplingParams
+from jserve.sampling_params import (
+    SAMPLING_FIELDS,
+    InvalidParameterError,
+    RequestOutputKind,
+    SamplingParams,
+    default_params,
+)
 
 PromptType = str | list[int] | dict
 
@@ -40,6 +46,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate and chat use without sampling_params (vLLM's): the model's generation_config.json
+        recommendations (EngineConfig.generation_config), else SamplingParams()."""
+        return default_params(self.engine.sampling_defaults)
+
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | dict | Seq[SamplingParams | dict] | None = None, *,
                  use_tqdm: bool | Callable[..., tqdm] = True,
@@ -59,6 +70,8 @@ class LLM:
         if self._broken is not None:
             raise RuntimeError(f"this LLM's engine could not be restored after a failed step ({self._broken}); "
                                "build a new LLM")
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = [_sampling_params(p) for p in _per_prompt(sampling_params, len(prompts), "sampling_params")]
         priorities = _per_prompt(priority, len(prompts), "priority") if priority is not None else [0] * len(prompts)
         return self._run(prompts, params, priorities, use_tqdm)

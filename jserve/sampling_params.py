@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 # The largest number of top logprobs a request may ask for (OpenAI allows 20).
 MAX_LOGPROBS = 20
@@ -198,6 +200,24 @@ class SamplingParams:
 # The fields a user sets (a dict of sampling fields, a JSONL line): all but the engine's own ones.
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {
     "eos_token_ids", "banned_token_ids", "bad_words_token_ids"}
+
+
+def default_params(defaults: Mapping[str, Any]) -> SamplingParams:
+    """vLLM's default sampling parameters: SamplingParams with the model's recommended fields (defaults:
+    jserve.config.generation_defaults). Its max_tokens, where the model recommends one, is left None: the engine
+    then generates at most that many, or what the context has left where that is fewer."""
+    fields = {k: v for k, v in defaults.items() if k != "max_tokens"}
+    if "max_tokens" in defaults:
+        fields["max_tokens"] = None
+    return SamplingParams(**fields)
+
+
+def with_defaults(params: SamplingParams, given: Iterable[str], defaults: Mapping[str, Any]) -> SamplingParams:
+    """params with each of the model's recommended fields that its request (an HTTP body, a JSONL line) left out, as
+    vLLM fills them; max_tokens excepted (the engine caps a request without one at the model's)."""
+    given = set(given)
+    changes = {k: v for k, v in defaults.items() if k != "max_tokens" and k not in given}
+    return params.clone(**changes) if changes else params
 
 
 class InvalidParameterError(ValueError):

@@ -715,3 +715,33 @@ def test_the_gpu_compiler_options_are_options_xla_knows():
     for options in (step, burst):
         assert float(jax.jit(lambda a: a @ a, compiler_options=options)(jnp.ones((4, 4)))[0, 0]) == 4.0
     assert step_compiler_options("cpu") is None and burst_compiler_options("cpu") is None
+
+
+def test_the_models_generation_config_gives_the_default_sampling_params(hf_model_dir, llm_factory, tmp_path):
+    """vLLM's --generation-config auto: generation_config.json's temperature, top_k, repetition_penalty and
+    max_new_tokens are what a request without sampling_params (or, through the server and `jserve generate`, without
+    those fields) runs with; max_new_tokens also caps a request that sets no max_tokens. "vllm" turns it off."""
+    import json
+    import shutil
+
+    model = tmp_path / "recommended"
+    shutil.copytree(hf_model_dir("llama"), model)
+    recommended = {"do_sample": True, "temperature": 0.0, "top_k": 3, "top_p": None, "repetition_penalty": 1.3,
+                   "max_new_tokens": 5, "eos_token_id": 2}
+    (model / "generation_config.json").write_text(json.dumps(recommended))
+    llm = llm_factory(model)
+    default = llm.get_default_sampling_params()
+    assert (default.temperature, default.top_k, default.repetition_penalty) == (0.0, 3, 1.3)
+    prompt = "def fibonacci(n):"
+    [out] = llm.generate(prompt, use_tqdm=False)
+    [want] = llm.generate(prompt, SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=5),
+                          use_tqdm=False)
+    [plain] = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
+    assert out.outputs[0].token_ids == want.outputs[0].token_ids != plain.outputs[0].token_ids
+    [capped] = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=None), use_tqdm=False)
+    assert len(capped.outputs[0].token_ids) == 5  # no max_tokens: the model's most, not the rest of the context
+    off = llm_factory(model, generation_config="vllm").get_default_sampling_params()
+    assert (off.temperature, off.top_k, off.max_tokens) == (SamplingParams().temperature, 0, 16)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    with pytest.raises(ValueError, match=r"generation_config.json: .*temperature"):
+        llm_factory(model, max_num_seqs=15)

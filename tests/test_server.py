@@ -648,3 +648,34 @@ def test_fuzzed_bodies_never_500(server, path, body, max_tokens):
     assert r.status_code in (200, 400, 404), r.text
     if r.status_code != 200:
         assert_error(r, r.status_code)
+
+
+def test_a_body_without_sampling_fields_takes_the_models_recommended_ones(model_dir, llm_factory, tmp_path):
+    """generation_config.json's fields fill what a body leaves out (vLLM's --generation-config auto): the same
+    tokens as the offline API with those fields; a field the body gives wins; max_new_tokens caps a chat that sets
+    no max_tokens."""
+    import shutil
+
+    model = tmp_path / "recommended"
+    shutil.copytree(model_dir, model)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "repetition_penalty": 1.3,
+                                                              "max_new_tokens": 6}))
+    offline = llm_factory(model)
+    want = offline.generate(PROMPTS[0], SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=6),
+                            use_tqdm=False)[0].outputs[0]
+    plain = offline.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=6),
+                             use_tqdm=False)[0].outputs[0]
+    assert want.token_ids != plain.token_ids
+    srv = ServerThread(EngineConfig(model=str(model), **TEST_ENGINE_ARGS), ServerSettings()).start()
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="-", max_retries=0, timeout=60)
+        name = srv.state.model_name
+        got = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=6)
+        assert got.choices[0].text == want.text
+        given = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=6,
+                                          extra_body={"repetition_penalty": 1.0})
+        assert given.choices[0].text == plain.text
+        chat = client.chat.completions.create(model=name, messages=MESSAGES)
+        assert chat.usage.completion_tokens <= 6 and chat.choices[0].finish_reason in ("length", "stop")
+    finally:
+        srv.stop()

@@ -34,7 +34,7 @@ class DataParallelEngine:
                          for i, m in enumerate(replica_meshes(mesh))]
         first = self.replicas[0]
         self.tokenizer, self.model_config, self.model_dir = first.tokenizer, first.model_config, first.model_dir
-        self.max_model_len = first.max_model_len
+        self.max_model_len, self.sampling_defaults = first.max_model_len, first.sampling_defaults
         self._owner: dict[str, LLMEngine] = {}
         self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="jserve-dp")
 

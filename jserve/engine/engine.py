@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from checkpoints import DEFAULT_MODEL_NAME, DEMO_MODEL_DIR, default_model
-from jserve.config import EngineConfig, ModelConfig, ModelLoadError, default_decode_burst
+from jserve.config import EngineConfig, ModelConfig, ModelLoadError, default_decode_burst, generation_defaults
 from jserve.distributed import MultiHostExecutor
 from jserve.engine.draft_model import DraftModelProposer, build_draft_proposer, open_draft_model
 from jserve.engine.kv_cache import BlockManager
@@ -40,7 +40,7 @@ from jserve.executors.cpu_layers import MAX_BLOCK_SIZE as CPU_MAX_BLOCK_SIZE
 from jserve.executors.xla import kv_bytes_per_block
 from jserve.loading import resolve_model_path, stored_quantization
 from jserve.outputs import RequestOutput
-from jserve.sampling_params import InvalidParameterError, SamplingParams
+from jserve.sampling_params import InvalidParameterError, SamplingParams, default_params
 from jserve.tokenizer import Tokenizer, load_tokenizer
 from sharding import distributed, make_mesh
 
@@ -136,6 +136,7 @@ class LLMEngine:
         model_dir = model_path(config.model)
         self.model_dir = model_dir
         self.tokenizer: Tokenizer = load_tokenizer(str(config.tokenizer or model_dir))
+        self.sampling_defaults = _sampling_defaults(model_dir, config.generation_config)
         self.mesh = None if devices is None and config.tensor_parallel_size == 1 and config.num_processes == 1 \
             else make_mesh(config.tensor_parallel_size, 1, devices)
         if config.num_processes > 1 and self.mesh.size != jax.device_count():
@@ -250,7 +251,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                     *, priority: int = 0, arrival_time: float | None = None) -> None:
-        params = params or SamplingParams()
+        params = params or default_params(self.sampling_defaults)
         if request_id in self.outputs.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, prompt_ids = self._tokenize_prompt(prompt, params.truncate_prompt_tokens)
@@ -317,7 +318,9 @@ class LLMEngine:
 
     def _resolve_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         room = self.max_model_len - prompt_len
-        max_tokens = room if params.max_tokens is None else params.max_tokens
+        # No max_tokens: the rest of the context, or the model's recommended most where that is fewer (vLLM's).
+        max_tokens = min(room, self.sampling_defaults.get("max_tokens", room)) if params.max_tokens is None \
+            else params.max_tokens
         if max_tokens > room:
             raise InvalidParameterError(
                 "max_tokens", f"This model's maximum context length is {self.max_model_len} tokens. However, you "
@@ -605,3 +608,20 @@ def _enable_compilation_cache(cache_dir: str) -> None:
 
 
 __all__ = ["LLMEngine", "ModelLoadError"]
+
+
+def _sampling_defaults(model_dir: Path, setting: str) -> dict:
+    """The model's recommended sampling fields (jserve.config.generation_defaults), checked as SamplingParams
+    checks a request's: a bad value names the file, before any request meets it."""
+    defaults = generation_defaults(model_dir, setting)
+    try:
+        default_params(defaults)
+        if "max_tokens" in defaults:
+            SamplingParams(max_tokens=defaults["max_tokens"])
+    except (TypeError, ValueError) as e:
+        where = model_dir if setting == "auto" else setting
+        raise ModelLoadError(f"{where}/generation_config.json: {e}") from None
+    if defaults:
+        logger.info("default sampling parameters from the model's generation_config.json (vLLM's "
+                    "--generation-config auto; 'vllm' turns them off): %s", defaults)
+    return defaults

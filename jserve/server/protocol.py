@@ -349,6 +349,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     priority: int
+    given: frozenset[str]  # the body's non-null fields: the model's defaults fill the rest
 
 
 @dataclass
@@ -420,7 +421,7 @@ def _common(values: dict[str, Any]) -> dict[str, Any]:
     if options and not stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     return dict(model=values.get("model"), stream=stream, include_usage=bool(options.get("include_usage")),
-                priority=values.get("priority", 0))
+                priority=values.get("priority", 0), given=frozenset(k for k, v in values.items() if v is not None))
 
 
 def parse_completion(body: dict) -> CompletionRequest:

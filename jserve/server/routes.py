@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jserve import __version__
-from jserve.sampling_params import InvalidParameterError, StructuredOutputsParams
+from jserve.sampling_params import InvalidParameterError, StructuredOutputsParams, with_defaults
 from jserve.server import responses as R
 from jserve.server.async_engine import AsyncEngine, EngineDeadError, Generation, QueueFullError
 from jserve.server.http import EventStreamResponse, read_json, unless_disconnected
@@ -208,6 +208,8 @@ async def _generate(request: Request, req, asked: str, served, admission, id_pre
     """Tokenize (prompts_of), admit into the served model's engine, and answer streamed (events) or whole (body);
     the admission is given back if anything before the engine fails."""
     try:
+        # The served model's recommended sampling fields (generation_config.json) for those the body left out
+        req.params = with_defaults(req.params, req.given, served.engine.engine.sampling_defaults)
         prompts = await prompts_of(served.tokenizer)
         header = R.ResponseHeader(R.new_id(id_prefix), served.name)
         gen = await _admit(served.engine, header.id, prompts, req, admission)
