@@ -38,20 +38,35 @@ def hf_model_dir(tmp_path_factory, tiny_tokenizer_dir):
     return make
 
 
+LLM_CACHE_SIZE = 12
+
+
 @pytest.fixture(scope="session")
 def llm_factory():
-    """Factory: an LLM over a model directory with small test-sized engine settings (cached per settings)."""
+    """Factory: an LLM over a model directory with small test-sized engine settings (cached per settings).
+
+    The cache keeps the LLM_CACHE_SIZE most recently used: every compiled executable holds memory mappings of its
+    own, and with every LLM of the run kept the process reaches the kernel's limit (vm.max_map_count, 65,530), where
+    a compile fails and the failure's C++ exception segfaults in the unwinder."""
+    import collections
+    import gc
+
     from jserve import LLM
 
-    cache: dict[tuple, LLM] = {}
+    cache: collections.OrderedDict[tuple, LLM] = collections.OrderedDict()
 
     def make(model_dir: Path, **engine_args) -> LLM:
         settings = dict(max_model_len=512, kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=128,
                         max_num_seqs=16, warmup=False, compilation_cache_dir="")
         settings.update(engine_args)
         key = (str(model_dir), tuple(sorted(settings.items())))
-        if key not in cache:
+        if key in cache:
+            cache.move_to_end(key)
+        else:
             cache[key] = LLM(str(model_dir), **settings)
+            if len(cache) > LLM_CACHE_SIZE:
+                cache.popitem(last=False)
+                gc.collect()  # the evicted engine's cycles, and with them its executables and their mappings
         return cache[key]
 
     return make
