@@ -70,3 +70,17 @@ def llm_factory():
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_compiled_executables():
+    """After each test module (its servers already stopped), jax's caches of compiled executables are cleared and
+    the garbage collected: each executable holds memory mappings, and a run that keeps them all reaches the
+    kernel's vm.max_map_count (see llm_factory). An LLM that outlives its module compiles its steps again."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
