@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="profile: keep CUDA graphs on under the profiler (XLA runs them op by op by default)")
     parser.add_argument("--quant-settings", default=None,
                         help="quant: these of quant.SETTINGS (comma-separated; bf16, the reference, always runs first; "
-                             "default bf16,kv_int8,kv_fp8,int8,fp8; f32 adds the float32 yardstick)")
+                             "default bf16,kv_int8,kv_fp8,int8,int8_triton_gemm,fp8,fp8_triton_gemm; "
+                             "f32 adds the float32 yardstick)")
     opts = parser.parse_args(argv)
     gpu = opts.device == "gpu"
     args = {"device": opts.device, "model": opts.model or ("llama3-8b" if gpu else "demo"),

@@ -12,7 +12,11 @@ the yardstick of plain rounding) loads its own engine, runs the same prompts, th
   the bytes a decode token reads (every weight but an untied embedding table, scales included, plus its K/V) against
   the HBM bandwidth the env section measured.
 
-fp8 (float8_e4m3fn) weights and KV are refused off a GPU: there they are recorded as skipped. The KV settings run
+The *_triton_gemm settings load the same weights as int8 / fp8 but compile the steps with XLA's Triton GEMM
+(COMPILER_OPTIONS), which can fuse the weight's convert into the dot, where the engine's cuBLAS cannot.
+
+fp8 (float8_e4m3fn) weights and KV, and the Triton GEMM settings, are refused off a GPU: there they are recorded as
+skipped. The KV settings run
 before the weight ones by default: with dummy weights a quantized setting draws them on the device, then quantizes
 them on the host at load (about a minute for the 8B shape), so under the section's time limit the cheap rows come
 first. The prompts' 4 x 32 tokens make one prefill step of the speed prompt's 128 tokens: on a GPU (one full-width
@@ -21,10 +25,12 @@ page table) the speed run then reuses the correctness run's executables.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import time
 import traceback
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -36,8 +42,16 @@ from benchmarks.gpu_check.speed import param_bytes, run_requests, step_split
 SETTINGS = {"bf16": {}, "int8": {"quantization": "int8"}, "fp8": {"quantization": "fp8"},
             "kv_int8": {"kv_cache_dtype": "int8"}, "kv_fp8": {"kv_cache_dtype": "fp8"},
             "int8_kv_int8": {"quantization": "int8", "kv_cache_dtype": "int8"}, "f32": {"dtype": "float32"}}
-GPU_ONLY = {"fp8", "kv_fp8"}
-DEFAULT_SETTINGS = ["bf16", "kv_int8", "kv_fp8", "int8", "fp8"]
+# Settings that compile the engine's steps with other XLA options than executors.xla.step_compiler_options. The
+# engine's (cuBLAS by its heuristics, no Triton GEMM) cannot take an int8 / fp8 weight's convert into the dot:
+# cuBLAS multiplies bf16 by bf16, so each step writes a bf16 copy of every weight and reads it back (on an H200,
+# 3x bf16's time a token). XLA's Triton GEMM fuses the convert into the dot and reads the 1-byte weight.
+TRITON_GEMM = {"xla_gpu_enable_triton_gemm": True, "xla_gpu_autotune_level": 0}
+COMPILER_OPTIONS = {"int8_triton_gemm": TRITON_GEMM, "fp8_triton_gemm": TRITON_GEMM,
+                    "int8_triton_gemm_autotuned": {"xla_gpu_enable_triton_gemm": True}}
+SETTINGS.update({name: SETTINGS[name.split("_")[0]] for name in COMPILER_OPTIONS})
+GPU_ONLY = {"fp8", "kv_fp8", *COMPILER_OPTIONS}
+DEFAULT_SETTINGS = ["bf16", "kv_int8", "kv_fp8", "int8", "int8_triton_gemm", "fp8", "fp8_triton_gemm"]
 REFERENCE = "bf16"
 SPEED_PROMPT = 128
 PROMPTS, PROMPT_LEN, GREEDY_TOKENS = 4, SPEED_PROMPT // 4, 32
@@ -80,6 +94,24 @@ def device_bytes_in_use() -> int | None:
     return stats.get("bytes_in_use")
 
 
+@contextlib.contextmanager
+def compiler_options(options: dict | None) -> Iterator[None]:
+    """While an engine is built: its steps and bursts compile with these XLA options (bursts keep their command
+    buffers) instead of the executor's own."""
+    from jserve.executors import xla
+
+    if not options:
+        yield
+        return
+    step, burst = xla.step_compiler_options, xla.burst_compiler_options
+    xla.step_compiler_options = lambda platform: options
+    xla.burst_compiler_options = lambda platform: {**(burst(platform) or {}), **options}
+    try:
+        yield
+    finally:
+        xla.step_compiler_options, xla.burst_compiler_options = step, burst
+
+
 def main() -> None:
     import jax
     from jax._src import dispatch
@@ -108,14 +140,15 @@ def main() -> None:
         if counting[0] and event == dispatch.BACKEND_COMPILE_EVENT else None)
     reference: dict = {}
     for name in names:
-        entry: dict = {"setting": name, **SETTINGS[name]}
+        entry: dict = {"setting": name, **SETTINGS[name], "compiler_options": COMPILER_OPTIONS.get(name)}
         if name in GPU_ONLY and not on_gpu:
             results.append("rows", {**entry, "status": "skipped: GPU only"})
             continue
         llm = engine = None
         try:
             start = time.perf_counter()
-            llm = LLM(str(path), warmup=False, **{**base, **SETTINGS[name]})
+            with compiler_options(COMPILER_OPTIONS.get(name)):
+                llm = LLM(str(path), warmup=False, **{**base, **SETTINGS[name]})
             engine = llm.engine
             jax.block_until_ready(engine.executor.params)
             entry["load_seconds"] = time.perf_counter() - start
