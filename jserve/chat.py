@@ -82,7 +82,8 @@ class LocalBackend:
         params = SamplingParams(temperature=options.temperature, top_p=options.top_p, max_tokens=options.max_tokens)
         request_id = f"chat-{next(self._ids)}"
         try:
-            engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+            # A conversation near the context answers up to its end, as vLLM's offline chat does.
+            engine.add_request(request_id, {"prompt_token_ids": prompt}, params, cap_max_tokens=True)
         except ValueError as e:  # e.g. the conversation outgrew the context
             raise ChatError(str(e)) from None
         sent, interrupted = 0, []

@@ -110,7 +110,8 @@ class LLM:
             for request_id, prompt, p, prio in zip(ids, prompts, params, priorities, strict=True):
                 # Only finished outputs are returned: no per-step outputs, and each text decoded once.
                 p = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-                self.engine.add_request(request_id, prompt, p, priority=prio)
+                # vLLM's offline LLM ends a request at the context rather than refusing its max_tokens.
+                self.engine.add_request(request_id, prompt, p, priority=prio, cap_max_tokens=True)
                 added.append(request_id)
         except Exception:
             for request_id in added:  # a bad prompt rejects the whole call, leaving nothing half-run

@@ -362,6 +362,41 @@ def test_stop_strings_and_stop_tokens_end_generation(hf_model_dir, llm_factory):
     assert (by_string.finish_reason, by_string.stop_reason) == ("stop", stop_text)
 
 
+def test_a_stop_token_sampled_as_the_last_allowed_token_finishes_with_length(hf_model_dir, llm_factory):
+    """vLLM v1's check_stop tests the length before the stop tokens: a stop token sampled as the max_tokens-th
+    token ends the sequence with "length", no stop_reason, and its text as transformers decodes it."""
+    llm = llm_factory(hf_model_dir("llama"))
+    prompt = {"prompt_token_ids": np.random.default_rng(9).integers(3, 500, 30).tolist()}
+    free = llm.generate(prompt, greedy(20), use_tqdm=False)[0].outputs[0]
+    stop_token = free.token_ids[6]
+    first = free.token_ids.index(stop_token)
+
+    def stopping_at(max_tokens: int):
+        return llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                                   stop_token_ids=[stop_token]), use_tqdm=False)[0].outputs[0]
+
+    at_limit, before_limit = stopping_at(first + 1), stopping_at(first + 2)
+    assert at_limit.token_ids == before_limit.token_ids == free.token_ids[:first + 1]
+    assert (at_limit.finish_reason, at_limit.stop_reason) == ("length", None)
+    hf_tokenizer = AutoTokenizer.from_pretrained(hf_model_dir("llama"))
+    assert at_limit.text == hf_tokenizer.decode(free.token_ids[:first + 1], skip_special_tokens=True)
+    assert (before_limit.finish_reason, before_limit.stop_reason) == ("stop", stop_token)
+
+
+def test_offline_max_tokens_past_the_context_ends_at_the_context(hf_model_dir, llm_factory):
+    """vLLM's offline LLM runs a request whose max_tokens passes max_model_len up to the context's end ("length");
+    the engine's add_request, which the server calls, refuses it naming both lengths (vLLM's server: a 400)."""
+    llm = llm_factory(hf_model_dir("llama"))  # max_model_len 512
+    prompt = {"prompt_token_ids": np.random.default_rng(10).integers(3, 500, 500).tolist()}
+    capped, exact = (llm.generate(prompt, p, use_tqdm=False)[0].outputs[0] for p in (greedy(50), greedy(12)))
+    assert capped.token_ids == exact.token_ids and len(capped.token_ids) == 12
+    assert capped.finish_reason == exact.finish_reason == "length"
+    with pytest.raises(ValueError, match="maximum context length is 512 tokens. However, you requested 550 tokens "
+                                         r"\(500 in the messages, 50 in the completion\)") as info:
+        llm.engine.add_request("too-long", prompt, greedy(50))
+    assert info.value.param == "max_tokens" and not llm.engine.has_unfinished_requests()
+
+
 def test_logprobs_are_the_models_log_softmax(hf_model_dir, llm_factory, executor):
     model_dir = hf_model_dir("llama")
     llm = llm_factory(model_dir, attention_backend=executor)
@@ -504,7 +539,6 @@ def test_chat_takes_vllms_template_arguments(hf_model_dir, llm_factory):
 @pytest.mark.parametrize("prompt, params, param, message", [
     ([5] * 600, SamplingParams(), "prompt", "This model's maximum context length is 512 tokens. However, your "
                                             "request has 600 input tokens."),
-    ([5] * 500, SamplingParams(max_tokens=50), "max_tokens", "maximum context length is 512 tokens"),
     ([], SamplingParams(), "prompt", "empty"),
     ("", SamplingParams(), "prompt", "empty"),
     ([5, 10**6], SamplingParams(), "prompt", "outside the model.s vocabulary"),

@@ -29,6 +29,7 @@ from jserve.engine.draft_model import DraftModelProposer, build_draft_proposer, 
 from jserve.engine.kv_cache import BlockManager
 from jserve.engine.output_processor import OutputProcessor
 from jserve.engine.rejection import logits_rows_for
+from jserve.engine.request_inputs import resolve_params, tokenize_prompt
 from jserve.engine.sampler import MetadataCache, SamplingMetadata, for_burst
 from jserve.engine.scheduler import Scheduler, SchedulerOutput
 from jserve.engine.sequence import Sequence
@@ -40,7 +41,7 @@ from jserve.executors.cpu_layers import MAX_BLOCK_SIZE as CPU_MAX_BLOCK_SIZE
 from jserve.executors.xla import kv_bytes_per_block
 from jserve.loading import resolve_model_path, stored_quantization
 from jserve.outputs import RequestOutput
-from jserve.sampling_params import InvalidParameterError, SamplingParams, default_params
+from jserve.sampling_params import SamplingParams, default_params
 from jserve.tokenizer import Tokenizer, load_tokenizer
 from sharding import distributed, make_mesh
 
@@ -250,12 +251,19 @@ class LLMEngine:
     # ----- requests -----
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
-                    *, priority: int = 0, arrival_time: float | None = None) -> None:
+                    *, priority: int = 0, arrival_time: float | None = None, cap_max_tokens: bool = False) -> None:
+        """Queue a request. A max_tokens past the context raises InvalidParameterError (vLLM's OpenAI server
+        answers 400), or with cap_max_tokens ends the sequence at the context, as vLLM's offline LLM does."""
         params = params or default_params(self.sampling_defaults)
         if request_id in self.outputs.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_text, prompt_ids = self._tokenize_prompt(prompt, params.truncate_prompt_tokens)
-        params = self._resolve_params(params, len(prompt_ids))
+        vocab = self.model_config.vocab_size
+        prompt_text, prompt_ids = tokenize_prompt(self.tokenizer, vocab, self.max_model_len, prompt,
+                                                  params.truncate_prompt_tokens)
+        params = resolve_params(params, len(prompt_ids), tokenizer=self.tokenizer, vocab_size=vocab,
+                                max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
+                                default_max_tokens=self.sampling_defaults.get("max_tokens"),
+                                cap_max_tokens=cap_max_tokens)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = []
         for index in range(params.n):
@@ -278,81 +286,6 @@ class LLMEngine:
             vocab = max(self.model_config.vocab_size, self.tokenizer.vocab_size)
             self._grammars = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids)
         return self._grammars
-
-    def _tokenize_prompt(self, prompt: str | list[int] | dict,
-                         truncate: int | None = None) -> tuple[str | None, list[int]]:
-        """-> (the prompt's text or None, its token ids: the last `truncate` of them where set, as vLLM's
-        truncate_prompt_tokens; -1, vLLM's "as many as the model takes", keeps max_model_len - 1, the most a prompt
-        may hold here, where a request must have room for a token)."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise InvalidParameterError("prompt", "a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple, np.ndarray)):
-            # NumPy integer ids (a tokenizer's array output) become Python ints; anything else is refused below.
-            text, ids = None, [int(t) if isinstance(t, np.integer) else t for t in prompt]
-            # The model's embedding table bounds the ids, not the tokenizer: an id past the table would be clamped
-            # by the gather and silently read another token's row.
-            vocab = self.model_config.vocab_size
-            bad = [t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)]
-            if bad:
-                raise InvalidParameterError("prompt", f"prompt token id {bad[0]!r} is outside the model's vocabulary: "
-                                                      f"ids must be integers in [0, {vocab})")
-        else:
-            raise InvalidParameterError("prompt", f"prompt must be a string or a list of token ids, got "
-                                                  f"{type(prompt).__name__}")
-        if truncate is not None:  # before the length checks: truncation is what makes a long prompt fit
-            ids = ids[-(self.max_model_len - 1 if truncate == -1 else truncate):]
-        if not ids:
-            raise InvalidParameterError("prompt", "the prompt is empty: it must contain at least one token")
-        if len(ids) >= self.max_model_len:
-            raise InvalidParameterError(
-                "prompt", f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                          f"request has {len(ids)} input tokens. Please reduce the length of the input messages.")
-        return text, ids
-
-    def _resolve_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
-        room = self.max_model_len - prompt_len
-        # No max_tokens: the rest of the context, or the model's recommended most where that is fewer (vLLM's).
-        max_tokens = min(room, self.sampling_defaults.get("max_tokens", room)) if params.max_tokens is None \
-            else params.max_tokens
-        if max_tokens > room:
-            raise InvalidParameterError(
-                "max_tokens", f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                              f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the messages, "
-                              f"{max_tokens} in the completion). Please reduce the length of the messages or "
-                              "completion.")
-        vocab = self.model_config.vocab_size
-        for name in ("logit_bias", "stop_token_ids", "allowed_token_ids"):
-            for token in getattr(params, name) or ():
-                if token >= vocab:
-                    raise InvalidParameterError(name, f"token id {token} is outside the vocabulary (size {vocab})")
-        banned = ()
-        if params.allowed_token_ids is not None:  # forbidden by a -inf logit bias, which every sampler path applies
-            banned = tuple(np.setdiff1d(np.arange(vocab), params.allowed_token_ids).tolist())
-        return params.clone(max_tokens=max_tokens, eos_token_ids=list(self.eos_token_ids), banned_token_ids=banned,
-                            bad_words_token_ids=self._bad_words_token_ids(params.bad_words or []))
-
-    def _bad_words_token_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
-        """Each bad word's token ids as vLLM finds them: the word with its leading spaces stripped, and with one
-        space before it where that tokenizes into another first token but as many tokens (the word inside text)."""
-        out: list[tuple[int, ...]] = []
-        for word in words:
-            plain = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
-            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-            out.append(plain)
-            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
-                out.append(spaced)
-        vocab = self.model_config.vocab_size
-        if any(t >= vocab for ids in out for t in ids):
-            raise InvalidParameterError("bad_words", f"a bad word tokenizes to an id outside the model's vocabulary "
-                                                     f"(size {vocab})")
-        return tuple(out)
 
     def _sampling_seed(self, seed: int | None, index: int) -> int:
         # n > 1 with a seed: sample i uses seed + i, so every sample is reproducible and they differ.

@@ -141,7 +141,11 @@ class OutputProcessor:
             stream.logprobs.append({token: chosen, **top})
         reason, stop_reason = None, None
         ends_on_eos = not params.ignore_eos and token in params.eos_token_ids  # the engine's, set per request
-        if (ends_on_eos or token in params.stop_token_ids) and seq.num_output_tokens > params.min_tokens:
+        # The length is tested before the stop tokens (vLLM v1's check_stop): a stop token sampled as the last
+        # token allowed ends the sequence with "length", its text rendered as any other token's.
+        at_limit = seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len
+        if (ends_on_eos or token in params.stop_token_ids) and seq.num_output_tokens > params.min_tokens \
+                and not at_limit:
             # The stop token's own text is output only with include_stop_str_in_output, and then as
             # skip_special_tokens renders it (an EOS is usually special: no text), as in vLLM. Text held back before
             # it (half a character) is output.
@@ -150,7 +154,7 @@ class OutputProcessor:
             delta = kept + stream.detokenizer.finish()
         else:
             delta = stream.detokenizer.add(token)
-            if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            if at_limit:
                 reason = "length"
                 delta += stream.detokenizer.finish()
         # Text produced by the first min_tokens tokens never takes part in stop-string matching (vLLM): it bypasses
