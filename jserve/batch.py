@@ -22,6 +22,8 @@ from jserve.sampling_params import SAMPLING_FIELDS, RequestOutputKind, SamplingP
 # a malformed line, so a typo (or another library's name, such as max_new_tokens) is not silently ignored.
 _SAMPLING_FIELDS = SAMPLING_FIELDS - {"output_kind"}
 _LINE_FIELDS = {"id", "prompt", "messages", "priority"}
+# max_tokens of a line that sets none, where neither --max-tokens nor the model's generation_config.json says.
+DEFAULT_MAX_TOKENS = 128
 
 
 @dataclass
@@ -32,13 +34,16 @@ class BatchItem:
     params: SamplingParams
     priority: int = 0
     given: frozenset[str] = frozenset()  # the line's sampling fields: the model's defaults fill the rest
+    model_max_tokens: bool = False  # no max_tokens on the line or the command line: the model's max_new_tokens
 
 
 class MalformedLine(ValueError):
     pass
 
 
-def parse_line(line: str, line_no: int, default_max_tokens: int) -> BatchItem:
+def parse_line(line: str, line_no: int, default_max_tokens: int | None = None) -> BatchItem:
+    """One input line. default_max_tokens (--max-tokens) is the max_tokens of a line that sets none; None: the
+    model's generation_config.json max_new_tokens where it has one (run_batch fills it in), else 128."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
@@ -59,7 +64,8 @@ def parse_line(line: str, line_no: int, default_max_tokens: int) -> BatchItem:
             fields["logit_bias"] = {int(k): v for k, v in fields["logit_bias"].items()}
         except ValueError:
             raise MalformedLine(f"line {line_no}: logit_bias keys must be token ids") from None
-    fields.setdefault("max_tokens", default_max_tokens)
+    model_max_tokens = "max_tokens" not in fields and default_max_tokens is None
+    fields.setdefault("max_tokens", DEFAULT_MAX_TOKENS if default_max_tokens is None else default_max_tokens)
     try:
         params = SamplingParams(**fields)
     except (TypeError, ValueError) as e:
@@ -68,7 +74,7 @@ def parse_line(line: str, line_no: int, default_max_tokens: int) -> BatchItem:
     priority = obj.get("priority", 0)
     if not isinstance(priority, int):
         raise MalformedLine(f"line {line_no}: priority must be an integer")
-    return BatchItem(item_id, obj.get("prompt"), obj.get("messages"), params, priority, given)
+    return BatchItem(item_id, obj.get("prompt"), obj.get("messages"), params, priority, given, model_max_tokens)
 
 
 def drop_torn_last_line(output: Path) -> None:
@@ -123,7 +129,7 @@ def result_record(item_id: str, output: RequestOutput) -> dict:
 
 
 def run_batch(config: EngineConfig, input_path: Path, output_path: Path, *, strict: bool = False,
-              default_max_tokens: int = 128) -> int:
+              default_max_tokens: int | None = None) -> int:
     from jserve.engine.data_parallel import create_engine
 
     if not input_path.is_file():
@@ -152,8 +158,12 @@ def run_batch(config: EngineConfig, input_path: Path, output_path: Path, *, stri
             if item.messages is not None:
                 prompt = {"prompt_token_ids": engine.tokenizer.apply_chat_template(item.messages)}
             params = with_defaults(item.params, item.given, engine.sampling_defaults)  # the model's, as the server
+            if item.model_max_tokens and "max_tokens" in engine.sampling_defaults:
+                params = params.clone(max_tokens=None)  # the engine stops it at max_new_tokens (or the context)
             params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)  # only results are written
-            engine.add_request(item.id, prompt, params, priority=item.priority)
+            # A max_tokens the line did not ask for ends at the context; one it asked for past it is refused.
+            engine.add_request(item.id, prompt, params, priority=item.priority,
+                               cap_max_tokens="max_tokens" not in item.given)
             pending[item.id] = item
         except ValueError as e:
             if strict:

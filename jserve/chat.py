@@ -5,6 +5,9 @@ Input: a line ending in a backslash continues on the next line (the backslash be
 can span lines. Commands: /reset (forget the conversation, keep the system prompt), /system TEXT (set the system
 prompt; /system alone clears it), /help, /exit (or Ctrl-D). Ctrl-C stops a reply as it streams (the partial reply
 stays in the conversation) or discards the line being typed. Errors are one line on stderr, never a traceback.
+
+Without --url, --model and the engine flags load the model here (no --model: the default model of `jserve serve`);
+with --url, --model NAME picks one of the server's models (default: the first GET /v1/models lists).
 """
 
 from __future__ import annotations
@@ -340,11 +343,12 @@ def add_chat_parser(sub: argparse._SubParsersAction) -> None:
     group.add_argument("--api-key", default=os.environ.get("JSERVE_API_KEY"),
                        help="the server's API key with --url (default: $JSERVE_API_KEY)")
     group.add_argument("--system", default=None, help="a system prompt to start with")
-    group.add_argument("--temperature", type=float, default=0.7)
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--max-tokens", type=int, default=256, help="longest reply, in tokens")
+    group.add_argument("--temperature", type=float, default=0.7, help="every reply's temperature (default: 0.7)")
+    group.add_argument("--top-p", type=float, default=1.0, help="every reply's top_p (default: 1.0)")
+    group.add_argument("--max-tokens", type=int, default=256, help="longest reply, in tokens (default: 256)")
     group.add_argument("--history-file", default=DEFAULT_HISTORY_FILE,
-                       help="readline history of what you typed, kept from one run to the next ('' keeps none)")
+                       help="readline history of what you typed, kept from one run to the next ('' keeps none; "
+                            "default: %(default)s)")
     add_engine_args(chat)  # --model and every engine flag, for the in-process model; with --url, --model NAME picks
     # one of the server's models (default: the first GET /v1/models lists)
     chat.set_defaults(run=run_chat_command)

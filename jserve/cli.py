@@ -27,8 +27,11 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
                                                      "fields; any other key makes the line malformed")
     gen.add_argument("--output", required=True, type=output_file,
                      help="JSONL results, appended and flushed as each finishes")
-    gen.add_argument("--strict", action="store_true", help="stop at the first malformed line instead of skipping it")
-    gen.add_argument("--max-tokens", type=integer(1), default=128, help="default max_tokens for lines that set none")
+    gen.add_argument("--strict", action="store_true",
+                     help="stop (status 2) at the first malformed line or refused request instead of skipping it")
+    gen.add_argument("--max-tokens", type=integer(1), default=None,
+                     help="max_tokens for lines that set none (default: the model's generation_config.json "
+                          "max_new_tokens where it has one, else 128)")
     add_engine_args(gen)
     gen.set_defaults(run=_run_generate)
 
@@ -47,7 +50,8 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> None:
                                                      "GGUF file or a directory holding one")
     conv.add_argument("--out", required=True, help="a new or empty directory to write")
     conv.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="float32",
-                      help="parameter dtype stored (and served: serve it with the same --dtype)")
+                      help="parameter dtype stored (and served: serve it with the same --dtype; default: "
+                           "%(default)s)")
     conv.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                       help="store the decoder layers' matrices quantized, with per-row scales (served quantized "
                            "without --quantization; docs/quantization.md)")

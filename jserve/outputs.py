@@ -10,16 +10,23 @@ Logprobs = dict[int, float]
 
 @dataclass
 class CompletionOutput:
-    index: int
-    text: str
+    index: int  # which of the request's n samples (vLLM's)
+    text: str  # "" where the request set detokenize=False
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
-    stop_reason: int | str | None = None  # the stop string or token id that ended it
+    stop_reason: int | str | None = None  # the stop string or token id that ended it; None for EOS or the length
     logprobs: list[Logprobs] | None = None
+    # The sum of the sampled tokens' logprobs where the request asked for logprobs, else None (vLLM v1's).
+    cumulative_logprob: float | None = None
 
-    @property
     def finished(self) -> bool:
+        """Whether this sample has ended (a method, as vLLM's CompletionOutput.finished())."""
         return self.finish_reason is not None
+
+    def __repr__(self) -> str:  # vLLM's format, less the fields jserve does not have
+        return (f"CompletionOutput(index={self.index}, text={self.text!r}, token_ids={self.token_ids}, "
+                f"cumulative_logprob={self.cumulative_logprob}, logprobs={self.logprobs}, "
+                f"finish_reason={self.finish_reason}, stop_reason={self.stop_reason})")
 
 
 @dataclass
@@ -29,6 +36,14 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
-    num_cached_tokens: int = 0
-    prompt_logprobs: list[Logprobs | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    prompt_logprobs: list[Logprobs | None] | None = None  # None for the first prompt token (no context), as vLLM's
+    # jserve's: arrival_time, first_token_time, finished_time (time.monotonic() seconds), set once finished. vLLM
+    # reports a RequestStateStats object here instead.
     metrics: dict[str, float] = field(default_factory=dict)
+
+    def __repr__(self) -> str:  # vLLM's format, less the fields jserve does not have
+        return (f"RequestOutput(request_id={self.request_id}, prompt={self.prompt!r}, "
+                f"prompt_token_ids={self.prompt_token_ids}, prompt_logprobs={self.prompt_logprobs}, "
+                f"outputs={self.outputs}, finished={self.finished}, metrics={self.metrics}, "
+                f"num_cached_tokens={self.num_cached_tokens})")

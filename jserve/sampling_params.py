@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 from collections.abc import Iterable, Mapping
@@ -20,6 +21,7 @@ class RequestOutputKind(enum.Enum):
     """When the engine reports a request (vLLM's names)."""
 
     CUMULATIVE = "cumulative"  # after every step that changed it: the text and tokens so far (for streaming)
+    DELTA = "delta"  # after every step that changed it: only the text, tokens and logprobs new since the last output
     FINAL_ONLY = "final_only"  # once, finished: no per-step outputs, and the text decoded once at the end
 
 
@@ -84,9 +86,17 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    # Top logprobs per output / prompt token (vLLM's; True reads as 1). vLLM's -1 (the whole vocabulary) is refused,
+    # as vLLM refuses it under its default max_logprobs (20).
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # False: no text at all, token ids only (vLLM's); stop strings then cannot be matched and are refused.
+    detokenize: bool = True
     skip_special_tokens: bool = True
+    # With skip_special_tokens=False: False renders an added token that follows another one as its bare content,
+    # where the tokenizer's decoder would put a space before it (vLLM's rule; byte-level and SentencePiece decoders put
+    # none, so it changes nothing there).
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Prefix-cache isolation: only requests with the same salt share cached KV blocks (vLLM's field).
@@ -100,6 +110,8 @@ class SamplingParams:
     # Words never generated (vLLM's field): the last token of each word's tokens is forbidden wherever the output
     # ends in the tokens before it.
     bad_words: list[str] | None = None
+    # Arbitrary arguments for custom sampling code (vLLM's field): kept with the request, used by nothing in jserve.
+    extra_args: dict[str, Any] | None = None
     # Filled by the engine, not by users: the tokens that end the request besides stop_token_ids.
     eos_token_ids: list[int] = field(default_factory=list, repr=False)
     # Filled by the engine, not by users: the vocabulary outside allowed_token_ids, which the sampler forbids.
@@ -108,6 +120,12 @@ class SamplingParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
+        # vLLM's conveniences: logprobs=True is 1, seed=-1 is no seed, a repeated stop token id counts once.
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is True:
+                setattr(self, name, 1)
+        if _is_int(self.seed) and self.seed == -1:
+            self.seed = None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         # Checked before list() so that a bare number names its field instead of failing as "not iterable".
@@ -117,6 +135,8 @@ class SamplingParams:
                f"stop_token_ids must be a list of token ids, got {type(self.stop_token_ids).__name__}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if all(_is_int(t) for t in self.stop_token_ids):
+            self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))  # once each (vLLM's)
         _check(self.allowed_token_ids is None or isinstance(self.allowed_token_ids, (list, tuple)),
                "allowed_token_ids", f"allowed_token_ids must be a list of token ids, got "
                                     f"{type(self.allowed_token_ids).__name__}")
@@ -161,8 +181,17 @@ class SamplingParams:
                f"seed must be an integer, got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
+            whole = " (-1, the whole vocabulary, is not supported: vLLM also refuses it unless started with " \
+                    "--max-logprobs -1)" if _is_int(value) and value == -1 else ""
             _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
-                   f"{name} must be between 0 and {MAX_LOGPROBS}, got {value!r}")
+                   f"{name} must be between 0 and {MAX_LOGPROBS}, got {value!r}{whole}")
+        for name in ("detokenize", "skip_special_tokens", "spaces_between_special_tokens"):
+            _check(isinstance(getattr(self, name), bool), name,
+                   f"{name} must be true or false, got {getattr(self, name)!r}")
+        _check(self.detokenize or not self.stop, "stop",
+               "stop strings are only supported when detokenize is True (they are matched on the text)")
+        _check(self.extra_args is None or isinstance(self.extra_args, dict), "extra_args",
+               f"extra_args must be a dict, got {type(self.extra_args).__name__}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "stop must be non-empty strings")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "stop_token_ids must be non-negative integers")
@@ -194,7 +223,42 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def clone(self, **changes) -> SamplingParams:
-        return dataclasses.replace(self, **changes)
+        """A copy that shares no mutable field with this one (vLLM's clone), with `changes` applied and checked."""
+        if self.logit_bias is not None:
+            changes.setdefault("logit_bias", dict(self.logit_bias))
+        if self.extra_args is not None:
+            changes.setdefault("extra_args", copy.deepcopy(self.extra_args))
+        return dataclasses.replace(self, **changes)  # __post_init__ copies the lists
+
+    @staticmethod
+    def from_optional(**kwargs: Any) -> SamplingParams:
+        """vLLM's SamplingParams.from_optional: SamplingParams(**kwargs) where a None for n, presence_penalty,
+        frequency_penalty, repetition_penalty, temperature or top_p means that field's default."""
+        for name in ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p"):
+            if name in kwargs and kwargs[name] is None:
+                del kwargs[name]
+        return SamplingParams(**kwargs)
+
+    def __repr__(self) -> str:
+        """vLLM's format and fields, then the set ones vLLM's repr leaves out."""
+        text = (f"SamplingParams(n={self.n}, presence_penalty={self.presence_penalty}, "
+                f"frequency_penalty={self.frequency_penalty}, repetition_penalty={self.repetition_penalty}, "
+                f"temperature={self.temperature}, top_p={self.top_p}, top_k={self.top_k}, min_p={self.min_p}, "
+                f"seed={self.seed}, stop={self.stop}, stop_token_ids={self.stop_token_ids}, "
+                f"bad_words={self.bad_words or []}, include_stop_str_in_output={self.include_stop_str_in_output}, "
+                f"ignore_eos={self.ignore_eos}, max_tokens={self.max_tokens}, min_tokens={self.min_tokens}, "
+                f"logprobs={self.logprobs}, prompt_logprobs={self.prompt_logprobs}, "
+                f"skip_special_tokens={self.skip_special_tokens}, "
+                f"spaces_between_special_tokens={self.spaces_between_special_tokens}, "
+                f"structured_outputs={self.structured_outputs}, extra_args={self.extra_args}")
+        default = SamplingParams.__dataclass_fields__
+        rest = [f"{name}={getattr(self, name)!r}" for name in _REPR_EXTRA
+                if getattr(self, name) != default[name].default]
+        return text + "".join(", " + r for r in rest) + ")"
+
+
+# Fields a user sets that vLLM's SamplingParams.__repr__ does not show: shown after them where not the default.
+_REPR_EXTRA = ("logit_bias", "allowed_token_ids", "detokenize", "output_kind", "cache_salt", "truncate_prompt_tokens")
 
 
 # The fields a user sets (a dict of sampling fields, a JSONL line): all but the engine's own ones.

@@ -351,13 +351,20 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
-                 skip_special_tokens: bool = True, streaming: bool = True):
+                 skip_special_tokens: bool = True, streaming: bool = True,
+                 spaces_between_special_tokens: bool = True):
         # A bare Hugging Face tokenizer works too, but a shared Tokenizer computes byte_token_ids only once.
         self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         self.streaming = streaming
+        # vLLM's rule (its FastIncrementalDetokenizer): only with special tokens kept, an added token right after
+        # another generated added token is its bare content, whatever space the tokenizer's decoder puts before it.
+        self._bare_added = not (skip_special_tokens or spaces_between_special_tokens) and \
+            bool(self.tokenizer.added_token_ids)
         self.token_ids: list[int] = []
+        self._context_len = 1 << 62  # while the prompt context is chosen: no split rule inside it
         self._ids = self._prompt_context([int(i) for i in prompt_token_ids])  # context + output ids
+        self._context_len = len(self._ids)
         self._prefix_offset = 0  # start of the window: the tokens of the last delta (or the context)
         self._read_offset = len(self._ids)  # tokens from here on are not emitted yet
         self._context_text = self._prefix_text = self._decode(self._ids)
@@ -386,7 +393,7 @@ class IncrementalDetokenizer:
             self._in_byte_run = token_id in self.tokenizer.byte_token_ids  # skipped tokens do not end a run
         if self._in_byte_run and held < MAX_HELD_TOKENS:
             return ""  # a byte-fallback run is decoded as a whole, so wait until it ends
-        new_text = self._decode(self._ids[self._prefix_offset:])
+        new_text = self._decode(self._ids[self._prefix_offset:], self._prefix_offset)
         if not self._is_complete(new_text, held):
             return ""
         delta = new_text[len(self._prefix_text):]
@@ -394,7 +401,7 @@ class IncrementalDetokenizer:
         if self._read_offset - self._prefix_offset == 1:  # the usual delta: one token, whose text is remembered
             self._prefix_text = self.tokenizer.decode_token(token_id, self.skip_special_tokens)
         else:
-            self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+            self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset], self._prefix_offset)
         return self._emit(delta)
 
     def finish(self) -> str:
@@ -406,7 +413,7 @@ class IncrementalDetokenizer:
         for reference in self._references():
             if reference.startswith(emitted):
                 return self._emit(reference[len(emitted):])
-        new_text = self._decode(self._ids[self._prefix_offset:])  # only a malformed stream gets here
+        new_text = self._decode(self._ids[self._prefix_offset:], self._prefix_offset)  # only a malformed stream
         return self._emit(new_text[len(self._prefix_text):])
 
     def _is_complete(self, new_text: str, held: int) -> bool:
@@ -419,7 +426,7 @@ class IncrementalDetokenizer:
         in_context = self._decode(self._ids)
         if in_context.startswith(self._context_text):
             yield in_context[len(self._context_text):]
-        yield self._decode(self.token_ids)
+        yield self._decode(self.token_ids, self._context_len)
 
     def _prompt_context(self, prompt: list[int]) -> list[int]:
         start = max(0, len(prompt) - PROMPT_CONTEXT_TOKENS)
@@ -428,8 +435,22 @@ class IncrementalDetokenizer:
             start = max(limit, start - PROMPT_CONTEXT_TOKENS)
         return prompt[start:]
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+    def _decode(self, ids: list[int], start: int = 0) -> str:
+        """The text of ids, which begin at self._ids[start]."""
+        if not self._bare_added:
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        added = self.tokenizer.added_token_ids
+        first = max(1, self._context_len - start + 1)  # a split needs a generated added token before it
+        cuts = [i for i in range(first, len(ids)) if ids[i] in added and ids[i - 1] in added]
+        if not cuts:
+            return self.tokenizer.decode(ids, skip_special_tokens=False)
+        pieces = [self.tokenizer.decode(ids[:cuts[0]], skip_special_tokens=False)]
+        for cut, end in zip(cuts, [*cuts[1:], len(ids)], strict=True):
+            text = self.tokenizer.decode(ids[cut:end], skip_special_tokens=False)
+            token_text = self.tokenizer.decode_token(ids[cut], skip_special_tokens=False)
+            content = self.tokenizer.hf.added_tokens_decoder[ids[cut]].content
+            pieces.append(content + text[len(token_text):] if text.startswith(token_text) else text)
+        return "".join(pieces)
 
     def _emit(self, delta: str) -> str:
         if delta:

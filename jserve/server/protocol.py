@@ -206,6 +206,8 @@ SAMPLING_FIELDS: dict[str, dict] = {
                                                             "maximum": INT64 - 1}, "maxItems": 1024},
                                 "Token ids that end the completion."),
     "skip_special_tokens": _bool("Leave special tokens out of the text (default true)."),
+    "spaces_between_special_tokens": _bool("With skip_special_tokens false: false renders an added token after "
+                                           "another as its bare content (vLLM's; default true)."),
     "include_stop_str_in_output": _bool("Keep the matched stop string at the end of the text."),
     "priority": _int("Scheduling priority: lower values are served first (default 0)."),
     "allowed_token_ids": _nullable(_TOKEN_IDS, "Only these token ids may be generated."),
@@ -367,8 +369,8 @@ class ChatRequest(GenerationRequest):
 
 _PARAM_NAMES = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                 "frequency_penalty", "seed", "min_tokens", "stop", "stop_token_ids", "ignore_eos",
-                "skip_special_tokens", "include_stop_str_in_output", "cache_salt", "allowed_token_ids", "bad_words",
-                "truncate_prompt_tokens")
+                "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output", "cache_salt",
+                "allowed_token_ids", "bad_words", "truncate_prompt_tokens")
 
 
 def _sampling_params(values: dict[str, Any], *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
