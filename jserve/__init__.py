@@ -1,7 +1,7 @@
 """jserve: LLM serving on JAX/XLA."""
 
 from jserve.config import EngineConfig, ModelConfig
-from jserve.outputs import CompletionOutput, RequestOutput
+from jserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jserve.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
@@ -16,4 +16,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "ModelConfig", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "ModelConfig", "RequestOutput", "CompletionOutput",
+           "Logprob"]

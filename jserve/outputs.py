@@ -4,8 +4,37 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# One generated position's logprobs: {token_id: logprob} holding the chosen token and the top-N.
-Logprobs = dict[int, float]
+
+class Logprob(float):
+    """One token's logprob, as vLLM's Logprob (vllm.logprobs.Logprob): .logprob, .rank (the token's rank in the
+    vocabulary, 1 for the most likely; None where unknown) and .decoded_token (the token's text alone; None where the
+    request set detokenize=False). It is also the float itself, so arithmetic, comparisons and json.dumps treat it as
+    the number (code written for jserve's plain-float entries keeps working)."""
+
+    __slots__ = ("rank", "decoded_token")
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None) -> Logprob:
+        self = super().__new__(cls, logprob)
+        self.rank = rank
+        self.decoded_token = decoded_token
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __getnewargs__(self) -> tuple:  # pickle and copy rebuild it whole
+        return float(self), self.rank, self.decoded_token
+
+    def __repr__(self) -> str:  # vLLM's (a dataclass's) repr
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+    __str__ = float.__repr__  # str(), f-strings and format() print the number, as they did for the float
+
+
+# One generated position's logprobs: {token_id: Logprob} holding the chosen token and the top-N (vLLM's
+# SampleLogprobs entry); each Logprob is a float, so reading them as dict[int, float] still works.
+Logprobs = dict[int, Logprob]
 
 
 @dataclass

@@ -515,11 +515,13 @@ def _burst_stop_ids(seqs: list[Sequence], rows: int) -> np.ndarray:
     return stop_ids
 
 
-def _logprob_rows(sampled) -> list[tuple[float, list[int], list[float]]]:
+def _logprob_rows(sampled) -> list[tuple[float, list[int], list[float], int]]:
+    """Per sampler row: (the chosen token's logprob, the top ids, their logprobs, the chosen token's rank)."""
     chosen = np.asarray(sampled.logprobs).tolist()
     top_ids = np.asarray(sampled.top_ids).tolist()
     top_lps = np.asarray(sampled.top_logprobs).tolist()
-    return list(zip(chosen, top_ids, top_lps, strict=True))
+    ranks = np.asarray(sampled.ranks).tolist()
+    return list(zip(chosen, top_ids, top_lps, ranks, strict=True))
 
 
 def _device_kv_budget(fraction: float) -> int | None:

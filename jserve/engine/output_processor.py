@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jserve.engine.sequence import ScheduledSeq, Sequence, SequenceStatus
-from jserve.outputs import CompletionOutput, RequestOutput
+from jserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jserve.sampling_params import RequestOutputKind, SamplingParams
 from jserve.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
@@ -26,9 +26,9 @@ class SeqStream:
     detokenizer: IncrementalDetokenizer
     stop_matcher: StopStringMatcher
     text: str = ""
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None  # the sampled tokens' logprobs summed, where logprobs are asked for
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # What earlier outputs of a DELTA request reported: characters of text, tokens, and whether it had finished.
     sent_text: int = 0
     sent_tokens: int = 0
@@ -185,9 +185,9 @@ class OutputProcessor:
         if seq.grammar is not None:
             seq.grammar.accept(token)
         if stream.logprobs is not None and logprobs is not None:
-            chosen, top_ids, top_lps = logprobs
-            top = dict(zip(top_ids[: params.logprobs], top_lps[: params.logprobs], strict=True))
-            stream.logprobs.append({token: chosen, **top})
+            chosen, top_ids, top_lps, *rank = logprobs  # (chosen, top ids, top logprobs, chosen's rank)
+            stream.logprobs.append(self._logprob_entry(params, params.logprobs, token, chosen,
+                                                       rank[0] if rank else None, top_ids, top_lps))
             stream.cumulative_logprob += float(chosen)
         reason, stop_reason = None, None
         ends_on_eos = not params.ignore_eos and token in params.eos_token_ids  # the engine's, set per request
@@ -221,10 +221,23 @@ class OutputProcessor:
             seq.stop_reason = stop_reason
         return reason
 
+    def _logprob_entry(self, params: SamplingParams, k: int, token: int, chosen: float, rank: int | None,
+                       top_ids: list[int], top_lps: list[float]) -> dict[int, Logprob]:
+        """One position's {token id: Logprob}: the given token first (its rank from the sampler), then the top k
+        (ranks 1..k), a token among both keeping its top-k entry, as vLLM builds them. decoded_token is the token's
+        text alone as vLLM decodes it (tokenizer.decode([id]), special tokens shown), None without detokenize."""
+        text = (lambda t: self.tokenizer.decode_token(t, skip_special_tokens=False)) if params.detokenize \
+            else (lambda t: None)
+        entry = {token: Logprob(chosen, rank, text(token))}
+        for i, (t, lp) in enumerate(zip(top_ids[:k], top_lps[:k], strict=True)):
+            entry[t] = Logprob(lp, i + 1, text(t))
+        return entry
+
     def record_prompt_logprobs(self, scheduled: list[ScheduledSeq], wanted: list[bool], query_start: np.ndarray,
-                               chosen: np.ndarray, top_ids: np.ndarray, top_lps: np.ndarray) -> None:
+                               chosen: np.ndarray, top_ids: np.ndarray, top_lps: np.ndarray,
+                               ranks: np.ndarray | None = None) -> None:
         """Logprobs of each prompt token given the tokens before it, from a step's all-token logprobs (rows follow
-        the batch's tokens; query_start places each chunk)."""
+        the batch's tokens; query_start places each chunk; ranks: each prompt token's vocabulary rank)."""
         for row, chunk in enumerate(scheduled):
             if not wanted[row]:
                 continue
@@ -237,9 +250,9 @@ class OutputProcessor:
                 if position >= seq.num_prompt_tokens:
                     break
                 r = query_start[row] + i
-                stream.prompt_logprobs[position] = {seq.token_ids[position]: float(chosen[r]),
-                                                    **dict(zip(top_ids[r, :k].tolist(), top_lps[r, :k].tolist(),
-                                                               strict=True))}
+                stream.prompt_logprobs[position] = self._logprob_entry(
+                    seq.params, k, seq.token_ids[position], float(chosen[r]),
+                    None if ranks is None else int(ranks[r]), top_ids[r, :k].tolist(), top_lps[r, :k].tolist())
 
     # ----- what the caller sees -----
 

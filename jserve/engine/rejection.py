@@ -34,8 +34,10 @@ from jserve.engine.sampler import (
     _apply_bitmask,
     _apply_filters,
     _apply_penalties,
+    _chosen_logprobs,
     _top_logprobs,
     greedy_argmax,
+    no_logprobs,
 )
 
 Array = jax.Array | np.ndarray
@@ -105,15 +107,13 @@ def rejection_sample(logits: jax.Array, meta: SamplingMetadata, rows: SpecRows,
     rejected_before = jnp.cumsum(rejected) - rejected  # rejections in the rows before this one (any sequence)
     reached = rejected_before == rejected_before[rows.seg_start]  # none since this row's sequence began
     token_ids = jnp.where(reached, token, -1)
-    num_rows = logits.shape[0]
     if not meta.needs_logprobs:
-        return SamplerOutput(token_ids=token_ids, logprobs=jnp.zeros(num_rows, jnp.float32),
-                             top_ids=jnp.zeros((num_rows, 0), jnp.int32),
-                             top_logprobs=jnp.zeros((num_rows, 0), jnp.float32))
+        return no_logprobs(token_ids)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    chosen = jnp.take_along_axis(logits, jnp.maximum(token_ids, 0)[:, None], axis=-1)[:, 0] - lse
+    chosen, ranks = _chosen_logprobs(logits, lse, jnp.maximum(token_ids, 0))
     top_ids, top_logprobs = _top_logprobs(logits, lse, meta.num_logprobs)
-    return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)
+    return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs,
+                         ranks=ranks)
 
 
 def _verify_sampled(x: jax.Array, meta: SamplingMetadata, draft_ids: jax.Array,

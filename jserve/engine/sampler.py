@@ -73,6 +73,9 @@ class SamplerOutput:
     logprobs: jax.Array  # f32[S]; raw logprob (log_softmax of the model's logits) of the chosen token
     top_ids: jax.Array  # i32[S, K]; the K most likely tokens under the raw logits, most likely first
     top_logprobs: jax.Array  # f32[S, K]
+    # i32[S]; vocabulary rank of the chosen token under the raw logprobs: how many tokens have a logprob >= its own
+    # (1 for the most likely), as vLLM's; zeros where logprobs are not computed
+    ranks: jax.Array
 
 
 # ----------------------------------------------------------------------------------------------- host side
@@ -295,13 +298,30 @@ def sample(logits: jax.Array, meta: SamplingMetadata,
         token_ids = jax.lax.cond(jnp.all(greedy), lambda: token_ids,
                                  lambda: jnp.where(greedy, token_ids, _draw(x, meta)))
     if not meta.needs_logprobs:  # a logsumexp over the whole vocabulary is not free: skip it when nobody asks
-        rows = logits.shape[0]
-        return SamplerOutput(token_ids=token_ids, logprobs=jnp.zeros(rows, jnp.float32),
-                             top_ids=jnp.zeros((rows, 0), jnp.int32), top_logprobs=jnp.zeros((rows, 0), jnp.float32))
+        return no_logprobs(token_ids)
     lse = jax.nn.logsumexp(logits, axis=-1)  # normaliser of the raw logprobs
-    chosen = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0] - lse
+    chosen, ranks = _chosen_logprobs(logits, lse, token_ids)
     top_ids, top_logprobs = _top_logprobs(logits, lse, meta.num_logprobs)
-    return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)
+    return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs,
+                         ranks=ranks)
+
+
+def no_logprobs(token_ids: jax.Array) -> SamplerOutput:
+    """The sampler's output where no row asked for logprobs: the tokens, zeros (and no top entries) for the rest."""
+    rows = token_ids.shape[0]
+    return SamplerOutput(token_ids=token_ids, logprobs=jnp.zeros(rows, jnp.float32),
+                         top_ids=jnp.zeros((rows, 0), jnp.int32), top_logprobs=jnp.zeros((rows, 0), jnp.float32),
+                         ranks=jnp.zeros(rows, jnp.int32))
+
+
+def _chosen_logprobs(logits: jax.Array, lse: jax.Array, token_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Raw logprobs f32[S] of token_ids i32[S] (ids in range) under logits f32[S, V] with normaliser lse f32[S], and
+    their ranks i32[S]: the count of the row's logprobs >= the token's (vLLM's batched_count_greater_than, over the
+    logprobs rather than the logits so that ties fall as vLLM's do)."""
+    logprobs = logits - lse[:, None]
+    chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
+    ranks = jnp.sum(logprobs >= chosen[:, None], axis=-1, dtype=jnp.int32)
+    return chosen, ranks
 
 
 def _drop_padding(ids: jax.Array, vocab: int) -> jax.Array:
@@ -399,13 +419,14 @@ def sample_packed(logits: jax.Array, packed: jax.Array, layout: PackedLayout,
 
 
 @jax.jit
-def token_logprobs(logits: jax.Array, token_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Raw logprobs f32[T] of token_ids i32[T] under logits f32[T, V], and the top MAX_LOGPROBS per row."""
+def token_logprobs(logits: jax.Array, token_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Raw logprobs f32[T] of token_ids i32[T] under logits f32[T, V], the top MAX_LOGPROBS per row (ids, logprobs)
+    and the ranks i32[T] of token_ids (as SamplerOutput.ranks)."""
     logits = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    chosen = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0] - lse
+    chosen, ranks = _chosen_logprobs(logits, lse, token_ids)
     top_ids, top_logprobs = _top_logprobs(logits, lse, MAX_LOGPROBS)
-    return chosen, top_ids, top_logprobs
+    return chosen, top_ids, top_logprobs, ranks
 
 
 def for_burst(meta: SamplingMetadata) -> SamplingMetadata:

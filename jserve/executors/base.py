@@ -33,6 +33,7 @@ class PromptLogprobs(NamedTuple):
     chosen: np.ndarray  # f32[T] logprob of the given next token
     top_ids: np.ndarray  # i32[T, MAX_LOGPROBS]
     top_logprobs: np.ndarray  # f32[T, MAX_LOGPROBS]
+    ranks: np.ndarray  # i32[T] vocabulary rank of the given next token (1 = most likely), as SamplerOutput.ranks
 
 
 @dataclass
