@@ -223,12 +223,12 @@ def test_token_bytes_join_to_the_text(toks, kind: str, text: str) -> None:
         assert joined == text.encode()
 
 
-def _hf_byte_level_bytes(hf, token_id: int) -> bytes:
-    """The token's bytes by transformers' own GPT-2 byte alphabet (its slow-tokenizer conversion's)."""
+def _hf_byte_level_bytes(hf, token_ids: list[int]) -> list[bytes]:
+    """The tokens' bytes by transformers' own GPT-2 byte alphabet (its slow-tokenizer conversion's)."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     byte_decoder = {char: byte for byte, char in bytes_to_unicode().items()}
-    return bytes(byte_decoder[char] for char in hf.convert_ids_to_tokens(token_id))
+    return [bytes(byte_decoder[char] for char in token) for token in hf.convert_ids_to_tokens(token_ids)]
 
 
 def _real_tokenizers() -> list:
@@ -247,7 +247,7 @@ def test_token_bytes_of_real_byte_level_tokenizers(path) -> None:
         assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
     added = tok.added_token_ids
     ordinary = [i for i in range(tok.vocab_size) if i not in added]
-    assert [tok.token_bytes(i) for i in ordinary] == [_hf_byte_level_bytes(tok.hf, i) for i in ordinary]
+    assert [tok.token_bytes(i) for i in ordinary] == _hf_byte_level_bytes(tok.hf, ordinary)
     assert all(tok.token_bytes(i) == tok.hf.convert_ids_to_tokens(i).encode() for i in added)
 
 
