@@ -185,9 +185,9 @@ class OutputProcessor:
         if seq.grammar is not None:
             seq.grammar.accept(token)
         if stream.logprobs is not None and logprobs is not None:
-            chosen, top_ids, top_lps, *rank = logprobs  # (chosen, top ids, top logprobs, chosen's rank)
-            stream.logprobs.append(self._logprob_entry(params, params.logprobs, token, chosen,
-                                                       rank[0] if rank else None, top_ids, top_lps))
+            chosen, top_ids, top_lps, rank = logprobs  # (chosen, top ids, top logprobs, chosen's rank)
+            stream.logprobs.append(self._logprob_entry(params, params.logprobs, token, chosen, rank, top_ids,
+                                                       top_lps))
             stream.cumulative_logprob += float(chosen)
         reason, stop_reason = None, None
         ends_on_eos = not params.ignore_eos and token in params.eos_token_ids  # the engine's, set per request
@@ -221,7 +221,7 @@ class OutputProcessor:
             seq.stop_reason = stop_reason
         return reason
 
-    def _logprob_entry(self, params: SamplingParams, k: int, token: int, chosen: float, rank: int | None,
+    def _logprob_entry(self, params: SamplingParams, k: int, token: int, chosen: float, rank: int,
                        top_ids: list[int], top_lps: list[float]) -> dict[int, Logprob]:
         """One position's {token id: Logprob}: the given token first (its rank from the sampler), then the top k
         (ranks 1..k), a token among both keeping its top-k entry, as vLLM builds them. decoded_token is the token's
@@ -235,7 +235,7 @@ class OutputProcessor:
 
     def record_prompt_logprobs(self, scheduled: list[ScheduledSeq], wanted: list[bool], query_start: np.ndarray,
                                chosen: np.ndarray, top_ids: np.ndarray, top_lps: np.ndarray,
-                               ranks: np.ndarray | None = None) -> None:
+                               ranks: np.ndarray) -> None:
         """Logprobs of each prompt token given the tokens before it, from a step's all-token logprobs (rows follow
         the batch's tokens; query_start places each chunk; ranks: each prompt token's vocabulary rank)."""
         for row, chunk in enumerate(scheduled):
@@ -252,7 +252,7 @@ class OutputProcessor:
                 r = query_start[row] + i
                 stream.prompt_logprobs[position] = self._logprob_entry(
                     seq.params, k, seq.token_ids[position], float(chosen[r]),
-                    None if ranks is None else int(ranks[r]), top_ids[r, :k].tolist(), top_lps[r, :k].tolist())
+                    int(ranks[r]), top_ids[r, :k].tolist(), top_lps[r, :k].tolist())
 
     # ----- what the caller sees -----
 
