@@ -22,6 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from checkpoints import CheckpointError
+from checkpoints.tensor_views import llama_layout, take
 
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -70,6 +71,8 @@ class CheckpointShape(Protocol):
     def fused_shards(self) -> int: ...
     @property
     def kv_head_replicas(self) -> int: ...
+    # Optional (checkpoints.tensor_views): rotary_dims (partial rotary embedding; head_dim without it),
+    # rope_attention_factor (longrope; 1.0), qk_norm (False).
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -170,7 +173,7 @@ class ParamSource:
     def read(self, index: tuple = ()) -> np.ndarray:
         index = tuple(index) + (slice(None),) * (len(self.shape) - len(tuple(index)))
         if self.whole is not None:
-            return _take(self.whole, index, self.dtype)
+            return take(self.whole, index, self.dtype)
         start, stop, step = index[0].indices(self.shape[0])
         assert step == 1, index  # shards are contiguous blocks
         rest = index[1:]
@@ -179,15 +182,8 @@ class ParamSource:
         for name, (dest, src) in self.row_map.items():
             keep = (dest >= start) & (dest < stop)
             if keep.any():
-                out[dest[keep] - start] = _take(self.parts[name], (src[keep], *rest), self.dtype)
+                out[dest[keep] - start] = take(self.parts[name], (src[keep], *rest), self.dtype)
         return out
-
-
-def _take(tensor: Tensor, index: tuple, dtype: np.dtype) -> np.ndarray:
-    """tensor[index] as a new array of dtype. A lazy tensor decodes only that block, straight into dtype."""
-    if isinstance(tensor, np.ndarray):
-        return np.asarray(tensor[index], dtype=dtype)
-    return tensor.read(index, dtype)
 
 
 def fused_row_map(config: CheckpointShape, dest: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -236,7 +232,7 @@ def assemble_state(tensors: Iterable[tuple[str, Tensor, str]], config: Checkpoin
     (default: their Hugging Face names)."""
     name_map = llama_name_map(config.tie_word_embeddings)
     sources: dict[tuple, ParamSource] = {}
-    for name, tensor, origin in tensors:
+    for name, tensor, origin in llama_layout(tensors, config):
         targets = name_map(name)
         if targets is None:
             raise CheckpointError(f"{origin}: unexpected tensor {name} for a {config.model_type} model")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from checkpoints import CheckpointError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights of config.json's shape (checkpoints/dummy.py)
 # See pallas_kernels/interface.py (ENGINE_BACKENDS).
@@ -29,15 +29,24 @@ ModelLoadError = CheckpointError
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Rotary-embedding frequency scaling. kind is "default", "linear", "llama3" or "freq_factors" (each frequency
-    divided by its own factor: how a GGUF file stores Llama 3's scaling, as llama.cpp's rope_freqs tensor)."""
+    """Rotary-embedding frequency scaling. kind is "default", "linear", "llama3", "freq_factors" (each frequency
+    divided by its own factor: how a GGUF file stores Llama 3's scaling, as llama.cpp's rope_freqs tensor) or
+    "longrope" (Phi-3's: each frequency divided by a short or a long factor, and q and k scaled by
+    attention_factor)."""
 
     kind: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
-    freq_factors: tuple[float, ...] = ()  # kind "freq_factors": one per rotary frequency (head_dim / 2)
+    freq_factors: tuple[float, ...] = ()  # kind "freq_factors": one per rotary frequency (rotary_dim / 2)
+    # kind "longrope": the factors for contexts up to original_max_position_embeddings and past it. transformers
+    # picks a set per forward pass by the sequence's length; a served model picks one for its max_model_len
+    # (ModelConfig.for_context), so that every cached key of a sequence is rotated alike.
+    short_factors: tuple[float, ...] = ()
+    long_factors: tuple[float, ...] = ()
+    use_long_factors: bool = False
+    attention_factor: float = 1.0  # multiplies the rotated dimensions of q and k (folded into their weights at load)
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,10 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # qwen3 normalizes q and k per head before rotary
     sliding_window: int | None = None
+    # Rotary embedding covers the first rotary_dim dimensions of each head (Phi-3's partial_rotary_factor); None is
+    # the whole head. The loader reorders each head's q and k rows so that the rotated pairs and the passed-through
+    # dimensions both pair as (i, i + head_dim / 2), the latter at frequency 0 (see checkpoints.tensor_views).
+    rotary_dim: int | None = None
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -78,6 +91,24 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def rotary_dims(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def rope_attention_factor(self) -> float:
+        return self.rope_scaling.attention_factor if self.rope_scaling.kind == "longrope" else 1.0
+
+    def for_context(self, max_model_len: int | None) -> ModelConfig:
+        """This config for a deployment of max_model_len tokens (None: max_position_embeddings): longrope takes
+        its long factors where the context passes original_max_position_embeddings, as transformers does for a
+        sequence that long."""
+        scaling = self.rope_scaling
+        if scaling.kind != "longrope":
+            return self
+        use_long = (max_model_len or self.max_position_embeddings) > scaling.original_max_position_embeddings
+        return dataclasses.replace(self, rope_scaling=dataclasses.replace(scaling, use_long_factors=use_long))
 
     @classmethod
     def from_hf_dict(cls, cfg: dict, source: str = "config.json") -> ModelConfig:
@@ -114,6 +145,7 @@ class ModelConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
             sliding_window=_sliding_window(cfg, source),
+            rotary_dim=_rotary_dim(cfg, head_dim, source),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -221,7 +253,58 @@ def _rope_scaling(cfg: dict, source: str) -> RopeScaling:
             high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
             original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
         )
-    raise ModelLoadError(f"{source}: rope scaling type {kind!r} is not supported (default, linear, llama3)")
+    if kind == "longrope":
+        return _longrope(cfg, scaling, source)
+    raise ModelLoadError(f"{source}: rope scaling type {kind!r} is not supported (default, linear, llama3, "
+                         "longrope)")
+
+
+def _longrope(cfg: dict, scaling: dict, source: str) -> RopeScaling:
+    """Phi-3's longrope, with transformers' defaults: original_max_position_embeddings from the scaling dict or the
+    config's top level; attention_factor, where not given, sqrt(1 + ln(factor) / ln(original)) with factor
+    max_position_embeddings / original (or the dict's own factor)."""
+    original = scaling.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    original = _positive_int({"original_max_position_embeddings": original}, "original_max_position_embeddings",
+                             source)
+    half = _rotary_dim(cfg, _head_dim(cfg, source), source) // 2
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        values = scaling.get(key)
+        if not isinstance(values, list) or len(values) != half or \
+                not all(isinstance(v, numbers.Real) and not isinstance(v, bool) and v > 0 for v in values):
+            raise ModelLoadError(f"{source}: longrope {key} must be a list of {half} positive numbers (one per "
+                                 f"rotary frequency), got {values!r}")
+        factors[key] = tuple(float(v) for v in values)
+    factor = scaling.get("factor")
+    if factor is None:
+        factor = _positive_int(cfg, "max_position_embeddings", source, 2048) / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(kind="longrope", factor=float(factor), original_max_position_embeddings=original,
+                       short_factors=factors["short_factor"], long_factors=factors["long_factor"],
+                       attention_factor=_positive_float(attention_factor, "rope attention_factor", source))
+
+
+def _head_dim(cfg: dict, source: str) -> int:
+    num_heads = _positive_int(cfg, "num_attention_heads", source)
+    return _positive_int(cfg, "head_dim", source, _positive_int(cfg, "hidden_size", source) // num_heads)
+
+
+def _rotary_dim(cfg: dict, head_dim: int, source: str) -> int | None:
+    """The rotated dimensions of a head under partial_rotary_factor (top level or in rope_parameters), as
+    transformers computes them; None for the whole head. Both the rotated and the passed-through dimensions must
+    be even in number (they are rotated and passed in pairs)."""
+    factor = _rope_param(cfg, "partial_rotary_factor", None)
+    if factor is None or factor == 1.0:
+        return None
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0 < factor <= 1:
+        raise ModelLoadError(f"{source}: partial_rotary_factor must be in (0, 1], got {factor!r}")
+    dim = int(head_dim * factor + 1e-6)  # as transformers' int(head_dim * factor), safe from 95.99999 for 96
+    if dim < 2 or dim % 2 or (head_dim - dim) % 2:
+        raise ModelLoadError(f"{source}: partial_rotary_factor {factor} rotates {dim} of {head_dim} head dimensions; "
+                             "jserve needs an even number rotated and an even number passed through")
+    return None if dim == head_dim else dim
 
 
 # transformers' Qwen2Config/Qwen3Config default: with use_sliding_window, layers at index >= 28 use the window.

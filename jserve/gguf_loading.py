@@ -13,7 +13,10 @@ What is llama.cpp's own convention, and undone here:
   Hugging Face's order;
 - the config is metadata keys (`llama.embedding_length` ...), with no `config.json`: tied embeddings are the
   absence of `output.weight`, biases the presence of their tensors, and Llama 3's rope scaling a `rope_freqs`
-  tensor of per-frequency divisors.
+  tensor of per-frequency divisors;
+- a Phi-3 file keeps Hugging Face's fused `attn_qkv` and `ffn_up` (gate and up), its partial rotary embedding as
+  `rope.dimension_count`, and longrope as the `rope_factors_short` / `rope_factors_long` tensors with
+  `rope.scaling.attn_factor` and `rope.scaling.original_context_length`.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from checkpoints.safetensors_loader import ParamSource, Tensor, assemble_state, 
 from jserve.config import ModelConfig, ModelLoadError, RopeScaling
 
 # GGUF general.architecture -> jserve model_type. A Mistral GGUF says "llama" (llama.cpp converts Mistral as one).
-SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
 # Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel.undo_permute).
 _PERMUTED_QK = frozenset({"llama"})
 
@@ -43,10 +46,13 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Phi-3's fused tensors (convert_hf_to_gguf.py keeps Hugging Face's qkv_proj and gate_up_proj whole).
+_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 # llama.cpp's per-frequency rotary divisors: read into the config, not a parameter.
 ROPE_FREQS = "rope_freqs.weight"
+LONGROPE_FACTORS = {"short_factor": "rope_factors_short.weight", "long_factor": "rope_factors_long.weight"}
 _REQUIRED = object()
 
 
@@ -69,23 +75,31 @@ def find_gguf(path: str | Path) -> Path | None:
     return files[0] if files else None
 
 
-def hf_tensor_name(name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor of the Llama / Qwen2 / Qwen3 families; None for any other name."""
+def hf_tensor_name(name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face name of a GGUF tensor of the Llama / Qwen2 / Qwen3 / Phi-3 families; None for any other
+    name."""
+    layer_names = _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
-    if (m := _GGUF_LAYER_RE.match(name)) and m[2] in _LAYER_NAMES:
-        return f"model.layers.{m[1]}.{_LAYER_NAMES[m[2]]}.{m[3]}"
+    if (m := _GGUF_LAYER_RE.match(name)) and m[2] in layer_names:
+        return f"model.layers.{m[1]}.{layer_names[m[2]]}.{m[3]}"
     return None
 
 
-def gguf_tensor_name(hf_name: str) -> str:
-    """The GGUF name of a Hugging Face tensor name (the inverse of hf_tensor_name), for error messages."""
+def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
+    """The GGUF name of a Hugging Face tensor name (the inverse of hf_tensor_name), for error messages: a part of a
+    fused weight (q_proj, gate_proj ...) is named by its fused tensor in a Phi-3 file."""
     for gguf_name, hf in _GLOBAL_NAMES.items():
         if hf == hf_name:
             return gguf_name
     if m := _HF_LAYER_RE.match(hf_name):
-        for gguf_name, hf in _LAYER_NAMES.items():
-            if hf == m[2]:
+        part = m[2]
+        if arch == "phi3":
+            part = {"self_attn.q_proj": "self_attn.qkv_proj", "self_attn.k_proj": "self_attn.qkv_proj",
+                    "self_attn.v_proj": "self_attn.qkv_proj", "mlp.gate_proj": "mlp.gate_up_proj",
+                    "mlp.up_proj": "mlp.gate_up_proj"}.get(part, part)
+        for gguf_name, hf in (_PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES).items():
+            if hf == part:
                 return f"blk.{m[1]}.{gguf_name}.{m[3]}"
     return hf_name
 
@@ -122,11 +136,13 @@ def gguf_model_config(path: str | Path) -> ModelConfig:
             raise ModelLoadError(f"{file.path}: layers with different KV head counts ({sorted(set(kv_heads))}) are "
                                  "not supported")
         kv_heads = kv_heads[0]
-    head_dim = int(key("attention.key_length", 0) or key("rope.dimension_count", 0) or hidden // heads)
+    # Phi-3's rope.dimension_count is its rotated dimensions only (partial rotary embedding)
+    head_dim = int(key("attention.key_length", 0) or (arch != "phi3" and key("rope.dimension_count", 0))
+                   or hidden // heads)
     rotary, value = int(key("rope.dimension_count", head_dim)), int(key("attention.value_length", head_dim))
-    if rotary != head_dim or value != head_dim:
+    if value != head_dim or (rotary != head_dim and arch != "phi3"):
         raise ModelLoadError(f"{file.path}: rotary dimensions {rotary} and value length {value} must equal the head "
-                             f"dimension {head_dim} (partial rotary is not supported)")
+                             f"dimension {head_dim} (partial rotary is supported in phi3 files only)")
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"{file.path}: no token_embd.weight tensor")
     window = key("attention.sliding_window", None)
@@ -142,7 +158,8 @@ def gguf_model_config(path: str | Path) -> ModelConfig:
         "head_dim": head_dim,
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "rope_scaling": _rope_scaling(file, arch),
+        "rope_scaling": _rope_scaling(file, arch, rotary),
+        "partial_rotary_factor": rotary / head_dim,
         "max_position_embeddings": int(key("context_length")),
         "tie_word_embeddings": "output.weight" not in tensors,
         "sliding_window": int(window) if window else None,
@@ -170,9 +187,9 @@ def load_gguf_state(path: str | Path, config: ModelConfig, shapes: dict[tuple, t
 
     def tensors() -> Iterator[tuple[str, Tensor, str]]:
         for name, tensor in file.tensors.items():
-            if name == ROPE_FREQS:
+            if name == ROPE_FREQS or name in LONGROPE_FACTORS.values():
                 continue
-            hf_name = hf_tensor_name(name)
+            hf_name = hf_tensor_name(name, file.architecture)
             if hf_name is None:
                 raise ModelLoadError(f"{file.path}: unexpected tensor {name} ({tensor.type_name}) for a GGUF "
                                      f"{file.architecture} model")
@@ -180,8 +197,8 @@ def load_gguf_state(path: str | Path, config: ModelConfig, shapes: dict[tuple, t
                 tensor = _unpermuted(tensor, name, config)
             yield hf_name, tensor, f"{file.path} ({name})"
 
-    return assemble_state(tensors(), config, shapes, place, str(file.path),
-                          describe=lambda p: "/".join(gguf_tensor_name(n) for n in hf_names(p).split("/")))
+    return assemble_state(tensors(), config, shapes, place, str(file.path), describe=lambda p: "/".join(
+        dict.fromkeys(gguf_tensor_name(n, file.architecture) for n in hf_names(p).split("/"))))
 
 
 def _open_checked(path: str | Path) -> GGUFFile:
@@ -211,7 +228,24 @@ def _unpermuted(tensor: GGUFTensor, name: str, config: ModelConfig) -> GGUFTenso
     return tensor.with_row_order(rotary_row_order(heads, config.head_dim))
 
 
-def _rope_scaling(file: GGUFFile, arch: str) -> dict | None:
+def _rope_scaling(file: GGUFFile, arch: str, rotary: int) -> dict | None:
+    present = [name for name in LONGROPE_FACTORS.values() if name in file.tensors]
+    if present:  # Phi-3's longrope (convert_hf_to_gguf.py writes no scaling type for it)
+        if len(present) != 2:
+            raise ModelLoadError(f"{file.path}: has {present[0]} without its pair "
+                                 f"({', '.join(LONGROPE_FACTORS.values())})")
+        factors = {}
+        for key, name in LONGROPE_FACTORS.items():
+            values = file.tensors[name].read((), np.float32)
+            if values.shape != (rotary // 2,):
+                raise ModelLoadError(f"{file.path}: tensor {name} has shape {list(values.shape)}, expected "
+                                     f"[{rotary // 2}] (half the rotary dimensions)")
+            factors[key] = [float(v) for v in values]
+        original = file.get(f"{arch}.rope.scaling.original_context_length")
+        if original is None:
+            raise ModelLoadError(f"{file.path}: longrope factors without {arch}.rope.scaling.original_context_length")
+        return {"rope_type": "longrope", **factors, "original_max_position_embeddings": int(original),
+                "attention_factor": float(file.get(f"{arch}.rope.scaling.attn_factor", 1.0))}
     kind = file.get(f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
         factor = file.get(f"{arch}.rope.scale_linear")  # older files' linear scaling

@@ -3,6 +3,7 @@ the mesh."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,8 @@ from jserve.models.quantization import (
 from jserve.models.sharded_config import shard_model_config
 from jserve.orbax_io import is_orbax_checkpoint, read_checkpoint, restore_state
 from sharding import MODEL_AXIS, logical_sharding
+
+logger = logging.getLogger(__name__)
 
 Place = Callable[[tuple, ParamSource], jax.Array]  # (parameter path, its source) -> the array the model holds
 # (weight path, int8 weight [out, in], float32 scale [out]) -> the arrays the model holds as its weight and its scale
@@ -71,13 +74,15 @@ def resolve_model_path(model: str) -> Path:
     raise ModelLoadError(f"{model}: no such file or directory")
 
 
-def model_config(model_path: str | Path) -> ModelConfig:
+def model_config(model_path: str | Path, max_model_len: int | None = None) -> ModelConfig:
     """The ModelConfig of a checkpoint directory (its config.json), of a GGUF file (its metadata) or of a directory
-    jserve convert wrote (its marker)."""
+    jserve convert wrote (its marker), for a context of max_model_len tokens (None: the model's limit; see
+    ModelConfig.for_context)."""
     if is_orbax_checkpoint(model_path):
-        return read_checkpoint(model_path).config
+        return read_checkpoint(model_path).config.for_context(max_model_len)
     gguf_file = find_gguf(model_path)
-    return gguf_model_config(gguf_file) if gguf_file is not None else ModelConfig.from_pretrained(model_path)
+    config = gguf_model_config(gguf_file) if gguf_file is not None else ModelConfig.from_pretrained(model_path)
+    return config.for_context(max_model_len)
 
 
 def stored_quantization(model_dir: str | Path, load_format: str = "auto") -> str | None:
@@ -92,9 +97,10 @@ def stored_quantization(model_dir: str | Path, load_format: str = "auto") -> str
 
 def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend: str = "reference",
                mesh: Mesh | None = None, load_format: str = "auto", place: Place | None = None,
-               quantization: str | None = None, place_quantized: PlaceQuantized | None = None) -> LoadedModel:
+               quantization: str | None = None, place_quantized: PlaceQuantized | None = None,
+               max_model_len: int | None = None) -> LoadedModel:
     """model_dir: a Hugging Face checkpoint directory, a GGUF file, or a directory holding one GGUF file (and no
-    safetensors; jserve.gguf_loading).
+    safetensors; jserve.gguf_loading). max_model_len: the context the model is loaded for (ModelConfig.for_context).
 
     load_format: "auto" reads the checkpoint's weights (a GGUF file's dequantized into dtype); "dummy" draws random
     weights of the checkpoint's shape (checkpoints.dummy) and reads none.
@@ -116,7 +122,13 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
     """
     orbax = read_checkpoint(model_dir) if is_orbax_checkpoint(model_dir) else None  # jserve convert's output
     gguf_file = None if orbax is not None else find_gguf(model_dir)
-    config = orbax.config if orbax is not None else model_config(gguf_file or model_dir)
+    config = (orbax.config.for_context(max_model_len) if orbax is not None
+              else model_config(gguf_file or model_dir, max_model_len))
+    if config.rope_scaling.kind == "longrope":
+        scaling = config.rope_scaling
+        logger.info("longrope: %s factors for every sequence (a context of %d tokens; original_max_position_embeddings "
+                    "%d)", "long" if scaling.use_long_factors else "short",
+                    max_model_len or config.max_position_embeddings, scaling.original_max_position_embeddings)
     # A compressed-tensors W8A16 checkpoint loads its int8 weights and scales as they are.
     prequantized = None if orbax is not None or gguf_file is not None else compressed_tensors_format(model_dir)
     if prequantized is not None and load_format == "auto":

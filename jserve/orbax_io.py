@@ -107,7 +107,8 @@ def config_from_dict(data: dict) -> ModelConfig:
         raise ValueError(f"unknown fields {sorted(unknown)}")
     data = dict(data)
     rope = dict(data.get("rope_scaling") or {})
-    rope["freq_factors"] = tuple(rope.get("freq_factors", ()))
+    for key in ("freq_factors", "short_factors", "long_factors"):
+        rope[key] = tuple(rope.get(key, ()))
     data["rope_scaling"] = RopeScaling(**rope)
     data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
     if data.get("fused_shards", 1) != 1 or data.get("kv_head_replicas", 1) != 1:

@@ -38,6 +38,35 @@ def hf_model_dir(tmp_path_factory, tiny_tokenizer_dir):
     return make
 
 
+@pytest.fixture(scope="session")
+def kernel_build(tmp_path_factory):
+    """Factory: cpu_kernels.build with a tuple of compiler flags, once a session for each tuple (test_cpu_int8's
+    AVX2 build is test_cpu_kernels_isa's): the library's path, or the build's KernelUnavailable raised again.
+    Thread-safe: the ISA tests build two variants at a time."""
+    import concurrent.futures
+    import threading
+
+    import cpu_kernels
+
+    lock = threading.Lock()
+    builds: dict[tuple[str, ...], concurrent.futures.Future] = {}
+
+    def build(flags: tuple[str, ...]) -> Path:
+        with lock:
+            owner = flags not in builds
+            if owner:
+                builds[flags] = concurrent.futures.Future()
+        future = builds[flags]
+        if owner:
+            try:
+                future.set_result(cpu_kernels.build(tmp_path_factory.mktemp("kernels") / "libjserve_cpu.so", flags))
+            except BaseException as error:  # every caller of these flags sees the build's own error
+                future.set_exception(error)
+        return future.result()
+
+    return build
+
+
 LLM_CACHE_SIZE = 12
 
 

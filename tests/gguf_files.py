@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 from safetensors.numpy import load_file
 
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
 T = gguf.GGMLQuantizationType
 
 
@@ -71,7 +71,15 @@ def write_gguf(model_dir: Path, out: Path, matrix_type: str | Callable[[str], st
     w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
     w.add_vocab_size(config["vocab_size"])
-    w.add_rope_dimension_count(head_dim)
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    w.add_rope_dimension_count(int(head_dim * partial))  # Phi3MiniModel: the rotated dimensions
+    if arch == "phi3" and config.get("sliding_window"):
+        w.add_sliding_window(config["sliding_window"])
+    if rope.get("rope_type") == "longrope":  # Phi3MiniModel: the factors as tensors, no scaling type
+        original = rope.get("original_max_position_embeddings", config.get("original_max_position_embeddings"))
+        scale = config["max_position_embeddings"] / original
+        w.add_rope_scaling_attn_factors(1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(original)))
+        w.add_rope_scaling_orig_ctx_len(original)
     if config.get("head_dim"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -95,6 +103,9 @@ def write_gguf(model_dir: Path, out: Path, matrix_type: str | Callable[[str], st
         tensors[gguf_name] = array.astype(np.float32)
     if rope.get("rope_type") == "llama3":
         tensors["rope_freqs.weight"] = llama3_rope_factors(rope, theta, head_dim)
+    if rope.get("rope_type") == "longrope":
+        tensors["rope_factors_long.weight"] = np.asarray(rope["long_factor"], np.float32)
+        tensors["rope_factors_short.weight"] = np.asarray(rope["short_factor"], np.float32)
     tensors.update(extra_tensors or {})
     for gguf_name, array in tensors.items():
         if gguf_name in skip:

@@ -10,7 +10,8 @@ import transformers
 VOCAB = 512
 
 # Each variant exercises one family difference: GQA, rope scaling, sliding window, biases + tied
-# embeddings, q/k norm.
+# embeddings, q/k norm; phi3: fused checkpoint tensors, partial rotary embedding, longrope (its short factors and
+# attention factor up to original_max_position_embeddings) and a sliding window.
 VARIANTS: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", dict(num_key_value_heads=2)),
     "llama3_rope": ("LlamaConfig", dict(num_key_value_heads=2, rope_scaling={
@@ -21,10 +22,15 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "mistral": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=12)),
     "qwen2": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=16)),
+    "phi3": ("Phi3Config", dict(num_key_value_heads=2, partial_rotary_factor=0.5, sliding_window=16,
+                                original_max_position_embeddings=1024, rope_scaling={
+                                    "rope_type": "longrope", "short_factor": [1.0, 1.3, 1.7, 2.2],
+                                    "long_factor": [1.5, 3.0, 6.0, 12.0]})),
 }
 
 _MODEL_CLASSES = {"LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
-                  "Qwen2Config": "Qwen2ForCausalLM", "Qwen3Config": "Qwen3ForCausalLM"}
+                  "Qwen2Config": "Qwen2ForCausalLM", "Qwen3Config": "Qwen3ForCausalLM",
+                  "Phi3Config": "Phi3ForCausalLM"}
 
 
 def make_config(variant: str, **overrides) -> transformers.PretrainedConfig:

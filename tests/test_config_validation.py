@@ -80,6 +80,29 @@ def test_capacity_counts_every_data_parallel_replica():
     assert AsyncEngine(engine(3), max_queued_requests=10).capacity == 3 * 8 + 10
 
 
+def _drop(config: dict, key: str) -> None:
+    """Remove key from the config's top level and its rope_parameters (transformers writes it in both)."""
+    config.pop(key)
+    config["rope_parameters"].pop(key)
+
+
+@pytest.mark.parametrize(("bend", "message"), [
+    (lambda c: c["rope_parameters"].update(short_factor=[1.0, 2.0]), r"longrope short_factor must be a list of 4 "),
+    (lambda c: c["rope_parameters"].update(long_factor=[1.0, 2.0, 0.0, 1.0]), r"longrope long_factor must be a list"),
+    (lambda c: _drop(c, "original_max_position_embeddings"),
+     r"original_max_position_embeddings must be a positive integer, got None"),
+    (lambda c: c.update(partial_rotary_factor=0.3125) or c["rope_parameters"].update(partial_rotary_factor=0.3125),
+     r"partial_rotary_factor 0.3125 rotates 5 of 16 head dimensions"),
+    (lambda c: c["rope_parameters"].update(rope_type="yarn"), r"rope scaling type 'yarn' is not supported"),
+])
+def test_a_phi3_config_jserve_cannot_run_names_the_field(hf_model_dir, tmp_path, bend, message):
+    config = json.loads((hf_model_dir("phi3") / "config.json").read_text())
+    bend(config)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=message):
+        ModelConfig.from_pretrained(tmp_path)
+
+
 @pytest.mark.parametrize(("field", "value"), [("hidden_size", "64"), ("num_hidden_layers", -1), ("vocab_size", 0),
                                               ("num_attention_heads", True), ("intermediate_size", 128.0),
                                               ("num_key_value_heads", "2"), ("head_dim", -8),

@@ -243,7 +243,7 @@ def run_build(inputs: str, out: str, model_dir: str) -> None:
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
-def test_isa_variant_builds_serve_int8(hf_model_dir, tmp_path, build):
+def test_isa_variant_builds_serve_int8(hf_model_dir, kernel_build, tmp_path, build):
     """Each variant against NumPy (int8_matmul_reference as it quantizes x or not) and its logits: against
     the XLA executor's where it does not quantize x, else against the native cpu-layers executor's where that
     quantizes x too (the same integer sums and float operations in the same order)."""
@@ -251,7 +251,7 @@ def test_isa_variant_builds_serve_int8(hf_model_dir, tmp_path, build):
     if build == "avx512-vnni" and not {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= \
             cpu_kernels._cpu_flags():
         pytest.skip("this CPU cannot run an AVX512-VNNI build")
-    lib = cpu_kernels.build(tmp_path / f"libjserve_cpu_{build}.so", ("-O1", *flags, *cpu_kernels.LIBRARY_FLAGS))
+    lib = kernel_build(("-O1", *flags, *cpu_kernels.LIBRARY_FLAGS))
     rng = np.random.default_rng(5)
     data = {}
     for i, (rows, k, n) in enumerate(BUILD_MATMULS):

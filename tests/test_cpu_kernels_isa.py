@@ -182,18 +182,18 @@ def _references(data: dict[str, np.ndarray], model_dir: Path) -> dict[str, np.nd
     return refs
 
 
-def _build_and_run(variant: str, lib: Path, inputs: Path, model_dir: Path) -> dict:
-    """Builds the variant into `lib`, then, where this CPU can execute it, runs its kernels in a subprocess."""
+def _build_and_run(variant: str, build, out: Path, inputs: Path, model_dir: Path) -> dict:
+    """Builds the variant (with the session's kernel_build), then, where this CPU can execute it, runs its kernels
+    in a subprocess that writes `out`."""
     start = time.perf_counter()
     try:
-        cpu_kernels.build(lib, (OPTIMIZATION, *VARIANTS[variant], *cpu_kernels.LIBRARY_FLAGS))
+        lib = build((OPTIMIZATION, *VARIANTS[variant], *cpu_kernels.LIBRARY_FLAGS))
         result = {"build_error": None}
     except cpu_kernels.KernelUnavailable as error:
         result = {"build_error": str(error)}
     result["build_s"] = time.perf_counter() - start
     if result["build_error"] is not None or _cpu_lacks(variant):
         return result
-    out = lib.with_suffix(".npz")
     env = dict(os.environ, JAX_PLATFORMS="cpu", **{cpu_kernels.LIBRARY_ENV: str(lib)})
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), str(Path(cpu_kernels.__file__).parents[1]),
                                          env.get("PYTHONPATH", "")])
@@ -206,7 +206,7 @@ def _build_and_run(variant: str, lib: Path, inputs: Path, model_dir: Path) -> di
 
 
 @pytest.fixture(scope="module")
-def variants(tmp_path_factory, hf_model_dir) -> tuple[dict[str, concurrent.futures.Future], dict]:
+def variants(tmp_path_factory, hf_model_dir, kernel_build) -> tuple[dict[str, concurrent.futures.Future], dict]:
     """Each variant's build and run (futures, two at a time, all started here), and the references, made meanwhile:
     one build of each variant for the module."""
     if not cpu_kernels.available():
@@ -216,7 +216,7 @@ def variants(tmp_path_factory, hf_model_dir) -> tuple[dict[str, concurrent.futur
     data = _inputs()
     np.savez(work / "inputs.npz", **data)
     pool = concurrent.futures.ThreadPoolExecutor(2)
-    runs = {v: pool.submit(_build_and_run, v, work / f"libjserve_cpu_{v}.so", work / "inputs.npz", model_dir)
+    runs = {v: pool.submit(_build_and_run, v, kernel_build, work / f"{v}.npz", work / "inputs.npz", model_dir)
             for v in VARIANTS}
     pool.shutdown(wait=False)
     return runs, _references(data, model_dir)

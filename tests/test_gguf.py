@@ -71,7 +71,7 @@ def _flat(state) -> dict:
 # ----- loading: the state, the config, the tokenizer -----
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3", "phi3"])
 def test_float32_file_loads_the_checkpoints_exact_state(hf_model_dir, gguf_file, variant, dtype):
     """Names, the q/k un-permutation, fused q|k|v and gate|up and biases land exactly where the safetensors loader
     puts the checkpoint the file was written from."""
@@ -176,11 +176,12 @@ def test_logits_match_transformers_on_the_same_file(gguf_file, variant, matrix_t
 
 
 @pytest.mark.parametrize("executor", list(EXECUTORS))
-@pytest.mark.parametrize("variant", ["llama3_rope", "llama_linear_rope", "qwen3", "mistral"])
+@pytest.mark.parametrize("variant", ["llama3_rope", "llama_linear_rope", "qwen3", "mistral", "phi3"])
 def test_float32_file_logits_match_the_original_checkpoint(hf_model_dir, gguf_file, variant, executor):
     """What transformers' GGUF loading leaves out or cannot load here (Llama 3's rope_freqs, linear rope scaling,
-    Qwen3's head_dim, a Mistral: a llama file, with no sliding window, as llama.cpp converts one) checked against
-    the checkpoint the file was written from."""
+    Qwen3's head_dim, a Mistral: a llama file, with no sliding window, as llama.cpp converts one; Phi-3's fused
+    tensors, partial rotary embedding, longrope factors and sliding window) checked against the checkpoint the
+    file was written from."""
     overrides = {"sliding_window": None} if variant == "mistral" else {}
     path = gguf_file(variant, **overrides)
     hf = load_hf(hf_model_dir(variant, **overrides))
@@ -300,9 +301,7 @@ def test_a_file_that_is_not_gguf_is_named(tmp_path):
 # ----- the real file: SmolLM2-135M-Instruct, Q4_1 -----
 
 SMOLLM_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
-                  "Explain in one sentence what a CPU does.", "Name three primary colors.",
-                  "How do I reverse a list in Python?", "Give me a short tip for sleeping better.",
-                  "What is 12 times 7?", "Translate 'good morning' into Spanish."]
+                  "How do I reverse a list in Python?", "What is 12 times 7?", "Translate 'good morning' into Spanish."]
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 from flax import nnx
 from gguf_files import write_gguf
+from hf_models import load_hf
+from test_parity import hf_logits, jserve_logits
 
 from jserve.cli import main
 from jserve.config import ModelLoadError
@@ -68,6 +70,25 @@ def test_restored_params_equal_loaded_bitwise(sources, converted, kind, dtype):
     for path, array in want.items():
         assert got[path].dtype == array.dtype, path
         np.testing.assert_array_equal(got[path].view(np.uint8), array.view(np.uint8), err_msg=str(path))
+
+
+def test_a_phi3_conversion_keeps_its_laid_out_weights_and_longrope(hf_model_dir, tmp_path):
+    """Phi-3's weights are stored as loaded (split, reordered for partial rotary, scaled by the attention factor)
+    and its longrope config restored whole: the restored model picks short or long factors for the context it is
+    loaded for, and gives transformers' logits past original_max_position_embeddings (32)."""
+    source = hf_model_dir("phi3", original_max_position_embeddings=32)
+    out = convert(str(source), tmp_path / "out", "float32")
+    for context, use_long in ((32, False), (256, True)):
+        loaded = load_model(source, "float32", max_model_len=context)
+        restored = load_model(out, "float32", max_model_len=context)
+        assert restored.config == loaded.config and restored.config.rope_scaling.use_long_factors == use_long
+        want, got = _flat(loaded.state), _flat(restored.state)
+        assert want.keys() == got.keys()
+        for path, array in want.items():
+            np.testing.assert_array_equal(got[path], array, err_msg=str(path))
+    prompt = list(range(3, 43))
+    (ours,) = jserve_logits(out, [prompt], "float32")
+    np.testing.assert_allclose(ours, hf_logits(load_hf(source), prompt), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("kind, executor", [("safetensors", "xla"), ("safetensors", "cpu-layers"), ("gguf", "auto")])

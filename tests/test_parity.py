@@ -26,8 +26,9 @@ def jserve_logits(model_dir, prompts: list[list[int]], dtype: str,
                   attention_backend: str = "reference") -> list[np.ndarray]:
     """All-position logits of every prompt, computed in one ragged step over a paged cache."""
     executor = CpuLayerExecutor if attention_backend == "cpu" else XlaExecutor
-    runner = executor(executor.load(model_dir, dtype=dtype, attention_backend=attention_backend), dtype=dtype,
-                      num_blocks=32, block_size=16, max_num_batched_tokens=128, max_num_seqs=8, max_model_len=256)
+    model = executor.load(model_dir, dtype=dtype, attention_backend=attention_backend, max_model_len=256)
+    runner = executor(model, dtype=dtype, num_blocks=32, block_size=16, max_num_batched_tokens=128, max_num_seqs=8,
+                      max_model_len=256)
     chunks, next_block = [], 0
     for p in prompts:
         seq = Sequence("parity", p, SamplingParams())
@@ -71,6 +72,19 @@ def test_bfloat16_logits_within_tolerance(hf_model_dir, variant):
     prompts = _prompts(1)
     for prompt, ours in zip(prompts, jserve_logits(model_dir, prompts, "bfloat16"), strict=True):
         assert np.abs(ours - hf_logits(hf, prompt)).max() < BF16_LOGIT_TOLERANCE
+
+
+@pytest.mark.parametrize("attention_backend", ["reference", "cpu"], ids=["xla", "cpu-kernels"])
+def test_longrope_long_factors_past_the_original_context(hf_model_dir, attention_backend):
+    """Where max_model_len passes original_max_position_embeddings, longrope runs on its long factors: as
+    transformers does for a sequence past it (a 40-token prompt against 32), on both executors."""
+    model_dir = hf_model_dir("phi3", original_max_position_embeddings=32)
+    prompt = _prompts(3)[1][:32] + _prompts(4)[1][:8]
+    (ours,) = jserve_logits(model_dir, [prompt], "float32", attention_backend)
+    hf = load_hf(model_dir)
+    np.testing.assert_allclose(ours, hf_logits(hf, prompt), atol=1e-4, rtol=0)
+    # the short factors give other logits: the test tells the two sets apart
+    assert np.abs(hf_logits(hf, prompt[:32]) - ours[:32]).max() > 1e-3
 
 
 def test_sliding_window_is_exercised(hf_model_dir):

@@ -272,7 +272,7 @@ def build_draft_proposer(draft: DraftModel, config: EngineConfig, mesh: Mesh | N
                                                      sharded=mesh is not None, kv_cache_dtype=config.kv_cache_dtype)
     logger.info("draft model %s: executor %s (%s), attention %s", draft.path, executor_class.name, why, attention)
     model = executor_class.load(draft.path, dtype=config.dtype, attention_backend=attention, mesh=mesh,
-                                load_format=config.load_format)
+                                load_format=config.load_format, max_model_len=max_model_len)
     executor = executor_class(model, dtype=config.dtype, num_blocks=num_blocks, block_size=config.block_size,
                               max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
                               max_model_len=max_model_len, mesh=mesh, kv_cache_dtype=config.kv_cache_dtype)

@@ -160,7 +160,8 @@ class LLMEngine:
                              f"{CPU_MAX_BLOCK_SIZE}]; or choose --attention-backend reference")
         logger.info("executor %s (%s), attention %s", executor_class.name, why, attention)
         model = executor_class.load(model_dir, dtype=config.dtype, attention_backend=attention, mesh=self.mesh,
-                                    load_format=config.load_format, quantization=quantization)
+                                    load_format=config.load_format, quantization=quantization,
+                                    max_model_len=config.max_model_len)
         logger.info("resident weight bytes %d (dtype %s, quantization %s)", model.resident_bytes(), config.dtype,
                     quantization or "none")
         self.model_config = model.config

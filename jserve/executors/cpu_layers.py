@@ -79,7 +79,7 @@ class CpuLayerExecutor(XlaExecutor):
     @classmethod
     def load(cls, model_dir: str | Path, *, dtype: str, attention_backend: str = "cpu", mesh: Mesh | None = None,
              load_format: str = "auto", weight_parts: int | None = None,
-             quantization: str | None = None) -> LoadedModel:
+             quantization: str | None = None, max_model_len: int | None = None) -> LoadedModel:
         """weight_parts: where the matmul weights are packed, the layers' matrices are laid out in this many per-thread
         parts (cpu_kernels.PartLayout; None: one per CPU the kernels run on; 0: as [num_layers, ...] stacks whose
         slices are the layers' own parameters). In parts, only the layer kernel reads them (through
@@ -92,8 +92,8 @@ class CpuLayerExecutor(XlaExecutor):
                              f"{quantization!r} needs executor 'xla'")
         if mesh is not None:  # sharded: XLA partitions the dots, the attention kernel runs on each device's heads
             return load_model(model_dir, dtype, attention_backend, mesh=mesh, load_format=load_format,
-                              quantization=quantization)
-        config = model_config(model_dir)
+                              quantization=quantization, max_model_len=max_model_len)
+        config = model_config(model_dir, max_model_len)
         param_dtype = jnp.dtype(dtype)
         packed = _packed_paths(config, param_dtype) if cpu_kernels.packs_weights(param_dtype) else set()
         # int8 may come from the checkpoint itself (compressed-tensors, a quantized conversion): its matrices reach
@@ -123,7 +123,7 @@ class CpuLayerExecutor(XlaExecutor):
             return stacks.place(path[2:], path[1], packed_q), jax.device_put(scale)
 
         model = load_model(model_dir, dtype, attention_backend, load_format=load_format, place=place,
-                           quantization=quantization, place_quantized=place_quantized)
+                           quantization=quantization, place_quantized=place_quantized, max_model_len=max_model_len)
         return CpuLoadedModel(config=model.config, graphdef=model.graphdef, state=model.state,
                               attention_backend=attention_backend, layer_stack=_layer_stack(stacks),
                               quantization="int8" if int8 else None)

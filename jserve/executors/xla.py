@@ -94,11 +94,12 @@ class XlaExecutor(Executor):
 
     @classmethod
     def load(cls, model_dir: str | Path, *, dtype: str, attention_backend: str, mesh: Mesh | None = None,
-             load_format: str = "auto", quantization: str | None = None) -> LoadedModel:
+             load_format: str = "auto", quantization: str | None = None,
+             max_model_len: int | None = None) -> LoadedModel:
         """The model's parameters on the devices (sharded over the mesh by the rules table); quantization: the
         decoder layers' matrices quantized at load (jserve.models.quantization)."""
         return load_model(model_dir, dtype, attention_backend, mesh=mesh, load_format=load_format,
-                          quantization=quantization)
+                          quantization=quantization, max_model_len=max_model_len)
 
     def __init__(self, model: LoadedModel, *, dtype: str, num_blocks: int, block_size: int,
                  max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, mesh: Mesh | None = None,

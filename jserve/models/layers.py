@@ -92,12 +92,23 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """Inverse rotary frequencies, computed as transformers does (float32), with linear / llama3 scaling, or divided
-    by per-frequency factors (llama.cpp's rope_freqs, as GGUF files store llama3 scaling)."""
-    dim = config.head_dim
+    """Inverse rotary frequencies [head_dim / 2], computed as transformers does (float32), with linear / llama3 /
+    longrope scaling, or divided by per-frequency factors (llama.cpp's rope_freqs, as GGUF files store llama3
+    scaling). Under partial rotary embedding the frequencies of the rotated pairs are followed by zeros: the
+    passed-through pairs turn by angle 0 (cos 1, sin 0), which leaves them exactly as they are."""
+    inv_freq = _rotary_inv_freq(config)
+    return np.pad(inv_freq, (0, config.head_dim // 2 - len(inv_freq)))
+
+
+def _rotary_inv_freq(config: ModelConfig) -> np.ndarray:
+    dim = config.rotary_dims
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    inv_freq = (1.0 / (np.float32(config.rope_theta) ** exponents)).astype(np.float32)
     scaling = config.rope_scaling
+    if scaling.kind == "longrope":
+        factors = scaling.long_factors if scaling.use_long_factors else scaling.short_factors
+        return (1.0 / (np.asarray(factors, np.float32) * np.float32(config.rope_theta) ** exponents)).astype(
+            np.float32)
+    inv_freq = (1.0 / (np.float32(config.rope_theta) ** exponents)).astype(np.float32)
     if scaling.kind == "linear":
         return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
     if scaling.kind == "freq_factors":

@@ -1,0 +1,103 @@
+"""Checkpoint tensors seen in the layout the Llama-family state is assembled from, without copying them.
+
+- Phi-3 stores q, k and v as one `qkv_proj` and gate and up as one `gate_up_proj`: each is split into its parts,
+  which the loader then fuses again in its own layout (fused_row_map: one block of whole heads a tensor-parallel
+  shard, KV heads replicated where the shards outnumber them).
+- Partial rotary embedding (partial_rotary_factor < 1) rotates the first rotary_dim dimensions of each head, in
+  pairs (i, i + rotary_dim / 2), and passes the rest through. The model rotates whole heads in pairs
+  (i, i + head_dim / 2), so each head's q and k rows are reordered: the first rotated half, the first half of the
+  passed-through dimensions, the second rotated half, the second passed-through half. The passed-through pairs then
+  meet frequency 0 (rope_inv_freq pads with zeros), which leaves them as they are, and q . k is unchanged because
+  q and k are reordered alike (v and the attention output are not touched).
+- Longrope's attention factor multiplies the rotated dimensions of q and k (transformers scales cos and sin): it is
+  folded into their rows (into q_norm and k_norm instead where the model normalizes q and k, which would undo it).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+from checkpoints import CheckpointError
+
+_FUSED = re.compile(r"(model\.layers\.\d+)\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")
+_ROTATED = re.compile(r"model\.layers\.\d+\.self_attn\.(q_proj|k_proj|q_norm|k_norm)\.(weight|bias)$")
+
+
+def take(tensor, index: tuple, dtype: np.dtype) -> np.ndarray:
+    """tensor[index] as a new array of dtype. A lazy tensor (one with `read`) decodes only that block."""
+    if isinstance(tensor, np.ndarray):
+        return np.asarray(tensor[index], dtype=dtype)
+    return tensor.read(index, dtype)
+
+
+class RowView:
+    """Rows of a tensor, in a given order and each times an optional factor, read block by block on demand."""
+
+    def __init__(self, tensor, rows: np.ndarray, scale: np.ndarray | None = None):
+        self.tensor, self.rows, self.scale = tensor, np.asarray(rows, np.int64), scale
+        self.shape = (len(self.rows), *tensor.shape[1:])
+
+    def read(self, index: tuple, dtype: np.dtype) -> np.ndarray:
+        index = tuple(index) + (slice(None),) * (len(self.shape) - len(tuple(index)))
+        rows = self.rows[index[0]]
+        if self.scale is None:
+            return take(self.tensor, (rows, *index[1:]), dtype)
+        if np.issubdtype(np.dtype(dtype), np.integer):
+            raise CheckpointError(f"cannot scale stored {np.dtype(dtype)} rows by the rope attention factor")
+        block = take(self.tensor, (rows, *index[1:]), np.dtype(np.float32))
+        return (block * self.scale[index[0]].reshape(-1, *[1] * (block.ndim - 1))).astype(dtype)
+
+
+def rotary_order(head_dim: int, rotary_dim: int) -> np.ndarray:
+    """Where each row of a head comes from so that partial rotary pairs become whole-head pairs (see above)."""
+    half, rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    return np.concatenate([np.arange(half), rotary_dim + np.arange(rest), half + np.arange(half),
+                           rotary_dim + rest + np.arange(rest)])
+
+
+def llama_layout(tensors: Iterable[tuple[str, object, str]], config) -> Iterator[tuple[str, object, str]]:
+    """(name, tensor, origin) of a checkpoint as the Llama family names and lays them out (see the module doc).
+    config: the model's CheckpointShape; its rotary_dims and rope_attention_factor (where it has them) say what to
+    reorder and scale."""
+    head_dim = config.head_dim
+    rotary_dim = getattr(config, "rotary_dims", head_dim)
+    factor = float(getattr(config, "rope_attention_factor", 1.0))
+    qk_norm = bool(getattr(config, "qk_norm", False))
+    order = rotary_order(head_dim, rotary_dim)
+    rotated = order < rotary_dim
+    sizes = {"self_attn.qkv_proj": (("q_proj", config.q_size), ("k_proj", config.kv_size // config.kv_head_replicas),
+                                    ("v_proj", config.kv_size // config.kv_head_replicas)),
+             "mlp.gate_up_proj": (("gate_proj", config.intermediate_size), ("up_proj", config.intermediate_size))}
+
+    def rotary(name: str, tensor, origin: str) -> tuple[str, object, str]:
+        m = _ROTATED.match(name)
+        if m is None or (rotary_dim == head_dim and factor == 1.0):
+            return name, tensor, origin
+        is_norm = m[1].endswith("norm")
+        scaled = factor != 1.0 and is_norm == qk_norm
+        if tensor.shape[0] % head_dim:
+            raise CheckpointError(f"{origin}: tensor {name} has {tensor.shape[0]} rows, not whole heads of "
+                                  f"{head_dim}")
+        heads = tensor.shape[0] // head_dim
+        rows = (np.arange(heads)[:, None] * head_dim + order[None, :]).reshape(-1)
+        scale = np.tile(np.where(rotated, factor, 1.0).astype(np.float32), heads) if scaled else None
+        return name, RowView(tensor, rows, scale), origin
+
+    for name, tensor, origin in tensors:
+        m = _FUSED.match(name)
+        if m is None:
+            yield rotary(name, tensor, origin)
+            continue
+        parts = sizes[m[2]]
+        expected = sum(n for _, n in parts)
+        if tensor.shape[0] != expected:
+            raise CheckpointError(f"{origin}: tensor {name} has shape {list(tensor.shape)}, expected {expected} rows "
+                                  f"({' + '.join(f'{p} {n}' for p, n in parts)}) from the model's configuration")
+        start = 0
+        block = m[2].split(".")[0]
+        for part, n in parts:
+            yield rotary(f"{m[1]}.{block}.{part}.{m[3]}", RowView(tensor, np.arange(start, start + n)), origin)
+            start += n
