@@ -146,8 +146,14 @@ def test_back_to_back_calls_hand_their_work_to_a_lingering_helper():
 
     check(0)
     handed = cpu_kernels.handed_calls()
-    for i in range(40):
-        check(i % 8)
+    # Calls queued back to back (checked after) leave the helper microseconds, not its 1 ms linger; a few rounds
+    # leave room for a VM that deschedules the helper now and then.
+    for _ in range(5):
+        outs = [matmul(xs[i % 8], w) for i in range(40)]
+        for i, out in enumerate(outs):
+            np.testing.assert_allclose(np.asarray(out), expected[i % 8], rtol=1e-5, atol=1e-4)
+        if cpu_kernels.handed_calls() > handed:
+            break
     assert cpu_kernels.handed_calls() > handed
     time.sleep(0.05)  # past the linger: the helper has gone back to the pool
     check(1)
