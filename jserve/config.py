@@ -314,8 +314,12 @@ QWEN_DEFAULT_MAX_WINDOW_LAYERS = 28
 def _sliding_window(cfg: dict, source: str = "config.json") -> int | None:
     """The window every layer uses, or None. Qwen2/Qwen3 window only the layers transformers marks
     "sliding_attention" (`layer_types`, else index >= `max_window_layers`); the model applies one window to every
-    layer, so a checkpoint that windows some layers and not others is refused rather than run wrongly."""
+    layer, so a checkpoint that windows some layers and not others is refused rather than run wrongly. A window
+    as long as the model's context never hides a key (Phi-3.5 and Phi-4-mini say 262144 for 131072 positions): None,
+    so the attention kernels skip the window's masks."""
     window = cfg.get("sliding_window")
+    if window and isinstance(cfg.get("max_position_embeddings"), int) and window >= cfg["max_position_embeddings"]:
+        return None
     if cfg.get("model_type") not in ("qwen2", "qwen3"):
         return int(window) if window else None
     if not cfg.get("use_sliding_window", False) or not window:

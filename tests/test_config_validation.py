@@ -113,3 +113,12 @@ def test_a_config_json_number_of_the_wrong_type_or_sign_names_the_file_and_field
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=rf"config\.json: {field} must be a positive (integer|number), got "):
         ModelConfig.from_pretrained(tmp_path)
+
+
+def test_a_window_as_long_as_the_context_is_none():
+    """Phi-3.5's sliding_window 262144 over 131072 positions hides no key: the model runs without a window."""
+    base = dict(model_type="phi3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=2048)
+    assert ModelConfig.from_hf_dict({**base, "sliding_window": 262144}).sliding_window is None
+    assert ModelConfig.from_hf_dict({**base, "sliding_window": 2048}).sliding_window is None
+    assert ModelConfig.from_hf_dict({**base, "sliding_window": 2047}).sliding_window == 2047
