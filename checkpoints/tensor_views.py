@@ -11,6 +11,8 @@
   q and k are reordered alike (v and the attention output are not touched).
 - Longrope's attention factor multiplies the rotated dimensions of q and k (transformers scales cos and sin): it is
   folded into their rows (into q_norm and k_norm instead where the model normalizes q and k, which would undo it).
+- Granite multiplies each layer's attention and MLP outputs by residual_multiplier and divides the logits by
+  logits_scaling: folded into the o_proj and down_proj rows and into the final norm's weight.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from checkpoints import CheckpointError
 
 _FUSED = re.compile(r"(model\.layers\.\d+)\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")
 _ROTATED = re.compile(r"model\.layers\.\d+\.self_attn\.(q_proj|k_proj|q_norm|k_norm)\.(weight|bias)$")
+_RESIDUAL = re.compile(r"model\.layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.(weight|bias)$")
 
 
 def take(tensor, index: tuple, dtype: np.dtype) -> np.ndarray:
@@ -72,6 +75,15 @@ def llama_layout(tensors: Iterable[tuple[str, object, str]], config) -> Iterator
                                     ("v_proj", config.kv_size // config.kv_head_replicas)),
              "mlp.gate_up_proj": (("gate_proj", config.intermediate_size), ("up_proj", config.intermediate_size))}
 
+    residual = float(getattr(config, "residual_multiplier", 1.0))
+    logits = float(getattr(config, "logits_scaling", 1.0))
+
+    def scaled(name: str, tensor, origin: str) -> tuple[str, object, str]:
+        factor = residual if _RESIDUAL.match(name) else 1 / logits if name == "model.norm.weight" else 1.0
+        if factor == 1.0:
+            return rotary(name, tensor, origin)
+        return name, RowView(tensor, np.arange(tensor.shape[0]), np.full(tensor.shape[0], factor, np.float32)), origin
+
     def rotary(name: str, tensor, origin: str) -> tuple[str, object, str]:
         m = _ROTATED.match(name)
         if m is None or (rotary_dim == head_dim and factor == 1.0):
@@ -89,7 +101,7 @@ def llama_layout(tensors: Iterable[tuple[str, object, str]], config) -> Iterator
     for name, tensor, origin in tensors:
         m = _FUSED.match(name)
         if m is None:
-            yield rotary(name, tensor, origin)
+            yield scaled(name, tensor, origin)
             continue
         parts = sizes[m[2]]
         expected = sum(n for _, n in parts)

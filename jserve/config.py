@@ -12,7 +12,7 @@ from pathlib import Path
 
 from checkpoints import CheckpointError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights of config.json's shape (checkpoints/dummy.py)
 # See pallas_kernels/interface.py (ENGINE_BACKENDS).
@@ -75,6 +75,14 @@ class ModelConfig:
     # the whole head. The loader reorders each head's q and k rows so that the rotated pairs and the passed-through
     # dimensions both pair as (i, i + head_dim / 2), the latter at frequency 0 (see checkpoints.tensor_views).
     rotary_dim: int | None = None
+    # Granite's multipliers (1 / None elsewhere): the input embeddings are scaled by embedding_multiplier and the
+    # attention logits by attention_multiplier (head_dim ** -0.5 where None); residual_multiplier (each layer's
+    # attention and MLP output) and logits_scaling (the logits are divided by it) are folded into the o_proj /
+    # down_proj rows and the final norm at load (checkpoints.tensor_views).
+    embedding_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -91,6 +99,10 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def attention_scale(self) -> float:
+        return self.attention_multiplier if self.attention_multiplier is not None else self.head_dim**-0.5
 
     @property
     def rotary_dims(self) -> int:
@@ -146,6 +158,7 @@ class ModelConfig:
             qk_norm=model_type == "qwen3",
             sliding_window=_sliding_window(cfg, source),
             rotary_dim=_rotary_dim(cfg, head_dim, source),
+            **_granite_multipliers(cfg, source),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -284,6 +297,15 @@ def _longrope(cfg: dict, scaling: dict, source: str) -> RopeScaling:
     return RopeScaling(kind="longrope", factor=float(factor), original_max_position_embeddings=original,
                        short_factors=factors["short_factor"], long_factors=factors["long_factor"],
                        attention_factor=_positive_float(attention_factor, "rope attention_factor", source))
+
+
+def _granite_multipliers(cfg: dict, source: str) -> dict:
+    """Granite's four multipliers as ModelConfig fields (transformers' GraniteConfig defaults: 1.0 each); none for
+    another family."""
+    if cfg.get("model_type") != "granite":
+        return {}
+    return {key: _positive_float(cfg.get(key, 1.0), key, source)
+            for key in ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")}
 
 
 def _head_dim(cfg: dict, source: str) -> int:

@@ -14,6 +14,8 @@ What is llama.cpp's own convention, and undone here:
 - the config is metadata keys (`llama.embedding_length` ...), with no `config.json`: tied embeddings are the
   absence of `output.weight`, biases the presence of their tensors, and Llama 3's rope scaling a `rope_freqs`
   tensor of per-frequency divisors;
+- a Granite file is a Llama one (its q/k rows permuted alike) with its multipliers as `granite.embedding_scale`,
+  `attention.scale`, `residual_scale` and `logit_scale`;
 - a Phi-3 file keeps Hugging Face's fused `attn_qkv` and `ffn_up` (gate and up), its partial rotary embedding as
   `rope.dimension_count`, and longrope as the `rope_factors_short` / `rope_factors_long` tensors with
   `rope.scaling.attn_factor` and `rope.scaling.original_context_length`.
@@ -34,9 +36,13 @@ from checkpoints.safetensors_loader import ParamSource, Tensor, assemble_state, 
 from jserve.config import ModelConfig, ModelLoadError, RopeScaling
 
 # GGUF general.architecture -> jserve model_type. A Mistral GGUF says "llama" (llama.cpp converts Mistral as one).
-SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
-# Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel.undo_permute).
-_PERMUTED_QK = frozenset({"llama"})
+SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+                           "granite": "granite"}
+# Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel.undo_permute; GraniteModel inherits it).
+_PERMUTED_QK = frozenset({"llama", "granite"})
+# Granite's multipliers: convert_hf_to_gguf.py writes each (renamed *_scale) only where it is not zero.
+_GRANITE_SCALES = {"embedding_scale": "embedding_multiplier", "attention.scale": "attention_multiplier",
+                   "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}
 
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
@@ -169,6 +175,9 @@ def gguf_model_config(path: str | Path) -> ModelConfig:
         # llama.cpp ends generation at end-of-turn and end-of-message tokens too (a chat model's stop tokens)
         "eos_token_id": list(dict.fromkeys(i for i in eos if i is not None)),
     }
+    if arch == "granite":
+        cfg.update({name: float(key(gguf_key)) for gguf_key, name in _GRANITE_SCALES.items()
+                    if key(gguf_key, None)})
     config = ModelConfig.from_hf_dict(cfg, source=str(file.path))
     # Biases are whatever tensors the file has (Qwen2's q/k/v; a Llama's with attention_bias or mlp_bias).
     config = dataclasses.replace(config, qkv_bias="blk.0.attn_q.bias" in tensors,

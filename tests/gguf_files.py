@@ -15,7 +15,8 @@ import gguf
 import numpy as np
 from safetensors.numpy import load_file
 
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+             "granite": "granite"}
 T = gguf.GGMLQuantizationType
 
 
@@ -73,6 +74,11 @@ def write_gguf(model_dir: Path, out: Path, matrix_type: str | Callable[[str], st
     w.add_vocab_size(config["vocab_size"])
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     w.add_rope_dimension_count(int(head_dim * partial))  # Phi3MiniModel: the rotated dimensions
+    if arch == "granite":  # GraniteModel.set_gguf_parameters: each multiplier, renamed, where not zero
+        w.add_attention_scale(config["attention_multiplier"])
+        w.add_embedding_scale(config["embedding_multiplier"])
+        w.add_residual_scale(config["residual_multiplier"])
+        w.add_logit_scale(config["logits_scaling"])
     if arch == "phi3" and config.get("sliding_window"):
         w.add_sliding_window(config["sliding_window"])
     if rope.get("rope_type") == "longrope":  # Phi3MiniModel: the factors as tensors, no scaling type
@@ -96,9 +102,9 @@ def write_gguf(model_dir: Path, out: Path, matrix_type: str | Callable[[str], st
     for hf_name, array in load_file(model_dir / "model.safetensors").items():
         stem, suffix = hf_name.rsplit(".", 1)
         gguf_name = f"{names.get_name(stem)}.{suffix}"
-        if arch == "llama" and stem.endswith("q_proj"):
+        if arch in ("llama", "granite") and stem.endswith("q_proj"):
             array = llama_cpp_permute(array, heads, heads)
-        elif arch == "llama" and stem.endswith("k_proj"):
+        elif arch in ("llama", "granite") and stem.endswith("k_proj"):
             array = llama_cpp_permute(array, heads, kv_heads)
         tensors[gguf_name] = array.astype(np.float32)
     if rope.get("rope_type") == "llama3":

@@ -11,7 +11,8 @@ VOCAB = 512
 
 # Each variant exercises one family difference: GQA, rope scaling, sliding window, biases + tied
 # embeddings, q/k norm; phi3: fused checkpoint tensors, partial rotary embedding, longrope (its short factors and
-# attention factor up to original_max_position_embeddings) and a sliding window.
+# attention factor up to original_max_position_embeddings) and a sliding window; granite: its four multipliers
+# with tied embeddings.
 VARIANTS: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", dict(num_key_value_heads=2)),
     "llama3_rope": ("LlamaConfig", dict(num_key_value_heads=2, rope_scaling={
@@ -26,11 +27,13 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                                 original_max_position_embeddings=1024, rope_scaling={
                                     "rope_type": "longrope", "short_factor": [1.0, 1.3, 1.7, 2.2],
                                     "long_factor": [1.5, 3.0, 6.0, 12.0]})),
+    "granite": ("GraniteConfig", dict(num_key_value_heads=2, tie_word_embeddings=True, embedding_multiplier=6.0,
+                                      attention_multiplier=0.15, residual_multiplier=0.3, logits_scaling=4.0)),
 }
 
 _MODEL_CLASSES = {"LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
                   "Qwen2Config": "Qwen2ForCausalLM", "Qwen3Config": "Qwen3ForCausalLM",
-                  "Phi3Config": "Phi3ForCausalLM"}
+                  "Phi3Config": "Phi3ForCausalLM", "GraniteConfig": "GraniteForCausalLM"}
 
 
 def make_config(variant: str, **overrides) -> transformers.PretrainedConfig:

@@ -122,3 +122,13 @@ def test_a_window_as_long_as_the_context_is_none():
     assert ModelConfig.from_hf_dict({**base, "sliding_window": 262144}).sliding_window is None
     assert ModelConfig.from_hf_dict({**base, "sliding_window": 2048}).sliding_window is None
     assert ModelConfig.from_hf_dict({**base, "sliding_window": 2047}).sliding_window == 2047
+
+
+@pytest.mark.parametrize("field", ["embedding_multiplier", "attention_multiplier", "residual_multiplier",
+                                   "logits_scaling"])
+def test_a_granite_multiplier_that_is_not_a_positive_number_is_named(hf_model_dir, tmp_path, field):
+    config = json.loads((hf_model_dir("granite") / "config.json").read_text())
+    config[field] = "0.5"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=rf"config\.json: {field} must be a positive number, got '0.5'"):
+        ModelConfig.from_pretrained(tmp_path)

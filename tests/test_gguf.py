@@ -71,7 +71,7 @@ def _flat(state) -> dict:
 # ----- loading: the state, the config, the tokenizer -----
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3", "phi3", "granite"])
 def test_float32_file_loads_the_checkpoints_exact_state(hf_model_dir, gguf_file, variant, dtype):
     """Names, the q/k un-permutation, fused q|k|v and gate|up and biases land exactly where the safetensors loader
     puts the checkpoint the file was written from."""
@@ -176,12 +176,12 @@ def test_logits_match_transformers_on_the_same_file(gguf_file, variant, matrix_t
 
 
 @pytest.mark.parametrize("executor", list(EXECUTORS))
-@pytest.mark.parametrize("variant", ["llama3_rope", "llama_linear_rope", "qwen3", "mistral", "phi3"])
+@pytest.mark.parametrize("variant", ["llama3_rope", "llama_linear_rope", "qwen3", "mistral", "phi3", "granite"])
 def test_float32_file_logits_match_the_original_checkpoint(hf_model_dir, gguf_file, variant, executor):
     """What transformers' GGUF loading leaves out or cannot load here (Llama 3's rope_freqs, linear rope scaling,
     Qwen3's head_dim, a Mistral: a llama file, with no sliding window, as llama.cpp converts one; Phi-3's fused
-    tensors, partial rotary embedding, longrope factors and sliding window) checked against the checkpoint the
-    file was written from."""
+    tensors, partial rotary embedding, longrope factors and sliding window; Granite's multipliers) checked against
+    the checkpoint the file was written from."""
     overrides = {"sliding_window": None} if variant == "mistral" else {}
     path = gguf_file(variant, **overrides)
     hf = load_hf(hf_model_dir(variant, **overrides))

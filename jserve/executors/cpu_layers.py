@@ -179,6 +179,8 @@ class CpuLayerExecutor(XlaExecutor):
         cfg = self.config
         x = cpu_kernels.packed_rows(embed, batch.token_ids) if cpu_kernels.is_packed(embed) \
             else embed_lookup(embed, batch.token_ids)
+        if cfg.embedding_multiplier != 1.0:  # Granite
+            x = x * cfg.embedding_multiplier
         k_cache, v_cache, scales = kv_cache.k, kv_cache.v, {}
         quantized = self.kv_cache_dtype != "auto"
         if quantized:  # an int8 cache: the kernel takes the values and the scales as arrays (or lists of them)
@@ -188,7 +190,7 @@ class CpuLayerExecutor(XlaExecutor):
         x, k_cache, v_cache, *new_scales = cpu_kernels.decoder_layers(
             x, layers, k_cache, v_cache, positions=batch.positions, slot_mapping=batch.slot_mapping,
             page_table=batch.page_table, query_start=batch.query_start, seq_lens=batch.seq_lens,
-            inv_freq=rope_inv_freq(cfg), num_heads=cfg.num_heads, eps=cfg.rms_norm_eps, scale=cfg.head_dim**-0.5,
+            inv_freq=rope_inv_freq(cfg), num_heads=cfg.num_heads, eps=cfg.rms_norm_eps, scale=cfg.attention_scale,
             sliding_window=cfg.sliding_window, intermediate_size=cfg.intermediate_size, compute_dtype=self.dtype,
             **scales)
         if quantized:

@@ -55,7 +55,7 @@ class Attention(nnx.Module):
         k = apply_rope(k, batch.positions, inv_freq)
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, batch.slot_mapping)
         out = ragged_paged_attention(q, k_pages, v_pages, batch.page_table, batch.query_start, batch.seq_lens,
-                                     scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window,
+                                     scale=cfg.attention_scale, sliding_window=cfg.sliding_window,
                                      backend=self.attention_backend)
         return self.o_proj(out.reshape(num_tokens, cfg.q_size)), k_pages, v_pages
 
@@ -108,6 +108,8 @@ class LlamaForCausalLM(nnx.Module):
         inv_freq = rope_inv_freq(self.config)
         tied_scale = self.head_scale[...] if self.head_scale is not None and self.lm_head is None else None
         x = embed_lookup(self.embed_tokens[...], batch.token_ids, tied_scale)
+        if self.config.embedding_multiplier != 1.0:  # Granite
+            x = x * self.config.embedding_multiplier
         k_cache, v_cache = list(kv_cache.k), list(kv_cache.v)
         for i, layer in enumerate(self.layers):
             x, k_cache[i], v_cache[i] = layer(x, k_cache[i], v_cache[i], batch, inv_freq)
