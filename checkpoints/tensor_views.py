@@ -49,7 +49,7 @@ class RowView:
         if self.scale is None:
             return take(self.tensor, (rows, *index[1:]), dtype)
         if np.issubdtype(np.dtype(dtype), np.integer):
-            raise CheckpointError(f"cannot scale stored {np.dtype(dtype)} rows by the rope attention factor")
+            raise CheckpointError(f"cannot fold a scale factor into stored {np.dtype(dtype)} rows")
         block = take(self.tensor, (rows, *index[1:]), np.dtype(np.float32))
         return (block * self.scale[index[0]].reshape(-1, *[1] * (block.ndim - 1))).astype(dtype)
 
@@ -89,13 +89,13 @@ def llama_layout(tensors: Iterable[tuple[str, object, str]], config) -> Iterator
         if m is None or (rotary_dim == head_dim and factor == 1.0):
             return name, tensor, origin
         is_norm = m[1].endswith("norm")
-        scaled = factor != 1.0 and is_norm == qk_norm
+        fold = factor != 1.0 and is_norm == qk_norm
         if tensor.shape[0] % head_dim:
             raise CheckpointError(f"{origin}: tensor {name} has {tensor.shape[0]} rows, not whole heads of "
                                   f"{head_dim}")
         heads = tensor.shape[0] // head_dim
         rows = (np.arange(heads)[:, None] * head_dim + order[None, :]).reshape(-1)
-        scale = np.tile(np.where(rotated, factor, 1.0).astype(np.float32), heads) if scaled else None
+        scale = np.tile(np.where(rotated, factor, 1.0).astype(np.float32), heads) if fold else None
         return name, RowView(tensor, rows, scale), origin
 
     for name, tensor, origin in tensors:

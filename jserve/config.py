@@ -114,8 +114,8 @@ class ModelConfig:
 
     def for_context(self, max_model_len: int | None) -> ModelConfig:
         """This config for a deployment of max_model_len tokens (None: max_position_embeddings): longrope takes
-        its long factors where the context passes original_max_position_embeddings, as transformers does for a
-        sequence that long."""
+        its long factors where the context passes original_max_position_embeddings (vLLM's rule; transformers
+        takes them for a sequence that long)."""
         scaling = self.rope_scaling
         if scaling.kind != "longrope":
             return self
