@@ -79,10 +79,11 @@ def llama_layout(tensors: Iterable[tuple[str, object, str]], config) -> Iterator
     logits = float(getattr(config, "logits_scaling", 1.0))
 
     def scaled(name: str, tensor, origin: str) -> tuple[str, object, str]:
-        factor = residual if _RESIDUAL.match(name) else 1 / logits if name == "model.norm.weight" else 1.0
-        if factor == 1.0:
+        multiplier = residual if _RESIDUAL.match(name) else 1 / logits if name == "model.norm.weight" else 1.0
+        if multiplier == 1.0:
             return rotary(name, tensor, origin)
-        return name, RowView(tensor, np.arange(tensor.shape[0]), np.full(tensor.shape[0], factor, np.float32)), origin
+        rows = np.arange(tensor.shape[0])
+        return name, RowView(tensor, rows, np.full(tensor.shape[0], multiplier, np.float32)), origin
 
     def rotary(name: str, tensor, origin: str) -> tuple[str, object, str]:
         m = _ROTATED.match(name)
