@@ -72,7 +72,8 @@ class CheckpointShape(Protocol):
     @property
     def kv_head_replicas(self) -> int: ...
     # Optional (checkpoints.tensor_views): rotary_dims (partial rotary embedding; head_dim without it),
-    # rope_attention_factor (longrope; 1.0), qk_norm (False).
+    # rope_attention_factor (longrope; 1.0), qk_norm (False), residual_multiplier and logits_scaling (Granite; 1.0),
+    # norm_weight_offset (Gemma; 0.0).
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -130,7 +131,8 @@ def llama_name_map(tie_word_embeddings: bool) -> Callable[[str], list[Target] | 
     """Map a Hugging Face Llama-family tensor name to where it lands in LlamaForCausalLM's state."""
     fused = {part: dest for dest, parts in FUSED_PARTS.items() for part in parts}
     layer_re = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
-    norm_re = re.compile(r"model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight$")
+    norm_re = re.compile(r"model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm|pre_feedforward_layernorm|"
+                         r"post_feedforward_layernorm)\.weight$")
     qk_norm_re = re.compile(r"model\.layers\.(\d+)\.self_attn\.(q_norm|k_norm)\.weight$")
 
     def target(name: str) -> list[Target] | None:
@@ -220,7 +222,27 @@ def load_state(model_dir: str | Path, config: CheckpointShape,
     Missing, unexpected and mis-shaped tensors raise CheckpointError naming the tensor and file.
     """
     tensors = ((name, tensor, str(file)) for file in checkpoint_files(model_dir) for name, tensor in iter_tensors(file))
-    return assemble_state(tensors, config, shapes, place, str(model_dir))
+    return assemble_state(language_model_tensors(tensors), config, shapes, place, str(model_dir))
+
+
+# An image-text checkpoint (Gemma 3's Gemma3ForConditionalGeneration) holds its language model under a prefix:
+# "language_model.model." as published, "model.language_model." as transformers >= 5 saves it.
+_LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                            ("language_model.lm_head.", "lm_head."))
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def language_model_tensors(tensors: Iterable[tuple[str, Tensor, str]]) -> Iterator[tuple[str, Tensor, str]]:
+    """The tensors of a checkpoint's language model under the plain causal-LM names; an image-text checkpoint's
+    vision tower and projector are left out (jserve serves text)."""
+    for name, tensor, origin in tensors:
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        for prefix, plain in _LANGUAGE_MODEL_PREFIXES:
+            if name.startswith(prefix):
+                name = plain + name[len(prefix):]
+                break
+        yield name, tensor, origin
 
 
 def assemble_state(tensors: Iterable[tuple[str, Tensor, str]], config: CheckpointShape,

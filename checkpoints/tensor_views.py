@@ -13,6 +13,7 @@
   folded into their rows (into q_norm and k_norm instead where the model normalizes q and k, which would undo it).
 - Granite multiplies each layer's attention and MLP outputs by residual_multiplier and divides the logits by
   logits_scaling: folded into the o_proj and down_proj rows and into the final norm's weight.
+- Gemma's RMSNorms multiply by (1 + weight): the 1 (norm_weight_offset) is added to every norm weight.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from checkpoints import CheckpointError
 _FUSED = re.compile(r"(model\.layers\.\d+)\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")
 _ROTATED = re.compile(r"model\.layers\.\d+\.self_attn\.(q_proj|k_proj|q_norm|k_norm)\.(weight|bias)$")
 _RESIDUAL = re.compile(r"model\.layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.(weight|bias)$")
+_NORM = re.compile(r"model\.(norm|layers\.\d+\.(\w+_layernorm|self_attn\.[qk]_norm))\.weight$")
 
 
 def take(tensor, index: tuple, dtype: np.dtype) -> np.ndarray:
@@ -37,21 +39,24 @@ def take(tensor, index: tuple, dtype: np.dtype) -> np.ndarray:
 
 
 class RowView:
-    """Rows of a tensor, in a given order and each times an optional factor, read block by block on demand."""
+    """Rows of a tensor, in a given order, each times an optional factor and plus an optional offset, read block by
+    block on demand."""
 
-    def __init__(self, tensor, rows: np.ndarray, scale: np.ndarray | None = None):
-        self.tensor, self.rows, self.scale = tensor, np.asarray(rows, np.int64), scale
+    def __init__(self, tensor, rows: np.ndarray, scale: np.ndarray | None = None, offset: float = 0.0):
+        self.tensor, self.rows, self.scale, self.offset = tensor, np.asarray(rows, np.int64), scale, offset
         self.shape = (len(self.rows), *tensor.shape[1:])
 
     def read(self, index: tuple, dtype: np.dtype) -> np.ndarray:
         index = tuple(index) + (slice(None),) * (len(self.shape) - len(tuple(index)))
         rows = self.rows[index[0]]
-        if self.scale is None:
+        if self.scale is None and self.offset == 0.0:
             return take(self.tensor, (rows, *index[1:]), dtype)
         if np.issubdtype(np.dtype(dtype), np.integer):
-            raise CheckpointError(f"cannot fold a scale factor into stored {np.dtype(dtype)} rows")
-        block = take(self.tensor, (rows, *index[1:]), np.dtype(np.float32))
-        return (block * self.scale[index[0]].reshape(-1, *[1] * (block.ndim - 1))).astype(dtype)
+            raise CheckpointError(f"cannot fold a scale factor or offset into stored {np.dtype(dtype)} rows")
+        block = take(self.tensor, (rows, *index[1:]), np.dtype(np.float32)) + np.float32(self.offset)
+        if self.scale is not None:
+            block = block * self.scale[index[0]].reshape(-1, *[1] * (block.ndim - 1))
+        return block.astype(dtype)
 
 
 def rotary_order(head_dim: int, rotary_dim: int) -> np.ndarray:
@@ -77,8 +82,11 @@ def llama_layout(tensors: Iterable[tuple[str, object, str]], config) -> Iterator
 
     residual = float(getattr(config, "residual_multiplier", 1.0))
     logits = float(getattr(config, "logits_scaling", 1.0))
+    norm_offset = float(getattr(config, "norm_weight_offset", 0.0))
 
     def scaled(name: str, tensor, origin: str) -> tuple[str, object, str]:
+        if norm_offset and _NORM.match(name):
+            tensor = RowView(tensor, np.arange(tensor.shape[0]), offset=norm_offset)
         multiplier = residual if _RESIDUAL.match(name) else 1 / logits if name == "model.norm.weight" else 1.0
         if multiplier == 1.0:
             return rotary(name, tensor, origin)

@@ -12,7 +12,11 @@ from pathlib import Path
 
 from checkpoints import CheckpointError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3_text")
+GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
+# The MLP activations (config.json's names): SiLU, and the tanh approximation of GELU (Gemma's; its first
+# checkpoints say "gelu", which transformers reads as the tanh approximation too).
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights of config.json's shape (checkpoints/dummy.py)
 # See pallas_kernels/interface.py (ENGINE_BACKENDS).
@@ -83,7 +87,19 @@ class ModelConfig:
     attention_multiplier: float | None = None
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
-    hidden_act: str = "silu"
+    hidden_act: str = "silu"  # one of ACTIVATIONS
+    # Gemma. sliding_layers: which layers use sliding_window (None: every layer where it is set); local_rope_theta:
+    # the windowed layers' rotary base, without scaling (Gemma 3's rope_local_base_freq; None: rope_theta for all);
+    # the softcaps squash attention scores / final logits s to cap * tanh(s / cap); sandwich_norms: each block's
+    # output is normalized too (post_attention_layernorm on the attention output, pre_ and
+    # post_feedforward_layernorm around the MLP); norm_weight_offset: RMSNorm multiplies by (offset + weight),
+    # folded into the weights at load.
+    sliding_layers: tuple[bool, ...] | None = None
+    local_rope_theta: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    sandwich_norms: bool = False
+    norm_weight_offset: float = 0.0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Set by jserve.models.sharded_config.shard_model_config for tensor parallelism (1 = the checkpoint's own
@@ -108,6 +124,22 @@ class ModelConfig:
     def rotary_dims(self) -> int:
         return self.rotary_dim or self.head_dim
 
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of decoder layer `layer` (None: it attends to every earlier position)."""
+        if self.sliding_window is None or (self.sliding_layers is not None and not self.sliding_layers[layer]):
+            return None
+        return self.sliding_window
+
+    def layer_rope_theta(self, layer: int) -> float | None:
+        """The local rotary base where layer `layer` rotates by it instead of rope_theta (and its scaling), else
+        None."""
+        return self.local_rope_theta if self.local_rope_theta is not None and self.layer_window(layer) else None
+
+    @property
+    def layers_alike(self) -> bool:
+        """Every layer attends with the same window and rotary embedding (what one layer-kernel call takes)."""
+        return len({(self.layer_window(i), self.layer_rope_theta(i)) for i in range(self.num_layers)}) == 1
+
     @property
     def rope_attention_factor(self) -> float:
         return self.rope_scaling.attention_factor if self.rope_scaling.kind == "longrope" else 1.0
@@ -124,14 +156,17 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict, source: str = "config.json") -> ModelConfig:
+        if cfg.get("model_type") == "gemma3" and isinstance(cfg.get("text_config"), dict):
+            cfg = gemma3_text_config(cfg)
         model_type = cfg.get("model_type")
+        if model_type == "gemma3_text":
+            cfg = _gemma3_rope(cfg, source)
         if model_type not in SUPPORTED_MODEL_TYPES:
             archs = cfg.get("architectures") or []
             raise ModelLoadError(
                 f"{source}: unsupported model_type {model_type!r} (architectures {archs}); "
                 f"jserve supports {', '.join(SUPPORTED_MODEL_TYPES)}")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ModelLoadError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
+        hidden_act = _activation(cfg, source)
         num_heads = _positive_int(cfg, "num_attention_heads", source)
         hidden = _positive_int(cfg, "hidden_size", source)
         head_dim = _positive_int(cfg, "head_dim", source, hidden // num_heads)
@@ -155,10 +190,13 @@ class ModelConfig:
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type != "qwen2" and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             sliding_window=_sliding_window(cfg, source),
             rotary_dim=_rotary_dim(cfg, head_dim, source),
+            hidden_act=hidden_act,
             **_granite_multipliers(cfg, source),
+            **_gemma_fields(cfg, hidden, source),
+            **_qwen_sliding_layers(cfg, source),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -299,6 +337,96 @@ def _longrope(cfg: dict, scaling: dict, source: str) -> RopeScaling:
                        attention_factor=_positive_float(attention_factor, "rope attention_factor", source))
 
 
+def _activation(cfg: dict, source: str) -> str:
+    """The MLP activation: Gemma 2 and 3 name it hidden_activation, Gemma's first checkpoints say "gelu" for the
+    tanh approximation (as transformers reads them)."""
+    gemma = cfg.get("model_type") in GEMMA_TYPES
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+    if gemma and act in ("gelu", "gelu_tanh"):
+        act = "gelu_pytorch_tanh"
+    if act not in ACTIVATIONS:
+        raise ModelLoadError(f"{source}: hidden activation {act!r} is not supported ({', '.join(ACTIVATIONS)})")
+    return act
+
+
+# transformers' Gemma3TextConfig defaults: the text_config of Gemma 3's image-text checkpoints (4B, 12B, 27B) lists
+# only the fields that differ from them.
+GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                            num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131_072,
+                            rms_norm_eps=1e-6, query_pre_attn_scalar=256, sliding_window=4096,
+                            hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, bos_token_id=2,
+                            eos_token_id=1)
+
+
+def gemma3_text_config(cfg: dict) -> dict:
+    """The language model of a Gemma 3 image-text checkpoint (Gemma3ForConditionalGeneration) as a Gemma 3 text
+    config: its text_config over transformers' defaults, with the checkpoint's own end-of-turn ids. jserve serves its
+    text; the vision tower's weights are left unread."""
+    top = {key: cfg[key] for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings") if key in cfg}
+    return {**GEMMA3_TEXT_DEFAULTS, **top, **cfg["text_config"], "model_type": "gemma3_text"}
+
+
+def _gemma3_rope(cfg: dict, source: str) -> dict:
+    """Gemma 3's two rotary settings as the fields the other families use: rope_theta and rope_scaling for its
+    global layers, rope_local_base_freq (no scaling) for its windowed ones. transformers >= 5 writes them as
+    rope_parameters per layer type; older configs keep rope_theta / rope_scaling / rope_local_base_freq at the top
+    level (defaults 1e6 and 1e4, transformers')."""
+    cfg = dict(cfg)
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
+        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ModelLoadError(f"{source}: rope scaling {local.get('rope_type')!r} of the sliding-window layers is "
+                                 "not supported (only 'default')")
+        cfg["rope_parameters"] = full
+        cfg["rope_theta"] = full.get("rope_theta", 1_000_000.0)
+        cfg["rope_local_base_freq"] = local.get("rope_theta", 10_000.0)
+    else:
+        cfg.setdefault("rope_theta", 1_000_000.0)
+    cfg.setdefault("rope_local_base_freq", 10_000.0)
+    return cfg
+
+
+def _gemma_fields(cfg: dict, hidden: int, source: str) -> dict:
+    """Gemma's differences as ModelConfig fields (transformers' defaults where config.json leaves one out); none
+    for another family. Gemma 2 windows every other layer (even indices), Gemma 3 five of every six, each as its
+    layer_types say where given."""
+    model_type = cfg.get("model_type")
+    if model_type not in GEMMA_TYPES:
+        return {}
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{source}: use_bidirectional_attention (an embedding model) is not supported: jserve "
+                             "serves causal language models")
+    fields = {"embedding_multiplier": math.sqrt(hidden), "norm_weight_offset": 1.0}
+    if model_type == "gemma":
+        return fields
+    scalar = _positive_float(cfg.get("query_pre_attn_scalar", 256), "query_pre_attn_scalar", source)
+    fields.update(attention_multiplier=scalar**-0.5, sandwich_norms=True)
+    defaults = {"gemma2": (50.0, 30.0), "gemma3_text": (None, None)}[model_type]
+    for key, default in zip(("attn_logit_softcapping", "final_logit_softcapping"), defaults, strict=True):
+        value = cfg.get(key, default)
+        fields[key] = None if value is None else _positive_float(value, key, source)
+    num_layers = _positive_int(cfg, "num_hidden_layers", source)
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        pattern = 2 if model_type == "gemma2" else cfg.get("sliding_window_pattern", 6)
+        pattern = _positive_int({"sliding_window_pattern": pattern}, "sliding_window_pattern", source)
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    fields["sliding_layers"] = _sliding_layers(layer_types, num_layers, source)
+    if model_type == "gemma3_text":
+        fields["local_rope_theta"] = _positive_float(cfg["rope_local_base_freq"], "rope_local_base_freq", source)
+    return fields
+
+
+def _sliding_layers(layer_types: object, num_layers: int, source: str) -> tuple[bool, ...]:
+    kinds = ("sliding_attention", "full_attention")
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers or \
+            not all(kind in kinds for kind in layer_types):
+        raise ModelLoadError(f"{source}: layer_types must list {num_layers} layer kinds, each one of {kinds}, got "
+                             f"{layer_types!r}")
+    return tuple(kind == "sliding_attention" for kind in layer_types)
+
+
 def _granite_multipliers(cfg: dict, source: str) -> dict:
     """Granite's four multipliers as ModelConfig fields (transformers' GraniteConfig defaults: 1.0 each); none for
     another family."""
@@ -334,33 +462,32 @@ QWEN_DEFAULT_MAX_WINDOW_LAYERS = 28
 
 
 def _sliding_window(cfg: dict, source: str = "config.json") -> int | None:
-    """The window every layer uses, or None. Qwen2/Qwen3 window only the layers transformers marks
-    "sliding_attention" (`layer_types`, else index >= `max_window_layers`); the model applies one window to every
-    layer, so a checkpoint that windows some layers and not others is refused rather than run wrongly. A window
-    as long as the model's context never hides a key (Phi-3.5 and Phi-4-mini say 262144 for 131072 positions): None,
-    so the attention kernels skip the window's masks."""
-    window = cfg.get("sliding_window")
-    if window and isinstance(cfg.get("max_position_embeddings"), int) and window >= cfg["max_position_embeddings"]:
+    """The sliding window of the layers that use one, or None. A window as long as the model's context never hides
+    a key (Phi-3.5 and Phi-4-mini say 262144 for 131072 positions): None, so the attention kernels skip the
+    window's masks. Qwen2/Qwen3 window only with use_sliding_window (which layers: _qwen_sliding_layers)."""
+    if not cfg.get("sliding_window") or cfg.get("model_type") == "gemma":
         return None
-    if cfg.get("model_type") not in ("qwen2", "qwen3"):
-        return int(window) if window else None
-    if not cfg.get("use_sliding_window", False) or not window:
+    if cfg.get("model_type") in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
         return None
-    num_layers = cfg["num_hidden_layers"]
+    window = _positive_int(cfg, "sliding_window", source)
+    if isinstance(cfg.get("max_position_embeddings"), int) and window >= cfg["max_position_embeddings"]:
+        return None
+    return window
+
+
+def _qwen_sliding_layers(cfg: dict, source: str) -> dict:
+    """Qwen2/Qwen3 window the layers transformers marks "sliding_attention": `layer_types`, else those at index >=
+    `max_window_layers`."""
+    if cfg.get("model_type") not in ("qwen2", "qwen3") or _sliding_window(cfg, source) is None:
+        return {}
+    num_layers = _positive_int(cfg, "num_hidden_layers", source)
     layer_types = cfg.get("layer_types")
     if layer_types is None:
         first = cfg.get("max_window_layers", QWEN_DEFAULT_MAX_WINDOW_LAYERS)
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise ModelLoadError(f"{source}: max_window_layers must be a non-negative integer, got {first!r}")
         layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
-    sliding = sum(kind == "sliding_attention" for kind in layer_types)
-    if sliding == 0:
-        return None
-    if sliding == len(layer_types):
-        return int(window)
-    raise ModelLoadError(
-        f"{source}: use_sliding_window with max_window_layers={cfg.get('max_window_layers')} windows {sliding} of "
-        f"{len(layer_types)} layers (those at index >= max_window_layers); jserve applies one window to every layer, "
-        f"so max_window_layers must be 0 (all layers) or >= num_hidden_layers ({num_layers}, none), or "
-        "use_sliding_window false")
+    return {"sliding_layers": _sliding_layers(layer_types, num_layers, source)}
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")  # how draft tokens are proposed (jserve.engine.speculative)

@@ -18,7 +18,18 @@ What is llama.cpp's own convention, and undone here:
   `attention.scale`, `residual_scale` and `logit_scale`;
 - a Phi-3 file keeps Hugging Face's fused `attn_qkv` and `ffn_up` (gate and up), its partial rotary embedding as
   `rope.dimension_count`, and longrope as the `rope_factors_short` / `rope_factors_long` tensors with
-  `rope.scaling.attn_factor` and `rope.scaling.original_context_length`.
+  `rope.scaling.attn_factor` and `rope.scaling.original_context_length`;
+- a Gemma, Gemma 2 or Gemma 3 file (convert_hf_to_gguf.py's GemmaModel, Gemma2Model, Gemma3Model) is stored in
+  Hugging Face's q/k order, with every norm weight stored as the (1 + weight) the model multiplies by (so the
+  safetensors loader's norm_weight_offset is not added again). Gemma 2 and 3 name their sandwich norms
+  `post_attention_norm`, `ffn_norm` (the pre-feedforward one) and `post_ffw_norm`. What config.json says and the
+  file does not is llama.cpp's own reading (llama-model.cpp load_hparams): the rotary base 10000 where there is no
+  `rope.freq_base` (Gemma and Gemma 2 files have none); Gemma 2's window 4096 and soft caps 50 / 30 where the file
+  has no `attention.sliding_window`, `attn_logit_softcapping`, `final_logit_softcapping`; the windowed layers every
+  one of each 2 (Gemma 2) or 5 of each 6 (Gemma 3) but the last (set_swa_pattern; an
+  `attention.sliding_window_pattern` where a file has one); Gemma 3's windowed layers rotating by
+  `rope.freq_base_swa` (10000 without it), unscaled; and no query_pre_attn_scalar: llama.cpp scales queries by
+  1/sqrt(head_dim), or 1/sqrt(hidden / heads) in its 27B models (46 layers for Gemma 2, 62 for Gemma 3).
 """
 
 from __future__ import annotations
@@ -37,9 +48,17 @@ from jserve.config import ModelConfig, ModelLoadError, RopeScaling
 
 # GGUF general.architecture -> jserve model_type. A Mistral GGUF says "llama" (llama.cpp converts Mistral as one).
 SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-                           "granite": "granite"}
+                           "granite": "granite", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text"}
+GGUF_ARCHITECTURE_OF = {model_type: arch for arch, model_type in SUPPORTED_ARCHITECTURES.items()}
 # Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel.undo_permute; GraniteModel inherits it).
 _PERMUTED_QK = frozenset({"llama", "granite"})
+# Gemma's llama.cpp defaults (llama-model.cpp load_hparams): every n-th layer attends to all positions, the others
+# through the window (hparams.set_swa_pattern(n)); the 27B models' layer counts, whose queries are scaled by
+# 1/sqrt(hidden / heads) instead of 1/sqrt(head_dim); Gemma 2's window and soft caps where the file has none.
+_GEMMA_SWA_PERIOD = {"gemma2": 2, "gemma3": 6}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+_GEMMA2_DEFAULTS = {"attention.sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0  # llama.cpp's rope_freq_base_train_swa for Gemma 3 without rope.freq_base_swa
 # Granite's multipliers: convert_hf_to_gguf.py writes each (renamed *_scale) only where it is not zero.
 _GRANITE_SCALES = {"embedding_scale": "embedding_multiplier", "attention.scale": "attention_multiplier",
                    "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}
@@ -54,6 +73,9 @@ _LAYER_NAMES = {
 }
 # Phi-3's fused tensors (convert_hf_to_gguf.py keeps Hugging Face's qkv_proj and gate_up_proj whole).
 _PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Gemma 2 and 3's sandwich norms (gguf-py's tensor_mapping: ATTN_POST_NORM, FFN_PRE_NORM is ffn_norm, FFN_POST_NORM).
+_GEMMA2_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                       "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 # llama.cpp's per-frequency rotary divisors: read into the config, not a parameter.
@@ -81,10 +103,15 @@ def find_gguf(path: str | Path) -> Path | None:
     return files[0] if files else None
 
 
+def _layer_names(arch: str) -> dict[str, str]:
+    return {"phi3": _PHI3_LAYER_NAMES, "gemma2": _GEMMA2_LAYER_NAMES, "gemma3": _GEMMA2_LAYER_NAMES}.get(
+        arch, _LAYER_NAMES)
+
+
 def hf_tensor_name(name: str, arch: str = "llama") -> str | None:
-    """The Hugging Face name of a GGUF tensor of the Llama / Qwen2 / Qwen3 / Phi-3 families; None for any other
-    name."""
-    layer_names = _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES
+    """The Hugging Face name of a GGUF tensor of the Llama / Qwen2 / Qwen3 / Phi-3 / Granite / Gemma families; None
+    for any other name."""
+    layer_names = _layer_names(arch)
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     if (m := _GGUF_LAYER_RE.match(name)) and m[2] in layer_names:
@@ -104,7 +131,7 @@ def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
             part = {"self_attn.q_proj": "self_attn.qkv_proj", "self_attn.k_proj": "self_attn.qkv_proj",
                     "self_attn.v_proj": "self_attn.qkv_proj", "mlp.gate_proj": "mlp.gate_up_proj",
                     "mlp.up_proj": "mlp.gate_up_proj"}.get(part, part)
-        for gguf_name, hf in (_PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES).items():
+        for gguf_name, hf in _layer_names(arch).items():
             if hf == part:
                 return f"blk.{m[1]}.{gguf_name}.{m[3]}"
     return hf_name
@@ -178,6 +205,8 @@ def gguf_model_config(path: str | Path) -> ModelConfig:
     if arch == "granite":
         cfg.update({name: float(key(gguf_key)) for gguf_key, name in _GRANITE_SCALES.items()
                     if key(gguf_key, None)})
+    if arch in ("gemma2", "gemma3"):
+        cfg.update(_gemma_config(file, arch, cfg))
     config = ModelConfig.from_hf_dict(cfg, source=str(file.path))
     # Biases are whatever tensors the file has (Qwen2's q/k/v; a Llama's with attention_bias or mlp_bias).
     config = dataclasses.replace(config, qkv_bias="blk.0.attn_q.bias" in tensors,
@@ -206,7 +235,9 @@ def load_gguf_state(path: str | Path, config: ModelConfig, shapes: dict[tuple, t
                 tensor = _unpermuted(tensor, name, config)
             yield hf_name, tensor, f"{file.path} ({name})"
 
-    return assemble_state(tensors(), config, shapes, place, str(file.path), describe=lambda p: "/".join(
+    # llama.cpp's converter stores a Gemma norm as the (1 + weight) it multiplies by: nothing to add at load
+    state_config = dataclasses.replace(config, norm_weight_offset=0.0)
+    return assemble_state(tensors(), state_config, shapes, place, str(file.path), describe=lambda p: "/".join(
         dict.fromkeys(gguf_tensor_name(n, file.architecture) for n in hf_names(p).split("/"))))
 
 
@@ -224,6 +255,39 @@ def _open_checked(path: str | Path) -> GGUFFile:
                              "first (llama-gguf-split --merge)")
     file.check_tensor_types()
     return file
+
+
+def _gemma_config(file: GGUFFile, arch: str, cfg: dict) -> dict:
+    """Gemma 2 / Gemma 3's config.json fields as llama.cpp reads them from a file (the module docstring says which
+    defaults it takes)."""
+    layers = cfg["num_hidden_layers"]
+    defaults = _GEMMA2_DEFAULTS if arch == "gemma2" else {}
+
+    def value(name: str):
+        found = file.get(f"{arch}.{name}")
+        return defaults.get(name) if found is None else found
+
+    window = value("attention.sliding_window")
+    pattern = file.get(f"{arch}.attention.sliding_window_pattern", _GEMMA_SWA_PERIOD[arch])
+    if isinstance(pattern, list):  # one flag per layer: true where the layer is windowed
+        if len(pattern) != layers:
+            raise ModelLoadError(f"{file.path}: {arch}.attention.sliding_window_pattern has {len(pattern)} flags for "
+                                 f"{layers} layers")
+        sliding = [bool(flag) for flag in pattern]
+    else:  # llama.cpp's set_swa_pattern(n): 0 windows every layer, 1 none, n every layer but each n-th
+        period = int(pattern)
+        sliding = [period == 0 or i % period < period - 1 for i in range(layers)]
+    scalar = cfg["hidden_size"] // cfg["num_attention_heads"] if layers == _GEMMA_27B_LAYERS[arch] else cfg["head_dim"]
+    caps = {}
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        cap = None if arch == "gemma3" and name == "attn_logit_softcapping" else value(name)  # Gemma 3 caps no scores
+        caps[name] = float(cap) if cap else None
+    out = {"sliding_window": int(window) if window else None,
+           "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+           "query_pre_attn_scalar": scalar, **caps}
+    if arch == "gemma3":
+        out["rope_local_base_freq"] = float(file.get(f"{arch}.rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_THETA))
+    return out
 
 
 def _unpermuted(tensor: GGUFTensor, name: str, config: ModelConfig) -> GGUFTensor:

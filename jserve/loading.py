@@ -18,7 +18,7 @@ from checkpoints import dummy, is_gguf_file
 from checkpoints.dummy import DummySource
 from checkpoints.safetensors_loader import ParamSource, hf_names, load_state
 from jserve.config import LOAD_FORMATS, ModelConfig, ModelLoadError
-from jserve.gguf_loading import find_gguf, gguf_model_config, gguf_tensor_name, load_gguf_state
+from jserve.gguf_loading import GGUF_ARCHITECTURE_OF, find_gguf, gguf_model_config, gguf_tensor_name, load_gguf_state
 from jserve.models import model_class
 from jserve.models.quantization import (
     compressed_tensors_format,
@@ -201,7 +201,8 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
                 rows = quantize_rows(np.asarray(source.read()), quantization)
             except ValueError as e:  # inf or NaN: its message names no tensor
                 names = hf_names(path)  # a GGUF file's own tensor names where the source is one
-                names = names if gguf_file is None else "/".join(map(gguf_tensor_name, names.split("/")))
+                arch = GGUF_ARCHITECTURE_OF.get(config.model_type, "llama")
+                names = names if gguf_file is None else "/".join(gguf_tensor_name(n, arch) for n in names.split("/"))
                 raise ModelLoadError(f"{model_dir}: cannot quantize {names} to {quantization} ({e})") from None
             return place_quantized_one(path, *rows)
         if stored_quantized and place_quantized is not None and (path in quantized or path in weight_of_scale):

@@ -2,7 +2,14 @@
 convert_hf_to_gguf.py writes them: its metadata keys, its tensor names (gguf-py's own tensor_mapping, not jserve's
 map), Llama's q/k rows permuted (LlamaModel.permute), Llama 3's rope scaling as a rope_freqs tensor, norms and
 biases in F32, and the byte-level BPE vocabulary as tokenizer.ggml.* (padded to the model's vocabulary with
-[PAD<i>] tokens, as get_vocab_base pads it)."""
+[PAD<i>] tokens, as get_vocab_base pads it).
+
+Gemma, Gemma 2 and Gemma 3 as GemmaModel, Gemma2Model and Gemma3Model write them: every norm weight plus 1, q/k in
+Hugging Face's order, no lm_head, only the metadata keys each writes (no rope.freq_base in a Gemma or Gemma 2 file;
+Gemma 2's soft caps and window; Gemma 3's global rotary base and linear scaling, its windowed layers' base as
+rope.freq_base_swa, its window). Two things differ, for the tiny checkpoints: the tokenizer is the byte-level BPE one
+(the tiny checkpoints have no tokenizer.model for _set_vocab_sentencepiece), and Gemma 3's token_embd keeps every
+row (Gemma3Model cuts the rows past the tokenizer's tokens, which a real Gemma 3 has none of)."""
 
 from __future__ import annotations
 
@@ -16,7 +23,8 @@ import numpy as np
 from safetensors.numpy import load_file
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-             "granite": "granite"}
+             "granite": "granite", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 T = gguf.GGMLQuantizationType
 
 
@@ -48,12 +56,13 @@ def llama3_rope_factors(rope: dict, theta: float, dim: int) -> np.ndarray:
 
 def write_gguf(model_dir: Path, out: Path, matrix_type: str | Callable[[str], str] = "F32",
                name: str = "tiny", extra_tensors: dict[str, np.ndarray] | None = None,
-               skip: tuple[str, ...] = (), metadata: dict | None = None) -> Path:
+               skip: tuple[str, ...] = (), metadata: dict | None = None, drop: tuple[str, ...] = ()) -> Path:
     """Write model_dir's checkpoint and tokenizer as the GGUF file `out`.
 
     matrix_type: the GGML type of every 2-D tensor ("F32", "F16", "BF16", "Q8_0", "Q4_0", ...), or a function of
-    the GGUF tensor name giving it (a type gguf-py cannot quantize to is written as zero blocks). extra_tensors, skip
-    and metadata ({key: (value, GGUFValueType)}) bend the file for the error tests."""
+    the GGUF tensor name giving it (a type gguf-py cannot quantize to is written as zero blocks). extra_tensors, skip,
+    metadata ({key: (value, GGUFValueType)}) and drop (metadata keys left out) bend the file for the error tests and
+    for the defaults a reader takes."""
     config = json.loads((model_dir / "config.json").read_text())
     arch = GGUF_ARCH[config["model_type"]]
     layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
@@ -67,13 +76,27 @@ def write_gguf(model_dir: Path, out: Path, matrix_type: str | Callable[[str], st
     w.add_feed_forward_length(config["intermediate_size"])
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    params = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    rope = params.get("full_attention", params)  # Gemma 3: its global layers' (TextModel.set_gguf_parameters)
     theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-    w.add_rope_freq_base(theta)
+    if arch not in ("gemma", "gemma2"):  # GemmaModel and Gemma2Model write no rotary keys
+        w.add_rope_freq_base(theta)
+    if "rope_theta" in params.get("sliding_attention", {}):  # Gemma 3's windowed layers
+        w.add_rope_freq_base_swa(params["sliding_attention"]["rope_theta"])
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
     w.add_vocab_size(config["vocab_size"])
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    w.add_rope_dimension_count(int(head_dim * partial))  # Phi3MiniModel: the rotated dimensions
+    if arch not in GEMMA_ARCHS:
+        w.add_rope_dimension_count(int(head_dim * partial))  # Phi3MiniModel: the rotated dimensions
+    if arch == "gemma2":  # Gemma2Model.set_gguf_parameters
+        w.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(config["final_logit_softcapping"])
+        w.add_sliding_window(config["sliding_window"])
+    if arch == "gemma3":  # Gemma3Model.set_gguf_parameters
+        if config.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(config["final_logit_softcapping"])
+        if config.get("sliding_window_pattern") != 1:
+            w.add_sliding_window(config["sliding_window"])
     if arch == "granite":  # GraniteModel.set_gguf_parameters: each multiplier, renamed, where not zero
         w.add_attention_scale(config["attention_multiplier"])
         w.add_embedding_scale(config["embedding_multiplier"])
@@ -96,12 +119,18 @@ def write_gguf(model_dir: Path, out: Path, matrix_type: str | Callable[[str], st
     _add_tokenizer(w, model_dir, config["vocab_size"])
     for key, (value, vtype) in (metadata or {}).items():
         w.add_key_value(key, value, vtype)
+    for key in drop:
+        del w.kv_data[0][key]
 
     names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), layers)
     tensors = {}
     for hf_name, array in load_file(model_dir / "model.safetensors").items():
         stem, suffix = hf_name.rsplit(".", 1)
+        if arch in GEMMA_ARCHS and hf_name == "lm_head.weight":
+            continue  # GemmaModel.modify_tensors (and the others alike) skip it
         gguf_name = f"{names.get_name(stem)}.{suffix}"
+        if arch in GEMMA_ARCHS and hf_name.endswith("norm.weight"):
+            array = array + np.float32(1)  # GemmaModel.modify_tensors, Gemma3Model.norm_shift
         if arch in ("llama", "granite") and stem.endswith("q_proj"):
             array = llama_cpp_permute(array, heads, heads)
         elif arch in ("llama", "granite") and stem.endswith("k_proj"):

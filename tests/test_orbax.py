@@ -91,6 +91,22 @@ def test_a_phi3_conversion_keeps_its_laid_out_weights_and_longrope(hf_model_dir,
     np.testing.assert_allclose(ours, hf_logits(load_hf(source), prompt), atol=1e-4, rtol=0)
 
 
+def test_a_gemma3_conversion_keeps_its_per_layer_windows_and_norms(hf_model_dir, tmp_path):
+    """Gemma 3's weights are stored as loaded (norm weights with their 1 added) and its per-layer windows and
+    rotary bases restored: the restored model gives transformers' logits."""
+    source = hf_model_dir("gemma3")
+    out = convert(str(source), tmp_path / "out", "float32")
+    loaded, restored = load_model(source, "float32"), load_model(out, "float32")
+    assert restored.config == loaded.config and restored.config.sliding_layers == loaded.config.sliding_layers
+    want, got = _flat(loaded.state), _flat(restored.state)
+    assert want.keys() == got.keys()
+    for path, array in want.items():
+        np.testing.assert_array_equal(got[path], array, err_msg=str(path))
+    prompt = list(range(3, 43))
+    (ours,) = jserve_logits(out, [prompt], "float32")
+    np.testing.assert_allclose(ours, hf_logits(load_hf(source), prompt), atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("kind, executor", [("safetensors", "xla"), ("safetensors", "cpu-layers"), ("gguf", "auto")])
 def test_greedy_tokens_match_the_source(sources, converted, llm_factory, kind, executor):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

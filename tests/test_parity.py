@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -65,7 +66,7 @@ def test_float32_logits_match_transformers(hf_model_dir, variant):
         np.testing.assert_allclose(ours, hf_logits(hf, prompt), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("variant", ["llama", "qwen3"])
+@pytest.mark.parametrize("variant", ["llama", "qwen3", "gemma2", "gemma3"])
 def test_bfloat16_logits_within_tolerance(hf_model_dir, variant):
     model_dir = hf_model_dir(variant)
     hf = load_hf(model_dir, torch.bfloat16)
@@ -108,3 +109,50 @@ def test_greedy_tokens_match_transformers(hf_model_dir, variant, llm_factory, ex
         assert output.prompt_token_ids == prompt
         assert output.outputs[0].token_ids == hf_greedy(hf, prompt, 32)
         assert output.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("hidden_size", [1152, 2304, 2560, 3584, 3840, 5376])
+def test_gemma_embedding_scale_is_rounded_as_transformers_rounds_it(hidden_size):
+    """Gemma multiplies its embeddings by sqrt(hidden_size) in the model's dtype (Gemma 3's 1B-27B and Gemma 2's
+    widths; the tiny variants' sqrt(64) is exact in bfloat16, so the parity tests cannot tell)."""
+    from jserve.config import ModelConfig
+    from jserve.models.layers import embedding_multiplier
+
+    config = ModelConfig.from_hf_dict(dict(model_type="gemma3_text", vocab_size=512, hidden_size=hidden_size,
+                                           intermediate_size=128, num_hidden_layers=2, num_attention_heads=4))
+    scale = torch.tensor(hidden_size**0.5)  # Gemma3TextScaledWordEmbedding's embed_scale buffer
+    for ours, theirs in ((jnp.bfloat16, torch.bfloat16), (jnp.float32, torch.float32)):
+        assert embedding_multiplier(config, jnp.dtype(ours)) == scale.to(theirs).item()
+
+
+def test_gemma3_image_text_checkpoint_serves_its_language_model(tmp_path):
+    """A Gemma3ForConditionalGeneration checkpoint (Gemma 3 4B-27B) loads its language model, the vision tower left
+    unread: text logits equal transformers' own image-text model's, and its end-of-turn ids are kept."""
+    import json
+
+    import transformers
+    from hf_models import build_gemma3_image_text
+
+    from jserve.config import ModelConfig
+
+    model_dir = build_gemma3_image_text(tmp_path / "gemma3-it")
+    saved = json.loads((model_dir / "config.json").read_text())
+    assert saved["model_type"] == "gemma3" and "text_config" in saved
+    assert ModelConfig.from_pretrained(model_dir).eos_token_ids[:2] == (2, 5)
+    hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32,
+                                                                     attn_implementation="eager").eval()
+    prompts = _prompts(5)
+    logits = jserve_logits(model_dir, prompts, "float32")
+    for prompt, ours in zip(prompts, logits, strict=True):
+        np.testing.assert_allclose(ours, hf_logits(hf, prompt), atol=1e-4, rtol=0)
+    # the same checkpoint under the names transformers' own classes use in memory (model.language_model.*,
+    # model.vision_tower.*) loads alike
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(model_dir / "model.safetensors")
+    assert any(name.startswith("vision_tower.") for name in tensors)
+    renamed = {name.replace("language_model.model.", "model.language_model.", 1) if name.startswith("language_model.")
+               else f"model.{name}": array for name, array in tensors.items()}
+    save_file(renamed, str(model_dir / "model.safetensors"))
+    for ours, theirs in zip(jserve_logits(model_dir, prompts, "float32"), logits, strict=True):
+        np.testing.assert_array_equal(ours, theirs)

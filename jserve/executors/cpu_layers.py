@@ -8,7 +8,9 @@ stacked KV cache (two arrays a step instead of two a layer), lone decodes unpadd
 
 It is the XLA executor with a different forward: batches the layer kernel does not take (larger than
 cpu_kernels.max_kernel_rows() where AMX makes XLA's dot faster, or any batch under tensor parallelism) run the Flax
-model with the C++ attention kernel ("cpu" attention backend) and XLA's dots.
+model with the C++ attention kernel ("cpu" attention backend) and XLA's dots. So does every batch of a model whose
+layers the kernel does not compute (layer_kernel_runs: Gemma's GELU and sandwich norms, windows or rotary bases
+that differ between layers).
 
 int8 weights (quantization "int8", or stored int8: jserve.models.quantization) are packed with their per-row scales
 (cpu_kernels.pack_weight_int8) and widened in registers by the kernels' matmuls; the layer kernel then takes every
@@ -36,7 +38,7 @@ from jserve.executors.host_arena import HugePageArena, LayerStacks
 from jserve.executors.xla import XlaExecutor
 from jserve.loading import LoadedModel, load_model, model_config, stored_quantization
 from jserve.models.batch import KVCache, StepBatch
-from jserve.models.layers import embed_lookup, matmul, rms_norm, rope_inv_freq
+from jserve.models.layers import embed_lookup, matmul, rms_norm, rope_inv_freq, soft_cap
 from pallas_kernels.quantized import QuantizedPages, zeros_pages
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,13 @@ class CpuLoadedModel(LoadedModel):
         return super().resident_bytes() + (0 if parts is None else parts.size * parts.dtype.itemsize)
 
 
+def layer_kernel_runs(config: ModelConfig) -> bool:
+    """The layer kernel computes this model's decoder layers: SiLU MLPs, pre-norms only, no score soft cap, and one
+    window and one rotary embedding for every layer (one kernel call takes one of each)."""
+    return (config.hidden_act == "silu" and not config.sandwich_norms and config.attn_logit_softcapping is None
+            and config.layers_alike)
+
+
 class CpuLayerExecutor(XlaExecutor):
     name = "cpu-layers"
     smallest_token_bucket = 1  # the kernels stream weights at any row count: a lone decode stays one row
@@ -90,10 +99,12 @@ class CpuLayerExecutor(XlaExecutor):
         if quantization not in (None, "int8"):
             raise ValueError(f"executor 'cpu-layers' has no {quantization} matmul kernels; quantization "
                              f"{quantization!r} needs executor 'xla'")
-        if mesh is not None:  # sharded: XLA partitions the dots, the attention kernel runs on each device's heads
+        config = model_config(model_dir, max_model_len)
+        # sharded: XLA partitions the dots, the attention kernel runs on each device's heads; a model the layer kernel
+        # does not compute runs the Flax model, so its weights are placed as the XLA executor places them
+        if mesh is not None or not layer_kernel_runs(config):
             return load_model(model_dir, dtype, attention_backend, mesh=mesh, load_format=load_format,
                               quantization=quantization, max_model_len=max_model_len)
-        config = model_config(model_dir, max_model_len)
         param_dtype = jnp.dtype(dtype)
         packed = _packed_paths(config, param_dtype) if cpu_kernels.packs_weights(param_dtype) else set()
         # int8 may come from the checkpoint itself (compressed-tensors, a quantized conversion): its matrices reach
@@ -137,8 +148,11 @@ class CpuLayerExecutor(XlaExecutor):
         # then dispatches ~14 arrays instead of a few per layer.
         # int8 matrices are packed for the layer kernel only: it takes every batch on one device.
         self.int8_layers = mesh is None and getattr(model, "quantization", None) == "int8"
-        self.every_step_fused = mesh is None and (self.int8_layers or
-                                                  max_num_batched_tokens <= cpu_kernels.max_kernel_rows())
+        self.kernel_runs_layers = mesh is None and layer_kernel_runs(model.config)
+        if not layer_kernel_runs(model.config):  # every step is the Flax model's: XLA's one-row dots are ~10x slower
+            self.smallest_token_bucket = XlaExecutor.smallest_token_bucket
+        self.every_step_fused = self.kernel_runs_layers and (self.int8_layers or
+                                                             max_num_batched_tokens <= cpu_kernels.max_kernel_rows())
         self.layer_stack = getattr(model, "layer_stack", None) if self.every_step_fused else None
         if self.layer_stack is None and _matrices_in_parts(model):
             raise ValueError("this model's layer matrices were loaded in per-thread parts for the layer kernel, "
@@ -163,7 +177,7 @@ class CpuLayerExecutor(XlaExecutor):
         return KVCache(k=jnp.zeros(stacked, dtype), v=jnp.zeros(stacked, dtype))
 
     def layer_kernel_takes(self, num_tokens: int) -> bool:
-        return self.mesh is None and (self.int8_layers or num_tokens <= cpu_kernels.max_kernel_rows())
+        return self.kernel_runs_layers and (self.int8_layers or num_tokens <= cpu_kernels.max_kernel_rows())
 
     def _forward(self, params: list, kv_cache: KVCache, batch: StepBatch) -> tuple[KVCache, jax.Array]:
         tree = jax.tree.unflatten(self._params_tree, params)
@@ -207,7 +221,7 @@ class CpuLayerExecutor(XlaExecutor):
             logits = cpu_kernels.matmul(last, head, cfg.vocab_size, self.dtype)
         else:
             logits = matmul(last, head)
-        return KVCache(k=k_cache, v=v_cache), logits
+        return KVCache(k=k_cache, v=v_cache), soft_cap(logits, cfg.final_logit_softcapping)
 
 
 def _layer_weights(layer: nnx.Module) -> cpu_kernels.LayerWeights:

@@ -7,6 +7,7 @@ float32 result: on XLA CPU that is the fast path for bfloat16 weights (see docs/
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jserve.config import ModelConfig
+from jserve.config import GEMMA_TYPES, ModelConfig, RopeScaling
 from jserve.models.quantization import quantized_matmul
 from pallas_kernels.reference import dot_precision
 
@@ -91,11 +92,27 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return x * weight
 
 
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+def embedding_multiplier(config: ModelConfig, dtype: jnp.dtype) -> float:
+    """What the input embeddings are multiplied by: Granite's multiplier, or Gemma's sqrt(hidden_size) rounded to
+    the model's dtype (as transformers and Gemma's own code multiply, in that dtype)."""
+    if config.model_type in GEMMA_TYPES:
+        return float(np.asarray(config.embedding_multiplier, np.dtype(dtype)))  # numpy: also under a trace
+    return config.embedding_multiplier
+
+
+def soft_cap(logits: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(logits / cap) (Gemma 2's final logits), or the logits where there is no cap."""
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> np.ndarray:
     """Inverse rotary frequencies [head_dim / 2], computed as transformers does (float32), with linear / llama3 /
     longrope scaling, or divided by per-frequency factors (llama.cpp's rope_freqs, as GGUF files store llama3
     scaling). Under partial rotary embedding the frequencies of the rotated pairs are followed by zeros: the
-    passed-through pairs turn by angle 0 (cos 1, sin 0), which leaves them exactly as they are."""
+    passed-through pairs turn by angle 0 (cos 1, sin 0), which leaves them exactly as they are. local: those of
+    the windowed layers that rotate by local_rope_theta, unscaled (Gemma 3; rope_theta's where it is None)."""
+    if local and config.local_rope_theta is not None:
+        config = dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=RopeScaling())
     inv_freq = _rotary_inv_freq(config)
     return np.pad(inv_freq, (0, config.head_dim // 2 - len(inv_freq)))
 

@@ -1,14 +1,19 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3): one decoder whose differences are config flags.
+"""The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, Granite, Gemma 1/2/3): one decoder whose
+differences are config flags.
 
-Qwen2 adds q/k/v biases, Qwen3 normalizes q and k per head before rotary, Mistral may use a sliding window;
-everything else is shared, so one module serves all four. q/k/v and gate/up projections are fused into one
-matmul each (the checkpoint loader concatenates them) because small dots pay a fixed cost on XLA CPU.
+Qwen2 adds q/k/v biases, Qwen3 normalizes q and k per head before rotary, Mistral may use a sliding window; Gemma
+scales its embeddings, uses GELU, windows some layers and not others (Gemma 3 rotating them with their own base),
+soft-caps scores and logits (Gemma 2) and normalizes each block's output too (Gemma 2/3). Everything else is
+shared, so one module serves them all (Phi-3's and Granite's differences are folded into the weights at load).
+q/k/v and gate/up projections are fused into one matmul each (the checkpoint loader concatenates them) because
+small dots pay a fixed cost on XLA CPU.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jserve.config import ModelConfig
@@ -18,9 +23,11 @@ from jserve.models.layers import (
     RMSNorm,
     apply_rope,
     embed_lookup,
+    embedding_multiplier,
     matmul,
     param,
     rope_inv_freq,
+    soft_cap,
     split_fused,
 )
 from jserve.models.quantization import quantized_matmul
@@ -28,9 +35,11 @@ from pallas_kernels import ragged_paged_attention, write_kv
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: ModelConfig, dtype: jnp.dtype, attention_backend: str = "reference"):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, attention_backend: str = "reference", layer: int = 0):
         self.config = config
         self.attention_backend = attention_backend  # a static str in the graphdef: picks the kernel at trace time
+        self.sliding_window = config.layer_window(layer)  # static too, like the local rotary choice
+        self.local_rope = config.layer_rope_theta(layer) is not None
         qkv_out = config.q_size + 2 * config.kv_size
         self.qkv_proj = Linear(config.hidden_size, qkv_out, dtype=dtype, axes=("qkv", "embed"), bias=config.qkv_bias)
         self.o_proj = Linear(config.q_size, config.hidden_size, dtype=dtype, axes=("embed", "heads"),
@@ -42,8 +51,9 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
 
     def __call__(self, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: StepBatch,
-                 inv_freq) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 inv_freq: tuple[np.ndarray, np.ndarray]) -> tuple[jax.Array, jax.Array, jax.Array]:
         cfg = self.config
+        inv_freq = inv_freq[self.local_rope]  # (global, local) frequencies
         num_tokens = x.shape[0]
         q, k, v = split_fused(self.qkv_proj(x), (cfg.q_size, cfg.kv_size, cfg.kv_size), cfg.fused_shards)
         q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
@@ -55,14 +65,15 @@ class Attention(nnx.Module):
         k = apply_rope(k, batch.positions, inv_freq)
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, batch.slot_mapping)
         out = ragged_paged_attention(q, k_pages, v_pages, batch.page_table, batch.query_start, batch.seq_lens,
-                                     scale=cfg.attention_scale, sliding_window=cfg.sliding_window,
-                                     backend=self.attention_backend)
+                                     scale=cfg.attention_scale, sliding_window=self.sliding_window,
+                                     soft_cap=cfg.attn_logit_softcapping, backend=self.attention_backend)
         return self.o_proj(out.reshape(num_tokens, cfg.q_size)), k_pages, v_pages
 
 
 class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, dtype: jnp.dtype):
         self.intermediate_size = config.intermediate_size
+        self.hidden_act = config.hidden_act
         self.fused_shards = config.fused_shards  # [gate | up] row blocks (see split_fused)
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, dtype=dtype,
                                    axes=("mlp", "embed"), bias=config.mlp_bias)
@@ -71,20 +82,32 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gate, up = split_fused(self.gate_up_proj(x), (self.intermediate_size,) * 2, self.fused_shards)
-        return self.down_proj(jax.nn.silu(gate) * up)
+        act = jax.nn.silu(gate) if self.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
+        return self.down_proj(act * up)
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, dtype: jnp.dtype, attention_backend: str = "reference"):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, attention_backend: str = "reference", layer: int = 0):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, dtype, attention_backend)
+        self.self_attn = Attention(config, dtype, attention_backend, layer)
+        # Llama's post_attention_layernorm is the MLP's input norm; with Gemma 2/3's sandwich norms it normalizes the
+        # attention output, and pre_ / post_feedforward_layernorm surround the MLP.
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, dtype)
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        else:
+            self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
 
     def __call__(self, x, k_pages, v_pages, batch, inv_freq):
         attn_out, k_pages, v_pages = self.self_attn(self.input_layernorm(x), k_pages, v_pages, batch, inv_freq)
-        x = x + attn_out
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        if self.pre_feedforward_layernorm is None:
+            x = x + attn_out
+            x = x + self.mlp(self.post_attention_layernorm(x))
+        else:
+            x = x + self.post_attention_layernorm(attn_out)
+            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         return x, k_pages, v_pages
 
 
@@ -95,7 +118,7 @@ class LlamaForCausalLM(nnx.Module):
         self.config = config
         self.embed_tokens = nnx.Param(jnp.zeros((config.vocab_size, config.hidden_size), dtype),
                                       logical_axes=("vocab", "embed"))
-        self.layers = nnx.List([DecoderLayer(config, dtype, attention_backend) for _ in range(config.num_layers)])
+        self.layers = nnx.List([DecoderLayer(config, dtype, attention_backend, i) for i in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else param(
             (config.vocab_size, config.hidden_size), dtype, ("vocab", "embed"))
@@ -103,13 +126,14 @@ class LlamaForCausalLM(nnx.Module):
         # float dtype its weight is converted to inside the dot.
         self.head_scale: nnx.Param | None = nnx.data(None)
         self.head_compute_dtype = jnp.dtype(dtype)
+        self.embedding_multiplier = embedding_multiplier(config, dtype)
 
     def __call__(self, kv_cache: KVCache, batch: StepBatch) -> tuple[KVCache, jax.Array]:
-        inv_freq = rope_inv_freq(self.config)
+        inv_freq = (rope_inv_freq(self.config), rope_inv_freq(self.config, local=True))
         tied_scale = self.head_scale[...] if self.head_scale is not None and self.lm_head is None else None
         x = embed_lookup(self.embed_tokens[...], batch.token_ids, tied_scale)
-        if self.config.embedding_multiplier != 1.0:  # Granite
-            x = x * self.config.embedding_multiplier
+        if self.embedding_multiplier != 1.0:  # Granite, Gemma
+            x = x * self.embedding_multiplier
         k_cache, v_cache = list(kv_cache.k), list(kv_cache.v)
         for i, layer in enumerate(self.layers):
             x, k_cache[i], v_cache[i] = layer(x, k_cache[i], v_cache[i], batch, inv_freq)
@@ -119,5 +143,7 @@ class LlamaForCausalLM(nnx.Module):
         """float32 logits [S, V] of the final hidden states [S, E] (only the positions that predict a token)."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if self.head_scale is not None:
-            return quantized_matmul(self.norm(hidden), head[...], self.head_scale[...], self.head_compute_dtype)
-        return matmul(self.norm(hidden), head[...])
+            logits = quantized_matmul(self.norm(hidden), head[...], self.head_scale[...], self.head_compute_dtype)
+        else:
+            logits = matmul(self.norm(hidden), head[...])
+        return soft_cap(logits, self.config.final_logit_softcapping)
