@@ -12,7 +12,8 @@ from pathlib import Path
 
 from checkpoints import CheckpointError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3_text",
+                         "smollm3")
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 # The MLP activations (config.json's names): SiLU, and the tanh approximation of GELU (Gemma's; its first
 # checkpoints say "gelu", which transformers reads as the tanh approximation too).
@@ -96,6 +97,8 @@ class ModelConfig:
     # folded into the weights at load.
     sliding_layers: tuple[bool, ...] | None = None
     local_rope_theta: float | None = None
+    # SmolLM3's no_rope_layers: which layers rotate q and k (None: every layer); the others see no positions (NoPE).
+    rope_layers: tuple[bool, ...] | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     sandwich_norms: bool = False
@@ -135,10 +138,17 @@ class ModelConfig:
         None."""
         return self.local_rope_theta if self.local_rope_theta is not None and self.layer_window(layer) else None
 
+    def layer_rotary(self, layer: int) -> int:
+        """Which rotary embedding layer `layer` applies: 0 rope_theta's (scaled), 1 the local base's (Gemma 3's
+        windowed layers), 2 none (SmolLM3's NoPE layers)."""
+        if self.rope_layers is not None and not self.rope_layers[layer]:
+            return 2
+        return 1 if self.layer_rope_theta(layer) is not None else 0
+
     @property
     def layers_alike(self) -> bool:
         """Every layer attends with the same window and rotary embedding (what one layer-kernel call takes)."""
-        return len({(self.layer_window(i), self.layer_rope_theta(i)) for i in range(self.num_layers)}) == 1
+        return len({(self.layer_window(i), self.layer_rotary(i)) for i in range(self.num_layers)}) == 1
 
     @property
     def rope_attention_factor(self) -> float:
@@ -196,7 +206,8 @@ class ModelConfig:
             hidden_act=hidden_act,
             **_granite_multipliers(cfg, source),
             **_gemma_fields(cfg, hidden, source),
-            **_qwen_sliding_layers(cfg, source),
+            **_windowed_layers(cfg, source),
+            **_smollm3_rope_layers(cfg, source),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -349,6 +360,22 @@ def _activation(cfg: dict, source: str) -> str:
     return act
 
 
+def _smollm3_rope_layers(cfg: dict, source: str) -> dict:
+    """SmolLM3's no_rope_layers (1: the layer rotates q and k, 0: NoPE), else transformers' default: every
+    no_rope_layer_interval-th layer (4) without rotary embedding."""
+    if cfg.get("model_type") != "smollm3":
+        return {}
+    num_layers = _positive_int(cfg, "num_hidden_layers", source)
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = _positive_int(cfg, "no_rope_layer_interval", source, 4)
+        flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if not isinstance(flags, list) or len(flags) != num_layers or not all(f in (0, 1) for f in flags):
+        raise ModelLoadError(f"{source}: no_rope_layers must list {num_layers} flags (1: rotary embedding, 0: none), "
+                             f"got {flags!r}")
+    return {"rope_layers": tuple(bool(f) for f in flags)}
+
+
 # transformers' Gemma3TextConfig defaults: the text_config of Gemma 3's image-text checkpoints (4B, 12B, 27B) lists
 # only the fields that differ from them.
 GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
@@ -467,7 +494,7 @@ def _sliding_window(cfg: dict, source: str = "config.json") -> int | None:
     window's masks. Qwen2/Qwen3 window only with use_sliding_window (which layers: _qwen_sliding_layers)."""
     if not cfg.get("sliding_window") or cfg.get("model_type") == "gemma":
         return None
-    if cfg.get("model_type") in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+    if cfg.get("model_type") in _USE_SLIDING_WINDOW_TYPES and not cfg.get("use_sliding_window", False):
         return None
     window = _positive_int(cfg, "sliding_window", source)
     if isinstance(cfg.get("max_position_embeddings"), int) and window >= cfg["max_position_embeddings"]:
@@ -475,13 +502,20 @@ def _sliding_window(cfg: dict, source: str = "config.json") -> int | None:
     return window
 
 
-def _qwen_sliding_layers(cfg: dict, source: str) -> dict:
-    """Qwen2/Qwen3 window the layers transformers marks "sliding_attention": `layer_types`, else those at index >=
-    `max_window_layers`."""
-    if cfg.get("model_type") not in ("qwen2", "qwen3") or _sliding_window(cfg, source) is None:
+# Families whose sliding_window applies only with use_sliding_window, to the layers transformers marks.
+_USE_SLIDING_WINDOW_TYPES = ("qwen2", "qwen3", "smollm3")
+
+
+def _windowed_layers(cfg: dict, source: str) -> dict:
+    """Qwen2/Qwen3 and SmolLM3 window the layers transformers marks "sliding_attention": `layer_types`, else (Qwen)
+    those at index >= `max_window_layers` or (SmolLM3) its NoPE layers."""
+    if cfg.get("model_type") not in _USE_SLIDING_WINDOW_TYPES or _sliding_window(cfg, source) is None:
         return {}
     num_layers = _positive_int(cfg, "num_hidden_layers", source)
     layer_types = cfg.get("layer_types")
+    if layer_types is None and cfg.get("model_type") == "smollm3":
+        rotates = _smollm3_rope_layers(cfg, source)["rope_layers"]
+        layer_types = ["full_attention" if rope else "sliding_attention" for rope in rotates]
     if layer_types is None:
         first = cfg.get("max_window_layers", QWEN_DEFAULT_MAX_WINDOW_LAYERS)
         if isinstance(first, bool) or not isinstance(first, int) or first < 0:

@@ -48,10 +48,13 @@ from jserve.config import ModelConfig, ModelLoadError, RopeScaling
 
 # GGUF general.architecture -> jserve model_type. A Mistral GGUF says "llama" (llama.cpp converts Mistral as one).
 SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-                           "granite": "granite", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text"}
+                           "granite": "granite", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text",
+                           "smollm3": "smollm3"}
 GGUF_ARCHITECTURE_OF = {model_type: arch for arch, model_type in SUPPORTED_ARCHITECTURES.items()}
-# Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel.undo_permute; GraniteModel inherits it).
-_PERMUTED_QK = frozenset({"llama", "granite"})
+# Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel.undo_permute; GraniteModel and
+# SmolLM3Model inherit it). A SmolLM3 file stores no NoPE layers: llama.cpp takes every fourth (n_no_rope_layer_step),
+# as transformers' default no_rope_layer_interval does.
+_PERMUTED_QK = frozenset({"llama", "granite", "smollm3"})
 # Gemma's llama.cpp defaults (llama-model.cpp load_hparams): every n-th layer attends to all positions, the others
 # through the window (hparams.set_swa_pattern(n)); the 27B models' layer counts, whose queries are scaled by
 # 1/sqrt(hidden / heads) instead of 1/sqrt(head_dim); Gemma 2's window and soft caps where the file has none.

@@ -111,8 +111,9 @@ def config_from_dict(data: dict) -> ModelConfig:
         rope[key] = tuple(rope.get(key, ()))
     data["rope_scaling"] = RopeScaling(**rope)
     data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
-    if data.get("sliding_layers") is not None:  # JSON keeps it as a list; the config must stay hashable
-        data["sliding_layers"] = tuple(data["sliding_layers"])
+    for key in ("sliding_layers", "rope_layers"):  # JSON keeps them as lists; the config must stay hashable
+        if data.get(key) is not None:
+            data[key] = tuple(data[key])
     if data.get("fused_shards", 1) != 1 or data.get("kv_head_replicas", 1) != 1:
         raise ValueError("a stored config is the unsharded model's (fused_shards and kv_head_replicas 1)")
     return ModelConfig(**data)

@@ -23,7 +23,8 @@ import numpy as np
 from safetensors.numpy import load_file
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-             "granite": "granite", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+             "granite": "granite", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3",
+             "smollm3": "smollm3"}
 GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 T = gguf.GGMLQuantizationType
 
@@ -131,9 +132,9 @@ def write_gguf(model_dir: Path, out: Path, matrix_type: str | Callable[[str], st
         gguf_name = f"{names.get_name(stem)}.{suffix}"
         if arch in GEMMA_ARCHS and hf_name.endswith("norm.weight"):
             array = array + np.float32(1)  # GemmaModel.modify_tensors, Gemma3Model.norm_shift
-        if arch in ("llama", "granite") and stem.endswith("q_proj"):
+        if arch in ("llama", "granite", "smollm3") and stem.endswith("q_proj"):
             array = llama_cpp_permute(array, heads, heads)
-        elif arch in ("llama", "granite") and stem.endswith("k_proj"):
+        elif arch in ("llama", "granite", "smollm3") and stem.endswith("k_proj"):
             array = llama_cpp_permute(array, heads, kv_heads)
         tensors[gguf_name] = array.astype(np.float32)
     if rope.get("rope_type") == "llama3":

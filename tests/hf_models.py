@@ -14,7 +14,8 @@ VOCAB = 512
 # attention factor up to original_max_position_embeddings) and a sliding window; granite: its four multipliers
 # with tied embeddings; gemma: GELU, (1 + weight) norms, scaled embeddings, head_dim != hidden / heads; gemma2: its
 # sandwich norms, both soft caps and a window on every other layer; gemma3: q/k norm, five windowed layers of six
-# rotating by their own base, linear scaling on the global ones.
+# rotating by their own base, linear scaling on the global ones; smollm3: no rotary embedding in its NoPE layers
+# (the second of two).
 VARIANTS: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", dict(num_key_value_heads=2)),
     "llama3_rope": ("LlamaConfig", dict(num_key_value_heads=2, rope_scaling={
@@ -40,13 +41,14 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                                                                "rope_theta": 100000.0},
                                             "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}},
                                         tie_word_embeddings=True)),
+    "smollm3": ("SmolLM3Config", dict(num_key_value_heads=2, no_rope_layer_interval=2, tie_word_embeddings=True)),
 }
 
 _MODEL_CLASSES = {"LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
                   "Qwen2Config": "Qwen2ForCausalLM", "Qwen3Config": "Qwen3ForCausalLM",
                   "Phi3Config": "Phi3ForCausalLM", "GraniteConfig": "GraniteForCausalLM",
                   "GemmaConfig": "GemmaForCausalLM", "Gemma2Config": "Gemma2ForCausalLM",
-                  "Gemma3TextConfig": "Gemma3ForCausalLM"}
+                  "Gemma3TextConfig": "Gemma3ForCausalLM", "SmolLM3Config": "SmolLM3ForCausalLM"}
 
 
 def make_config(variant: str, **overrides) -> transformers.PretrainedConfig:

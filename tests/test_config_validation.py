@@ -151,8 +151,10 @@ def test_a_granite_multiplier_that_is_not_a_positive_number_is_named(hf_model_di
     ("gemma3", lambda c: c["rope_parameters"]["sliding_attention"].update(rope_type="linear", factor=2.0),
      r"rope scaling 'linear' of the sliding-window layers is not supported"),
     ("llama", lambda c: c.update(hidden_act="gelu"), r"hidden activation 'gelu' is not supported"),
+    ("smollm3", lambda c: c.update(no_rope_layers=[1]), r"no_rope_layers must list 2 flags"),
+    ("smollm3", lambda c: c.update(no_rope_layers=[1, 2]), r"no_rope_layers must list 2 flags"),
 ])
-def test_a_gemma_config_jserve_cannot_run_names_the_field(hf_model_dir, tmp_path, variant, bend, message):
+def test_a_gemma_or_smollm3_config_jserve_cannot_run_names_the_field(hf_model_dir, tmp_path, variant, bend, message):
     config = json.loads((hf_model_dir(variant) / "config.json").read_text())
     bend(config)
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -179,3 +181,24 @@ def test_gemma3_older_config_fields_read_as_rope_parameters():
     for key in ("rope_theta", "rope_local_base_freq", "rope_scaling"):
         new.pop(key)
     assert ModelConfig.from_hf_dict(new) == config
+
+
+@pytest.mark.parametrize("attention_backend", ["reference", "cpu"], ids=["xla", "cpu-layers"])
+def test_smollm3_windows_its_nope_layers_as_transformers(hf_model_dir, attention_backend):
+    """SmolLM3 with use_sliding_window windows the layers without rotary embedding (its layer_types, or derived from
+    no_rope_layers in older files), on both executors."""
+    if attention_backend == "cpu" and not cpu_kernels.available():
+        pytest.skip("the C++ kernels do not build here")
+    model_dir = hf_model_dir("smollm3", use_sliding_window=True, sliding_window=4)
+    config = json.loads((model_dir / "config.json").read_text())
+    parsed = ModelConfig.from_hf_dict(config)
+    assert [parsed.layer_window(i) for i in range(2)] == [None, 4] and parsed.rope_layers == (True, False)
+    config.pop("layer_types")
+    assert ModelConfig.from_hf_dict(config) == parsed
+    hf = load_hf(model_dir)
+    prompts = _prompts()
+    for prompt, ours in zip(prompts, jserve_logits(model_dir, prompts, "float32", attention_backend), strict=True):
+        np.testing.assert_allclose(ours, hf_logits(hf, prompt), atol=1e-4, rtol=0)
+    # the window matters for these prompts
+    unwindowed = load_hf(hf_model_dir("smollm3"))
+    assert np.abs(hf_logits(unwindowed, prompts[1]) - hf_logits(hf, prompts[1])).max() > 1e-3

@@ -36,7 +36,10 @@ MIXED_TYPES = ("F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 # llama.cpp keeps no query_pre_attn_scalar: it scales Gemma 2 and 3 queries by 1/sqrt(head_dim) (but in the 27B
 # models), which is what every other real checkpoint says. The tiny ones say otherwise (24; transformers' 256) to test
 # the safetensors path, so the files compared with their checkpoint are written from ones that say head_dim (16).
-LLAMA_CPP_ALIKE = {"gemma2": {"query_pre_attn_scalar": 16}, "gemma3": {"query_pre_attn_scalar": 16}}
+# llama.cpp's readings the tiny checkpoints must share: Gemma's query_pre_attn_scalar as head_dim, SmolLM3's NoPE
+# layers every fourth (llama.cpp's n_no_rope_layer_step, stored nowhere in the file).
+LLAMA_CPP_ALIKE = {"gemma2": {"query_pre_attn_scalar": 16}, "gemma3": {"query_pre_attn_scalar": 16},
+                   "smollm3": {"no_rope_layer_interval": 4, "num_hidden_layers": 4}}
 GEMMAS = ["gemma", "gemma2", "gemma3"]
 
 
@@ -77,7 +80,7 @@ def _flat(state) -> dict:
 # ----- loading: the state, the config, the tokenizer -----
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3", "phi3", "granite", *GEMMAS])
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3", "phi3", "granite", *GEMMAS, "smollm3"])
 def test_float32_file_loads_the_checkpoints_exact_state(hf_model_dir, gguf_file, variant, dtype):
     """Names, the q/k un-permutation, fused q|k|v and gate|up and biases land exactly where the safetensors loader
     puts the checkpoint the file was written from; Gemma's norms, stored as (1 + weight), are not shifted again,
@@ -229,13 +232,13 @@ def test_logits_match_transformers_on_the_same_file(gguf_file, variant, matrix_t
 
 @pytest.mark.parametrize("executor", list(EXECUTORS))
 @pytest.mark.parametrize("variant", ["llama3_rope", "llama_linear_rope", "qwen3", "mistral", "phi3", "granite",
-                                     *GEMMAS])
+                                     *GEMMAS, "smollm3"])
 def test_float32_file_logits_match_the_original_checkpoint(hf_model_dir, gguf_file, variant, executor):
     """What transformers' GGUF loading leaves out or cannot load here (Llama 3's rope_freqs, linear rope scaling,
     Qwen3's head_dim, a Mistral: a llama file, with no sliding window, as llama.cpp converts one; Phi-3's fused
     tensors, partial rotary embedding, longrope factors and sliding window; Granite's multipliers; Gemma's shifted
     norms, Gemma 2's sandwich norms, soft caps and alternating window, Gemma 3's q/k norms, windowed layers and their
-    own rotary base) checked against the checkpoint the file was written from."""
+    own rotary base; SmolLM3's NoPE layers) checked against the checkpoint the file was written from."""
     overrides = {"sliding_window": None} if variant == "mistral" else LLAMA_CPP_ALIKE.get(variant, {})
     path = gguf_file(variant, **overrides)
     hf = load_hf(hf_model_dir(variant, **overrides))

@@ -91,13 +91,15 @@ def test_a_phi3_conversion_keeps_its_laid_out_weights_and_longrope(hf_model_dir,
     np.testing.assert_allclose(ours, hf_logits(load_hf(source), prompt), atol=1e-4, rtol=0)
 
 
-def test_a_gemma3_conversion_keeps_its_per_layer_windows_and_norms(hf_model_dir, tmp_path):
+@pytest.mark.parametrize("variant", ["gemma3", "smollm3"])
+def test_a_conversion_keeps_per_layer_windows_rotary_and_norms(hf_model_dir, tmp_path, variant):
     """Gemma 3's weights are stored as loaded (norm weights with their 1 added) and its per-layer windows and
-    rotary bases restored: the restored model gives transformers' logits."""
-    source = hf_model_dir("gemma3")
+    rotary bases restored, as are SmolLM3's NoPE layers: the restored model gives transformers' logits."""
+    source = hf_model_dir(variant)
     out = convert(str(source), tmp_path / "out", "float32")
     loaded, restored = load_model(source, "float32"), load_model(out, "float32")
-    assert restored.config == loaded.config and restored.config.sliding_layers == loaded.config.sliding_layers
+    assert restored.config == loaded.config
+    assert (restored.config.sliding_layers or restored.config.rope_layers) is not None
     want, got = _flat(loaded.state), _flat(restored.state)
     assert want.keys() == got.keys()
     for path, array in want.items():

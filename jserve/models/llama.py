@@ -1,12 +1,12 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, Granite, Gemma 1/2/3): one decoder whose
-differences are config flags.
+"""The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, Granite, Gemma 1/2/3, SmolLM3): one decoder
+whose differences are config flags.
 
 Qwen2 adds q/k/v biases, Qwen3 normalizes q and k per head before rotary, Mistral may use a sliding window; Gemma
 scales its embeddings, uses GELU, windows some layers and not others (Gemma 3 rotating them with their own base),
-soft-caps scores and logits (Gemma 2) and normalizes each block's output too (Gemma 2/3). Everything else is
-shared, so one module serves them all (Phi-3's and Granite's differences are folded into the weights at load).
-q/k/v and gate/up projections are fused into one matmul each (the checkpoint loader concatenates them) because
-small dots pay a fixed cost on XLA CPU.
+soft-caps scores and logits (Gemma 2) and normalizes each block's output too (Gemma 2/3); SmolLM3 leaves rotary
+embedding out of every fourth layer. Everything else is shared, so one module serves them all (Phi-3's and
+Granite's differences are folded into the weights at load). q/k/v and gate/up projections are fused into one
+matmul each (the checkpoint loader concatenates them) because small dots pay a fixed cost on XLA CPU.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class Attention(nnx.Module):
         self.config = config
         self.attention_backend = attention_backend  # a static str in the graphdef: picks the kernel at trace time
         self.sliding_window = config.layer_window(layer)  # static too, like the local rotary choice
-        self.local_rope = config.layer_rope_theta(layer) is not None
+        self.rotary = config.layer_rotary(layer)  # static: 0 rope_theta's, 1 the local base's, 2 none (NoPE)
         qkv_out = config.q_size + 2 * config.kv_size
         self.qkv_proj = Linear(config.hidden_size, qkv_out, dtype=dtype, axes=("qkv", "embed"), bias=config.qkv_bias)
         self.o_proj = Linear(config.q_size, config.hidden_size, dtype=dtype, axes=("embed", "heads"),
@@ -53,7 +53,6 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: StepBatch,
                  inv_freq: tuple[np.ndarray, np.ndarray]) -> tuple[jax.Array, jax.Array, jax.Array]:
         cfg = self.config
-        inv_freq = inv_freq[self.local_rope]  # (global, local) frequencies
         num_tokens = x.shape[0]
         q, k, v = split_fused(self.qkv_proj(x), (cfg.q_size, cfg.kv_size, cfg.kv_size), cfg.fused_shards)
         q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
@@ -61,8 +60,9 @@ class Attention(nnx.Module):
         v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, batch.positions, inv_freq)
-        k = apply_rope(k, batch.positions, inv_freq)
+        if self.rotary < 2:  # (global, local) frequencies; a NoPE layer sees no positions
+            q = apply_rope(q, batch.positions, inv_freq[self.rotary])
+            k = apply_rope(k, batch.positions, inv_freq[self.rotary])
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, batch.slot_mapping)
         out = ragged_paged_attention(q, k_pages, v_pages, batch.page_table, batch.query_start, batch.seq_lens,
                                      scale=cfg.attention_scale, sliding_window=self.sliding_window,
