@@ -474,6 +474,9 @@ def place_in_parts(regions: np.ndarray, layout: PartLayout, layer: int, matrix: 
         regions[p, layer, start: start + part.size] = part
 
 
+_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # the layer kernel's activation attribute
+
+
 class LayerWeights(NamedTuple):
     """One decoder layer's parameters as `decoder_layers` takes them; biases and q/k norms may be None. Stacked, the
     four matrices may instead lie in per-thread parts (`matrix_parts`, see PartLayout; qkv, o, gate_up and down are
@@ -491,6 +494,9 @@ class LayerWeights(NamedTuple):
     down_bias: jax.Array | None = None  # f32[E]
     q_norm: jax.Array | None = None  # f32[D] (Qwen3: RMSNorm of each head before rotary)
     k_norm: jax.Array | None = None  # f32[D]
+    # Gemma 2/3's sandwich norms: the attention and MLP outputs are normalized before the residual add
+    attn_out_norm: jax.Array | None = None  # f32[E]
+    mlp_out_norm: jax.Array | None = None  # f32[E]
     matrix_parts: jax.Array | None = None  # [parts, L, layer_units] uint32 or float32 (PartLayout): stacked only
 
 
@@ -501,14 +507,14 @@ def decoder_layers(x: jax.Array, layers: Sequence[LayerWeights] | LayerWeights,
                    sliding_window: int | None = None, soft_cap: float | None = None,
                    intermediate_size: int | None = None, k_scales: Sequence[jax.Array] | jax.Array | None = None,
                    v_scales: Sequence[jax.Array] | jax.Array | None = None,
-                   compute_dtype: str | jnp.dtype = jnp.float32) -> tuple:
+                   compute_dtype: str | jnp.dtype = jnp.float32, activation: str = "silu") -> tuple:
     """Llama-family decoder layers, one after another, over a ragged batch in one kernel call
     -> (x_out, k_pages, v_pages), the pages in the form given: a list per layer, or stacked, one
     [L, num_pages, page_size, num_kv_heads, head_dim] array each.
 
     `layers` is a LayerWeights per layer, or one whose arrays are stacked, layer first (the loader's stacks,
     checkpoints.host_arena.LayerStacks: a jitted step pays its dispatch per array argument, and stacked weights and
-    pages are 14 arrays whatever the depth).
+    pages are 16 arrays whatever the depth).
     x f32[T, E] is the residual stream; each layer's new K/V are written to their slots (out of range: dropped) and
     the pages come back updated in place (aliased: inside a jitted step with a donated cache nothing is copied).
     The batch arrays follow pallas_kernels.interface; every layer's matmul weights are all float32, all bfloat16, or
@@ -518,8 +524,11 @@ def decoder_layers(x: jax.Array, layers: Sequence[LayerWeights] | LayerWeights,
     scale per (token, KV head) row); each new row is quantized as it is written (max|row| / 127) and read widened and
     scaled in registers. Then the result is (x_out, k_pages, v_pages, k_scales, v_scales).
     int8 matmul weights (packed by pack_weight_int8, their scales inside) take their inputs rounded to compute_dtype
-    (bfloat16 in a bfloat16 model, as the XLA path's quantized_matmul rounds them)."""
+    (bfloat16 in a bfloat16 model, as the XLA path's quantized_matmul rounds them).
+    activation: the MLP's, "silu" or "gelu_pytorch_tanh" (GELU's tanh approximation, Gemma's)."""
     _require()
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"decoder_layers: activation must be one of {list(_ACTIVATIONS)}, got {activation!r}")
     stacked_weights = isinstance(layers, LayerWeights)
     in_parts = stacked_weights and layers.matrix_parts is not None
     if in_parts and (intermediate_size is None or any(w is not None for w in layers[1:3] + layers[4:6])):
@@ -564,7 +573,8 @@ def decoder_layers(x: jax.Array, layers: Sequence[LayerWeights] | LayerWeights,
             i32(seq_lens), jnp.asarray(inv_freq, jnp.float32)]
     for w in [layers] if stacked_weights else layers:  # the order layer_args.h's LayerBuffersAt reads
         args += [f32(w.input_norm), w.qkv, f32(w.qkv_bias), f32(w.q_norm), f32(w.k_norm), w.o, f32(w.o_bias),
-                 f32(w.post_norm), w.gate_up, f32(w.gate_up_bias), w.down, f32(w.down_bias)]
+                 f32(w.post_norm), w.gate_up, f32(w.gate_up_bias), w.down, f32(w.down_bias), f32(w.attn_out_norm),
+                 f32(w.mlp_out_norm)]
     kv_in = len(args)
     args += kv_arrays
     out = [jax.ShapeDtypeStruct(x.shape, jnp.float32)]
@@ -575,7 +585,8 @@ def decoder_layers(x: jax.Array, layers: Sequence[LayerWeights] | LayerWeights,
         sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0),
         weight_parts=np.int64(layers.qkv.shape[0] if in_parts else 0),
         intermediate_size=np.int64(intermediate_size if in_parts else 0),
-        int8_round=np.int64(dtype == jnp.int8 and jnp.dtype(compute_dtype) == jnp.bfloat16))
+        int8_round=np.int64(dtype == jnp.int8 and jnp.dtype(compute_dtype) == jnp.bfloat16),
+        activation=np.int64(_ACTIVATIONS[activation]))
     n = 1 if stacked else num_layers
     groups = [pages[i * n] if stacked else pages[i * n: (i + 1) * n] for i in range(len(pages) // n)]
     return (x_out, *groups)

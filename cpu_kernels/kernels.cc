@@ -150,7 +150,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveDecoderLayers, DecoderLayersImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // query_start
                                   .Arg<ffi::Buffer<ffi::S32>>()   // seq_lens
                                   .Arg<ffi::Buffer<ffi::F32>>()   // inv_freq
-                                  .RemainingArgs()                // 12 weights a layer (or stacked), then the pages
+                                  .RemainingArgs()                // 14 weights a layer (or stacked), then the pages
                                   .Ret<ffi::Buffer<ffi::F32>>()   // x_out
                                   .RemainingRets()                // the k_pages, then the v_pages (aliased)
                                   .Attr<int64_t>("num_heads")
@@ -160,4 +160,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveDecoderLayers, DecoderLayersImpl,
                                   .Attr<float>("soft_cap")
                                   .Attr<int64_t>("weight_parts")
                                   .Attr<int64_t>("intermediate_size")
-                                  .Attr<int64_t>("int8_round"));  // int8 weights: x rounded to bfloat16 values
+                                  .Attr<int64_t>("int8_round")    // int8 weights: x rounded to bfloat16 values
+                                  .Attr<int64_t>("activation"));  // 0: SiLU, 1: GELU (tanh)

@@ -3,7 +3,8 @@
 // The decoder layer's phases. One decoder layer is ten phases (norm, qkv, rotary + K/V write, attention and the
 // merge of split decodes, o + residual, norm, gate/up, SiLU, down + residual; seven where each thread streams its
 // own weight part and makes each norm's and the SiLU's output itself) over the real tokens only (bucket padding
-// costs nothing). The matmul inputs are float32 for float32 weights and bfloat16 bits for bfloat16 ones, rounded
+// costs nothing). Gemma 2/3's sandwich norms add a row phase after o and after down (the block's output normalized
+// into the residual stream), and Gemma's MLP takes GELU's tanh approximation where others take SiLU. The matmul inputs are float32 for float32 weights and bfloat16 bits for bfloat16 ones, rounded
 // once where they are produced; int8 weights take float32 (holding bfloat16 values in a bfloat16 model).
 
 #include "attention.h"
@@ -24,6 +25,8 @@ struct LayerWeights {
   const float* gate_up_bias;                     // [2 I] or nullptr
   const W* down;                                 // [E, I]
   const float* down_bias;                        // [E] or nullptr
+  // Gemma 2/3's sandwich norms, or nullptr: the attention and MLP outputs are normalized before the residual add
+  const float *attn_out_norm, *mlp_out_norm;     // [E]
   // Where the matrices lie in per-thread parts ([4]: qkv, o, gate_up, down), or nullptr: each whole at its pointer
   const BlockParts* parts = nullptr;
 };
@@ -37,6 +40,7 @@ struct LayerShape {
   float* x_out;               // [T, E] the residual stream out
   const int32_t* slots;       // [T] flat cache slots; out of range: not written
   const float* rotary;        // [T, D]: each token's cos, then sin, of its position times inv_freq (RotaryTable)
+  bool gelu = false;          // the MLP's activation: GELU's tanh approximation (Gemma), else SiLU
 };
 
 constexpr int64_t kRowsPerItem = 8;  // token rows per item of the elementwise phases
@@ -108,6 +112,37 @@ void SiluMul(const float* gate, const float* up, float* out, int64_t n) {
   for (; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }
 
+// out = gelu(gate) * up with GELU's tanh approximation, 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), and
+// tanh(u) = sign(u) (1 - e) / (1 + e) with e = exp(-2 |u|) (never overflows).
+void GeluMul(const float* gate, const float* up, float* out, int64_t n) {
+  constexpr float kSqrt2OverPi = 0.7978845608028654f, kCubic = 0.044715f;
+  int64_t i = 0;
+  const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f), sign = _mm256_set1_ps(-0.0f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 inner = _mm256_mul_ps(_mm256_set1_ps(kSqrt2OverPi),
+                                       _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(kCubic), g), _mm256_mul_ps(g, g), g));
+    const __m256 magnitude = _mm256_andnot_ps(sign, inner);
+    const __m256 e = ExpNonPositive(_mm256_mul_ps(_mm256_set1_ps(-2.0f), magnitude));
+    const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    const __m256 tanh = _mm256_or_ps(t, _mm256_and_ps(sign, inner));  // the sign of inner
+    const __m256 gelu = _mm256_mul_ps(_mm256_mul_ps(half, g), _mm256_add_ps(one, tanh));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(gelu, _mm256_loadu_ps(up + i)));
+  }
+  for (; i < n; ++i) {
+    const float g = gate[i];
+    out[i] = 0.5f * g * (1.0f + std::tanh(kSqrt2OverPi * (g + kCubic * g * g * g))) * up[i];
+  }
+}
+
+// x_out[0..n) += rmsnorm(block) * weight: a sandwich norm on a block's output before the residual add.
+void AddNormedRow(const float* block, const float* weight, int64_t n, float eps, float* x_out) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) sum += block[i] * block[i];
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) x_out[i] += block[i] * inv * weight[i];
+}
+
 // One token's K or V rows (kv_heads rows of d) quantized into an int8 cache: each head's row symmetric, with
 // scale = max|row| / 127 stored at scales[slot * kv_heads + head] (pallas_kernels/quantized.py's quantize_rows, the
 // same float32 operations, so both write the same bytes for the same row).
@@ -155,6 +190,7 @@ struct LayerScratch {
   X* in;                // [T, max(E, Q, I)]: each matmul's input, in turn
   float* qkv;           // [T, Q + 2 KV]
   float* gate_up;       // [T, 2 I]
+  float* block;         // [T, E]: the attention or MLP output before its sandwich norm (Gemma 2/3)
 };
 
 // Appends one layer's ten phases, or seven with owned items (attention is two: its items, then the merges of
@@ -174,6 +210,7 @@ void AppendLayerPhases(std::vector<Phase>& phases, LayerRun<W>& r, const Attenti
   X* in = scratch.in;
   float* qkv_rows = scratch.qkv;
   float* gate_up_rows = scratch.gate_up;
+  float* block_rows = scratch.block;
   a.q = qkv_rows;
   a.q_stride = qkv_size;
   a.out = in;
@@ -245,9 +282,20 @@ void AppendLayerPhases(std::vector<Phase>& phases, LayerRun<W>& r, const Attenti
     }
   }); }, false, kRotaryPhase});
   for (Phase& phase : AttentionPhases(a, plan)) phases.push_back(std::move(phase));
-  phases.push_back(
-      MatmulPhase(MatmulJob<X, W>{in, w.o, s.x_out, w.o_bias, true, t_size, e, q_size, PartsOf(w, 1)}, threads));
+  // With a sandwich norm the block's output goes to `block` and is added normalized (AddNormedPhase); else it is
+  // added to the residual stream as the matmul stores it.
+  auto add_normed = [&](const float* norm, int kind) {
+    phases.push_back({row_items, [run, block_rows, norm, rows](int64_t item) { rows(item, [&](int64_t t) {
+      const LayerShape& s = run->s;
+      AddNormedRow(block_rows + t * s.hidden, norm, s.hidden, s.eps, s.x_out + t * s.hidden);
+    }); }, false, kind});
+  };
+  float* o_out = w.attn_out_norm != nullptr ? block_rows : s.x_out;
+  phases.push_back(MatmulPhase(
+      MatmulJob<X, W>{in, w.o, o_out, w.o_bias, w.attn_out_norm == nullptr, t_size, e, q_size, PartsOf(w, 1)},
+      threads));
   phases.back().kind = kOPhase;
+  if (w.attn_out_norm != nullptr) add_normed(w.attn_out_norm, kOPhase);
   append_matmul(
       MatmulJob<X, W>{in, w.gate_up, gate_up_rows, w.gate_up_bias, false, t_size, 2 * i_size, e, PartsOf(w, 2)},
       kGateUpPhase,
@@ -257,17 +305,26 @@ void AppendLayerPhases(std::vector<Phase>& phases, LayerRun<W>& r, const Attenti
           RmsNormRow(s.x_out + t * s.hidden, run->w.post_norm, s.hidden, s.eps, x + t * s.hidden, round);
       },
       nothing);
-  append_matmul(MatmulJob<X, W>{in, w.down, s.x_out, w.down_bias, true, t_size, e, i_size, PartsOf(w, 3)}, kDownPhase,
-                [gate_up_rows, i_size](int64_t t0, int64_t t1, X* x) {
+  float* down_out = w.mlp_out_norm != nullptr ? block_rows : s.x_out;
+  const bool gelu = s.gelu;
+  append_matmul(MatmulJob<X, W>{in, w.down, down_out, w.down_bias, w.mlp_out_norm == nullptr, t_size, e, i_size,
+                                PartsOf(w, 3)},
+                kDownPhase,
+                [gate_up_rows, i_size, gelu](int64_t t0, int64_t t1, X* x) {
                   thread_local std::vector<float> act;
                   act.resize(static_cast<size_t>(i_size));
                   for (int64_t t = t0; t < t1; ++t) {
                     const float* gate = gate_up_rows + t * 2 * i_size;
-                    SiluMul(gate, gate + i_size, act.data(), i_size);
+                    if (gelu) {
+                      GeluMul(gate, gate + i_size, act.data(), i_size);
+                    } else {
+                      SiluMul(gate, gate + i_size, act.data(), i_size);
+                    }
                     StoreInput(x + t * i_size, act.data(), i_size, round);
                   }
                 },
                 nothing);
+  if (w.mlp_out_norm != nullptr) add_normed(w.mlp_out_norm, kDownPhase);
 }
 
 // Every layer in one pass over the pool: a layer's phases follow the one before's with no return to XLA between
@@ -284,13 +341,16 @@ SharedPhases DecoderLayerPhases(std::vector<LayerRun<W>>& layers, const Attentio
   thread_local std::vector<X> inputs;
   thread_local std::vector<float> qkv;
   thread_local std::vector<float> gate_up;
+  thread_local std::vector<float> block;
   inputs.resize(static_cast<size_t>(t_size * std::max({s.hidden, q_size, s.intermediate})));
   qkv.resize(static_cast<size_t>(t_size * (q_size + 2 * a.kv_heads * a.head_dim)));
   gate_up.resize(static_cast<size_t>(t_size * 2 * s.intermediate));
+  const bool sandwich = layers[0].w.attn_out_norm != nullptr || layers[0].w.mlp_out_norm != nullptr;
+  block.resize(sandwich ? static_cast<size_t>(t_size * s.hidden) : 0);
   // The phases run on other threads too: they get these pointers, never the thread_local names.
-  const LayerScratch<X> scratch{inputs.data(), qkv.data(), gate_up.data()};
+  const LayerScratch<X> scratch{inputs.data(), qkv.data(), gate_up.data(), block.data()};
   auto phases = std::make_shared<std::vector<Phase>>();
-  phases->reserve(10 * layers.size());
+  phases->reserve(12 * layers.size());
   thread_local std::vector<float> partials;  // split decodes' parts, reused by every layer in turn
   partials.resize(static_cast<size_t>(plan.partial_floats));
   for (LayerRun<W>& layer : layers) {

@@ -10,8 +10,8 @@ const float* Optional(ffi::Buffer<ffi::F32>& b) {
   return b.element_count() == 0 ? nullptr : b.typed_data();
 }
 
-// A layer's 12 weight operands, in the order cpu_kernels.decoder_layers passes them.
-constexpr size_t kLayerWeightArgs = 12;
+// A layer's 14 weight operands, in the order cpu_kernels.decoder_layers passes them.
+constexpr size_t kLayerWeightArgs = 14;
 
 struct LayerBuffers {
   ffi::Buffer<ffi::F32> input_norm;
@@ -23,6 +23,7 @@ struct LayerBuffers {
   ffi::Buffer<ffi::F32> gate_up_bias;
   ffi::AnyBuffer down;
   ffi::Buffer<ffi::F32> down_bias;
+  ffi::Buffer<ffi::F32> attn_out_norm, mlp_out_norm;  // empty: no sandwich norms
 };
 
 ffi::Error LayerBuffersAt(const ffi::RemainingArgs& args, size_t layer, std::vector<LayerBuffers>& out) {
@@ -30,20 +31,22 @@ ffi::Error LayerBuffersAt(const ffi::RemainingArgs& args, size_t layer, std::vec
   auto f32 = [&](size_t i) { return args.get<ffi::Buffer<ffi::F32>>(base + i); };
   auto any = [&](size_t i) { return args.get<ffi::AnyBuffer>(base + i); };
   auto input_norm = f32(0), qkv_bias = f32(2), q_norm = f32(3), k_norm = f32(4), o_bias = f32(6),
-       post_norm = f32(7), gate_up_bias = f32(9), down_bias = f32(11);
+       post_norm = f32(7), gate_up_bias = f32(9), down_bias = f32(11), attn_out_norm = f32(12),
+       mlp_out_norm = f32(13);
   auto qkv = any(1), o = any(5), gate_up = any(8), down = any(10);
-  for (const auto* b : {&input_norm, &qkv_bias, &q_norm, &k_norm, &o_bias, &post_norm, &gate_up_bias, &down_bias}) {
+  for (const auto* b : {&input_norm, &qkv_bias, &q_norm, &k_norm, &o_bias, &post_norm, &gate_up_bias, &down_bias,
+                        &attn_out_norm, &mlp_out_norm}) {
     if (b->has_error()) return b->error();
   }
   for (const auto* b : {&qkv, &o, &gate_up, &down}) {
     if (b->has_error()) return b->error();
   }
   out.push_back({*input_norm, *qkv, *qkv_bias, *q_norm, *k_norm, *o, *o_bias, *post_norm, *gate_up, *gate_up_bias,
-                 *down, *down_bias});
+                 *down, *down_bias, *attn_out_norm, *mlp_out_norm});
   return ffi::Error::Success();
 }
 
-// Stacked weights: each of the 12 operands holds every layer, layer first ([L, ...]; an empty one stands for every
+// Stacked weights: each of the 14 operands holds every layer, layer first ([L, ...]; an empty one stands for every
 // layer's missing bias or norm). Layer l's buffers are views of the l-th slices, described in `views` (12 a layer),
 // which must outlive `out`.
 // With `in_parts`, the matrices' operands are the per-thread parts and three empty arrays (see MatrixParts): their
@@ -91,7 +94,8 @@ ffi::Error StackedLayerBuffers(const ffi::RemainingArgs& args, size_t num_layers
     const XLA_FFI_Buffer* v = &views[l * kLayerWeightArgs];
     using F32 = ffi::Buffer<ffi::F32>;
     out.push_back({F32(v + 0), ffi::AnyBuffer(v + 1), F32(v + 2), F32(v + 3), F32(v + 4), ffi::AnyBuffer(v + 5),
-                   F32(v + 6), F32(v + 7), ffi::AnyBuffer(v + 8), F32(v + 9), ffi::AnyBuffer(v + 10), F32(v + 11)});
+                   F32(v + 6), F32(v + 7), ffi::AnyBuffer(v + 8), F32(v + 9), ffi::AnyBuffer(v + 10), F32(v + 11),
+                   F32(v + 12), F32(v + 13)});
   }
   return ffi::Error::Success();
 }
@@ -101,7 +105,8 @@ LayerWeights<W> Weights(LayerBuffers& b) {
   return {b.input_norm.typed_data(), static_cast<const W*>(b.qkv.untyped_data()), Optional(b.qkv_bias),
           Optional(b.q_norm), Optional(b.k_norm), static_cast<const W*>(b.o.untyped_data()), Optional(b.o_bias),
           b.post_norm.typed_data(), static_cast<const W*>(b.gate_up.untyped_data()), Optional(b.gate_up_bias),
-          static_cast<const W*>(b.down.untyped_data()), Optional(b.down_bias)};
+          static_cast<const W*>(b.down.untyped_data()), Optional(b.down_bias), Optional(b.attn_out_norm),
+          Optional(b.mlp_out_norm)};
 }
 
 // Checks one layer's weights against the model's shapes and fills in what the caller compares across layers: the
@@ -128,7 +133,10 @@ ffi::Error CheckLayerWeights(LayerBuffers& b, int64_t q_size, int64_t kv_size, i
                   Holds(qkv_shape, q_size + 2 * kv_size, e) && Holds(o_shape, e, q_size) &&
                   Holds(gate_up_shape, 2 * i_size, e) && Holds(down_shape, e, i_size);
   }
-  if (!matrices_ok || !norm_ok(b.input_norm) ||
+  const auto sandwich_ok = [e](ffi::Buffer<ffi::F32>& n) {
+    return n.element_count() == 0 || static_cast<int64_t>(n.element_count()) == e;
+  };
+  if (!matrices_ok || !norm_ok(b.input_norm) || !sandwich_ok(b.attn_out_norm) || !sandwich_ok(b.mlp_out_norm) ||
       !norm_ok(b.post_norm) || !bias_ok(b.qkv_bias, q_size + 2 * kv_size) || !bias_ok(b.o_bias, e) ||
       !bias_ok(b.gate_up_bias, 2 * i_size) || !bias_ok(b.down_bias, e) ||
       (b.q_norm.element_count() != 0 && (static_cast<int64_t>(b.q_norm.element_count()) != d ||

@@ -135,7 +135,7 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
                              ffi::Buffer<ffi::F32> inv_freq, ffi::RemainingArgs args,
                              ffi::ResultBuffer<ffi::F32> x_out, ffi::RemainingRets rets, int64_t num_heads,
                              float eps, float scale, int64_t sliding_window, float soft_cap, int64_t weight_parts,
-                             int64_t intermediate_size, int64_t int8_round) {
+                             int64_t intermediate_size, int64_t int8_round, int64_t activation) {
   CallClock call_clock(kLayersCall);
   const auto x_dims = x.dimensions();
   if (x_dims.size() != 2 || num_heads <= 0) {
@@ -144,7 +144,7 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   const int64_t threads = pool.num_threads();
   const std::vector<int64_t>& key = LayerCallKey(
       args, rets, {num_heads, BitsOf(eps), BitsOf(scale), sliding_window, BitsOf(soft_cap), weight_parts,
-                   intermediate_size, int8_round, threads},
+                   intermediate_size, int8_round, activation, threads},
       x, positions, slot_mapping, page_table, query_start, seq_lens, inv_freq, *x_out);
   LayerCallCache& cache = TheLayerCallCache();
   if (cache.phases != nullptr && key == cache.key) {  // the buffers of the call before: its phases?
@@ -164,9 +164,9 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   }
   cache.phases.reset();  // built anew below, or nothing kept if the call fails
   cache.storage.reset();
-  // The weights come per layer (12 operands a layer) or stacked (12 operands, each [L, ...]: see StackedLayerBuffers),
+  // The weights come per layer (14 operands a layer) or stacked (14 operands, each [L, ...]: see StackedLayerBuffers),
   // then the K/V pages, each array aliased to its result: every layer's k_pages, then every layer's v_pages, or
-  // stacked, one k[L, N, B, Hkv, D] and one v. Stacked, they are 14 arrays whatever the depth (a jitted step pays
+  // stacked, one k[L, N, B, Hkv, D] and one v. Stacked, they are 16 arrays whatever the depth (a jitted step pays
   // its dispatch per array). An int8 cache adds its float32 scales after them, [N, B, Hkv] a layer (or stacked),
   // k's then v's: the pages are then the first half of the K/V arrays.
   const size_t kv_arrays = rets.size();
@@ -177,7 +177,7 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
                             : args.size() >= kv_arrays ? (args.size() - kv_arrays) / kLayerWeightArgs : 0;
   const size_t weight_args = stacked_weights ? kLayerWeightArgs : num_layers * kLayerWeightArgs;
   if (num_layers == 0 || kv_arrays < 2 || args.size() != weight_args + kv_arrays) {
-    return ffi::Error::InvalidArgument("jserve_decoder_layers: expected 12 weights a layer (or stacked), then k/v pages");
+    return ffi::Error::InvalidArgument("jserve_decoder_layers: expected 14 weights a layer (or stacked), then k/v pages");
   }
   std::vector<LayerBuffers> buffers;
   buffers.reserve(num_layers);
@@ -267,8 +267,11 @@ ffi::Error DecoderLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   if (valid.failure()) return valid;
   cache.rotary.resize(static_cast<size_t>(num_tokens * d));  // the same shapes keep its storage (and the phases)
   RotaryTable(positions.typed_data(), inv_freq.typed_data(), real_tokens, d / 2, cache.rotary.data());
+  if (activation != 0 && activation != 1) {
+    return ffi::Error::InvalidArgument("jserve_decoder_layers: activation must be 0 (SiLU) or 1 (GELU, tanh)");
+  }
   const LayerShape first{real_tokens, e, i_size, eps, x.typed_data(), x_out->typed_data(),
-                         slot_mapping.typed_data(), cache.rotary.data()};
+                         slot_mapping.typed_data(), cache.rotary.data(), activation == 1};
   const int64_t stacked_layer_bytes =
       stacked ? a.num_pages * a.page_size * kv_size * (a.kv_int8 ? 1 : a.kv_bf16 ? 2 : 4) : 0;
   cache.args = a;

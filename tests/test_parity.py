@@ -8,6 +8,7 @@ import pytest
 import torch
 from hf_models import VARIANTS, load_hf
 
+import cpu_kernels
 from jserve.engine.sequence import ScheduledSeq, Sequence
 from jserve.executors import CpuLayerExecutor, XlaExecutor
 from jserve.sampling_params import SamplingParams
@@ -63,6 +64,18 @@ def test_float32_logits_match_transformers(hf_model_dir, variant):
     hf = load_hf(model_dir)
     prompts = _prompts()
     for prompt, ours in zip(prompts, jserve_logits(model_dir, prompts, "float32"), strict=True):
+        np.testing.assert_allclose(ours, hf_logits(hf, prompt), atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="the C++ kernels do not build here")
+@pytest.mark.parametrize("variant", ["gemma", "gemma2", "gemma3", "smollm3"])
+def test_float32_logits_of_the_layer_kernel_match_transformers(hf_model_dir, variant):
+    """The C++ layer kernel's GELU, sandwich norms and score soft cap, and its one call per run of alike layers
+    (Gemma 2's alternating windows, Gemma 3's local rotary base, SmolLM3's NoPE layers)."""
+    model_dir = hf_model_dir(variant)
+    hf = load_hf(model_dir)
+    prompts = _prompts()
+    for prompt, ours in zip(prompts, jserve_logits(model_dir, prompts, "float32", "cpu"), strict=True):
         np.testing.assert_allclose(ours, hf_logits(hf, prompt), atol=1e-4, rtol=0)
 
 

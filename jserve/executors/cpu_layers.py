@@ -8,9 +8,9 @@ stacked KV cache (two arrays a step instead of two a layer), lone decodes unpadd
 
 It is the XLA executor with a different forward: batches the layer kernel does not take (larger than
 cpu_kernels.max_kernel_rows() where AMX makes XLA's dot faster, or any batch under tensor parallelism) run the Flax
-model with the C++ attention kernel ("cpu" attention backend) and XLA's dots. So does every batch of a model whose
-layers the kernel does not compute (layer_kernel_runs: Gemma's GELU and sandwich norms, windows or rotary bases
-that differ between layers).
+model with the C++ attention kernel ("cpu" attention backend) and XLA's dots. A model whose layers differ in window
+or rotary embedding (Gemma 2/3, SmolLM3, some Qwen) runs one kernel call per run of alike layers (LayerGroup), its
+weights and KV cache per layer instead of stacked.
 
 int8 weights (quantization "int8", or stored int8: jserve.models.quantization) are packed with their per-row scales
 (cpu_kernels.pack_weight_int8) and widened in registers by the kernels' matmuls; the layer kernel then takes every
@@ -20,6 +20,7 @@ Linears run as on the XLA executor, their scales sharded with their rows.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,7 @@ from jserve.executors.host_arena import HugePageArena, LayerStacks
 from jserve.executors.xla import XlaExecutor
 from jserve.loading import LoadedModel, load_model, model_config, stored_quantization
 from jserve.models.batch import KVCache, StepBatch
-from jserve.models.layers import embed_lookup, matmul, rms_norm, rope_inv_freq, soft_cap
+from jserve.models.layers import embed_lookup, embedding_multiplier, matmul, rms_norm, rope_inv_freq, soft_cap
 from pallas_kernels.quantized import QuantizedPages, zeros_pages
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,36 @@ KERNEL_WEIGHT_PATHS = cpu_kernels.LayerWeights(
     gate_up_bias=("mlp", "gate_up_proj", "bias"), down_bias=("mlp", "down_proj", "bias"),
     q_norm=("self_attn", "q_norm", "weight"), k_norm=("self_attn", "k_norm", "weight"))
 _MATRICES = (KERNEL_WEIGHT_PATHS.qkv, KERNEL_WEIGHT_PATHS.o, KERNEL_WEIGHT_PATHS.gate_up, KERNEL_WEIGHT_PATHS.down)
+# Gemma 2/3: the MLP's input norm is pre_feedforward_layernorm; post_attention_layernorm and post_feedforward_layernorm
+# normalize the attention and MLP outputs (the kernel's sandwich norms).
+SANDWICH_WEIGHT_PATHS = KERNEL_WEIGHT_PATHS._replace(
+    post_norm=("pre_feedforward_layernorm", "weight"), attn_out_norm=("post_attention_layernorm", "weight"),
+    mlp_out_norm=("post_feedforward_layernorm", "weight"))
+
+
+def kernel_weight_paths(config: ModelConfig) -> cpu_kernels.LayerWeights:
+    return SANDWICH_WEIGHT_PATHS if config.sandwich_norms else KERNEL_WEIGHT_PATHS
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """A run of consecutive layers alike in window and rotary embedding: one layer-kernel call."""
+
+    start: int
+    end: int
+    sliding_window: int | None
+    rotary: int  # ModelConfig.layer_rotary: 0 rope_theta's frequencies, 1 the local base's, 2 none
+
+
+def layer_groups(config: ModelConfig) -> list[LayerGroup]:
+    groups: list[LayerGroup] = []
+    for i in range(config.num_layers):
+        window, rotary = config.layer_window(i), config.layer_rotary(i)
+        if groups and (groups[-1].sliding_window, groups[-1].rotary) == (window, rotary):
+            groups[-1] = dataclasses.replace(groups[-1], end=i + 1)
+        else:
+            groups.append(LayerGroup(i, i + 1, window, rotary))
+    return groups
 
 
 @dataclass
@@ -71,13 +102,6 @@ class CpuLoadedModel(LoadedModel):
         # The layers' own matrices are empty placeholders where the matrices lie in per-thread parts.
         parts = None if self.layer_stack is None else self.layer_stack.matrix_parts
         return super().resident_bytes() + (0 if parts is None else parts.size * parts.dtype.itemsize)
-
-
-def layer_kernel_runs(config: ModelConfig) -> bool:
-    """The layer kernel computes this model's decoder layers: SiLU MLPs, pre-norms only, no score soft cap, and one
-    window and one rotary embedding for every layer (one kernel call takes one of each)."""
-    return (config.hidden_act == "silu" and not config.sandwich_norms and config.attn_logit_softcapping is None
-            and config.layers_alike)
 
 
 class CpuLayerExecutor(XlaExecutor):
@@ -99,19 +123,19 @@ class CpuLayerExecutor(XlaExecutor):
         if quantization not in (None, "int8"):
             raise ValueError(f"executor 'cpu-layers' has no {quantization} matmul kernels; quantization "
                              f"{quantization!r} needs executor 'xla'")
-        config = model_config(model_dir, max_model_len)
-        # sharded: XLA partitions the dots, the attention kernel runs on each device's heads; a model the layer kernel
-        # does not compute runs the Flax model, so its weights are placed as the XLA executor places them
-        if mesh is not None or not layer_kernel_runs(config):
+        if mesh is not None:  # sharded: XLA partitions the dots, the attention kernel runs on each device's heads
             return load_model(model_dir, dtype, attention_backend, mesh=mesh, load_format=load_format,
                               quantization=quantization, max_model_len=max_model_len)
+        config = model_config(model_dir, max_model_len)
         param_dtype = jnp.dtype(dtype)
         packed = _packed_paths(config, param_dtype) if cpu_kernels.packs_weights(param_dtype) else set()
         # int8 may come from the checkpoint itself (compressed-tensors, a quantized conversion): its matrices reach
         # place_quantized below whatever `quantization` says, so their layout is int8 where int8 can be stored.
         int8 = quantization == "int8" or stored_quantization(model_dir, load_format) == "int8"
         arena = HugePageArena()
-        in_parts = weight_parts != 0 and (int8 or all(("layers", 0, *path) in packed for path in _MATRICES))
+        # per-thread parts are stacked across layers: one call takes every layer, so its layers must be alike
+        in_parts = weight_parts != 0 and config.layers_alike and \
+            (int8 or all(("layers", 0, *path) in packed for path in _MATRICES))
         parts = weight_parts if weight_parts is not None else cpu_kernels.kernel_threads()
         matrix_dtype = jnp.dtype(jnp.int8) if int8 else param_dtype
         layout = cpu_kernels.part_layout(_matrix_shapes(config), matrix_dtype, parts) if in_parts else None
@@ -136,7 +160,7 @@ class CpuLayerExecutor(XlaExecutor):
         model = load_model(model_dir, dtype, attention_backend, load_format=load_format, place=place,
                            quantization=quantization, place_quantized=place_quantized, max_model_len=max_model_len)
         return CpuLoadedModel(config=model.config, graphdef=model.graphdef, state=model.state,
-                              attention_backend=attention_backend, layer_stack=_layer_stack(stacks),
+                              attention_backend=attention_backend, layer_stack=_layer_stack(stacks, config),
                               quantization="int8" if int8 else None)
 
     def __init__(self, model: LoadedModel, *, max_num_batched_tokens: int, mesh: Mesh | None = None, **kwargs):
@@ -145,14 +169,14 @@ class CpuLayerExecutor(XlaExecutor):
                              "'fp8' needs executor 'xla' (or 'auto')")
         # Where the layer kernel takes every step (one device, no bucket larger than it takes), the cache is one
         # stacked array for K and one for V, and so are the layers' weights where the loader stacked them: a step
-        # then dispatches ~14 arrays instead of a few per layer.
+        # then dispatches ~16 arrays instead of a few per layer.
         # int8 matrices are packed for the layer kernel only: it takes every batch on one device.
         self.int8_layers = mesh is None and getattr(model, "quantization", None) == "int8"
-        self.kernel_runs_layers = mesh is None and layer_kernel_runs(model.config)
-        if not layer_kernel_runs(model.config):  # every step is the Flax model's: XLA's one-row dots are ~10x slower
-            self.smallest_token_bucket = XlaExecutor.smallest_token_bucket
-        self.every_step_fused = self.kernel_runs_layers and (self.int8_layers or
-                                                             max_num_batched_tokens <= cpu_kernels.max_kernel_rows())
+        # One kernel call a run of alike layers (every layer at once where they are all alike: then stacked).
+        self.layer_groups = layer_groups(model.config)
+        self.weight_paths = kernel_weight_paths(model.config)
+        self.every_step_fused = mesh is None and len(self.layer_groups) == 1 and (
+            self.int8_layers or max_num_batched_tokens <= cpu_kernels.max_kernel_rows())
         self.layer_stack = getattr(model, "layer_stack", None) if self.every_step_fused else None
         if self.layer_stack is None and _matrices_in_parts(model):
             raise ValueError("this model's layer matrices were loaded in per-thread parts for the layer kernel, "
@@ -177,7 +201,7 @@ class CpuLayerExecutor(XlaExecutor):
         return KVCache(k=jnp.zeros(stacked, dtype), v=jnp.zeros(stacked, dtype))
 
     def layer_kernel_takes(self, num_tokens: int) -> bool:
-        return self.kernel_runs_layers and (self.int8_layers or num_tokens <= cpu_kernels.max_kernel_rows())
+        return self.mesh is None and (self.int8_layers or num_tokens <= cpu_kernels.max_kernel_rows())
 
     def _forward(self, params: list, kv_cache: KVCache, batch: StepBatch) -> tuple[KVCache, jax.Array]:
         tree = jax.tree.unflatten(self._params_tree, params)
@@ -189,24 +213,40 @@ class CpuLayerExecutor(XlaExecutor):
                 return self._call_model(model, kv_cache, batch)
             embed, norm = model.embed_tokens[...], model.norm.weight[...]
             lm_head = None if model.lm_head is None else model.lm_head[...]
-            layers = [_layer_weights(layer) for layer in model.layers]
+            layers = [_layer_weights(layer, self.weight_paths) for layer in model.layers]
         cfg = self.config
         x = cpu_kernels.packed_rows(embed, batch.token_ids) if cpu_kernels.is_packed(embed) \
             else embed_lookup(embed, batch.token_ids)
-        if cfg.embedding_multiplier != 1.0:  # Granite
-            x = x * cfg.embedding_multiplier
+        multiplier = embedding_multiplier(cfg, self.dtype)
+        if multiplier != 1.0:  # Granite, Gemma
+            x = x * multiplier
         k_cache, v_cache, scales = kv_cache.k, kv_cache.v, {}
         quantized = self.kv_cache_dtype != "auto"
         if quantized:  # an int8 cache: the kernel takes the values and the scales as arrays (or lists of them)
             split = (lambda c, f: getattr(c, f)) if kv_cache.stacked else (lambda c, f: [getattr(p, f) for p in c])
             k_cache, v_cache = split(kv_cache.k, "values"), split(kv_cache.v, "values")
             scales = {"k_scales": split(kv_cache.k, "scales"), "v_scales": split(kv_cache.v, "scales")}
-        x, k_cache, v_cache, *new_scales = cpu_kernels.decoder_layers(
-            x, layers, k_cache, v_cache, positions=batch.positions, slot_mapping=batch.slot_mapping,
-            page_table=batch.page_table, query_start=batch.query_start, seq_lens=batch.seq_lens,
-            inv_freq=rope_inv_freq(cfg), num_heads=cfg.num_heads, eps=cfg.rms_norm_eps, scale=cfg.attention_scale,
-            sliding_window=cfg.sliding_window, intermediate_size=cfg.intermediate_size, compute_dtype=self.dtype,
-            **scales)
+        # a NoPE layer rotates by frequency 0: cos 1, sin 0 leave q and k exactly as they are
+        inv_freq = (rope_inv_freq(cfg), rope_inv_freq(cfg, local=True), np.zeros(cfg.head_dim // 2, np.float32))
+        kwargs = dict(positions=batch.positions, slot_mapping=batch.slot_mapping, page_table=batch.page_table,
+                      query_start=batch.query_start, seq_lens=batch.seq_lens, num_heads=cfg.num_heads,
+                      eps=cfg.rms_norm_eps, scale=cfg.attention_scale, soft_cap=cfg.attn_logit_softcapping,
+                      intermediate_size=cfg.intermediate_size, compute_dtype=self.dtype, activation=cfg.hidden_act)
+        if len(self.layer_groups) == 1:
+            (group,) = self.layer_groups
+            x, k_cache, v_cache, *new_scales = cpu_kernels.decoder_layers(
+                x, layers, k_cache, v_cache, inv_freq=inv_freq[group.rotary], sliding_window=group.sliding_window,
+                **kwargs, **scales)
+        else:  # per layer (never stacked): one call a group, each taking its layers' weights, pages and scales
+            k_cache, v_cache, new_scales = list(k_cache), list(v_cache), [list(scales.get(n, ())) for n in scales]
+            for g in self.layer_groups:
+                part = slice(g.start, g.end)
+                group_scales = {name: value[part] for name, value in scales.items()}
+                x, k_cache[part], v_cache[part], *group_new = cpu_kernels.decoder_layers(
+                    x, layers[part], k_cache[part], v_cache[part], inv_freq=inv_freq[g.rotary],
+                    sliding_window=g.sliding_window, **kwargs, **group_scales)
+                for kept, new in zip(new_scales, group_new, strict=True):
+                    kept[part] = new
         if quantized:
             k_scales, v_scales = new_scales
             if kv_cache.stacked:
@@ -224,9 +264,11 @@ class CpuLayerExecutor(XlaExecutor):
         return KVCache(k=k_cache, v=v_cache), soft_cap(logits, cfg.final_logit_softcapping)
 
 
-def _layer_weights(layer: nnx.Module) -> cpu_kernels.LayerWeights:
+def _layer_weights(layer: nnx.Module, paths: cpu_kernels.LayerWeights) -> cpu_kernels.LayerWeights:
     """A DecoderLayer's own weights as the layer kernel takes them."""
-    def value(path: tuple[str, ...]) -> jax.Array | None:
+    def value(path: tuple[str, ...] | None) -> jax.Array | None:
+        if path is None:  # a weight this family has no path for (the sandwich norms of a Llama)
+            return None
         node = layer
         for name in path:
             node = getattr(node, name, None)
@@ -235,7 +277,7 @@ def _layer_weights(layer: nnx.Module) -> cpu_kernels.LayerWeights:
         return node[...]
 
     # Every path but matrix_parts, the last field: a layer's own weights are never in parts.
-    return cpu_kernels.LayerWeights(*(value(path) for path in KERNEL_WEIGHT_PATHS[:-1]))
+    return cpu_kernels.LayerWeights(*(value(path) for path in paths[:-1]))
 
 
 def _matrices_in_parts(model: LoadedModel) -> bool:
@@ -250,10 +292,10 @@ def _matrix_shapes(config: ModelConfig) -> list[tuple[int, int]]:
     return [(q + 2 * kv, e), (e, q), (2 * i, e), (e, i)]
 
 
-def _layer_stack(stacks: LayerStacks) -> cpu_kernels.LayerWeights | None:
+def _layer_stack(stacks: LayerStacks, config: ModelConfig) -> cpu_kernels.LayerWeights | None:
     """The kernel's weights from the stacks by kind (and the matrices' parts); None if a stack is missing or the
     layers hold a weight the kernel does not take."""
-    paths = KERNEL_WEIGHT_PATHS
+    paths = kernel_weight_paths(config)
     by_kind, matrix_parts = stacks.stacked(), stacks.matrix_parts()
     if by_kind is None or not set(by_kind) <= set(paths):
         if matrix_parts is not None:
