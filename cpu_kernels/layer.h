@@ -4,8 +4,9 @@
 // merge of split decodes, o + residual, norm, gate/up, SiLU, down + residual; seven where each thread streams its
 // own weight part and makes each norm's and the SiLU's output itself) over the real tokens only (bucket padding
 // costs nothing). Gemma 2/3's sandwich norms add a row phase after o and after down (the block's output normalized
-// into the residual stream), and Gemma's MLP takes GELU's tanh approximation where others take SiLU. The matmul inputs are float32 for float32 weights and bfloat16 bits for bfloat16 ones, rounded
-// once where they are produced; int8 weights take float32 (holding bfloat16 values in a bfloat16 model).
+// into the residual stream), and Gemma's MLP takes GELU's tanh approximation where others take SiLU. The matmul
+// inputs are float32 for float32 weights and bfloat16 bits for bfloat16 ones, rounded once where they are produced;
+// int8 weights take float32 (holding bfloat16 values in a bfloat16 model).
 
 #include "attention.h"
 #include "matmul.h"
