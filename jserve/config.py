@@ -4,20 +4,30 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import numbers
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from checkpoints import CheckpointError
+from jserve.config_json import (
+    RopeScaling,
+    activation,
+    gemma3_rope,
+    gemma3_text_config,
+    gemma_fields,
+    granite_multipliers,
+    positive_float,
+    positive_int,
+    rope_param,
+    rope_scaling,
+    rotary_dim,
+    sliding_window,
+    smollm3_rope_layers,
+    windowed_layers,
+)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3_text",
                          "smollm3")
-GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
-# The MLP activations (config.json's names): SiLU, and the tanh approximation of GELU (Gemma's; its first
-# checkpoints say "gelu", which transformers reads as the tanh approximation too).
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights of config.json's shape (checkpoints/dummy.py)
 # See pallas_kernels/interface.py (ENGINE_BACKENDS).
@@ -30,28 +40,6 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # see pallas_kernels/quantized.py
 # The model path or its files (config.json, the tokenizer, the weights) cannot be used; the message says which file
 # and why. One class with the checkpoints library's error, so `except ModelLoadError` catches what its loaders raise.
 ModelLoadError = CheckpointError
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Rotary-embedding frequency scaling. kind is "default", "linear", "llama3", "freq_factors" (each frequency
-    divided by its own factor: how a GGUF file stores Llama 3's scaling, as llama.cpp's rope_freqs tensor) or
-    "longrope" (Phi-3's: each frequency divided by a short or a long factor, and q and k scaled by
-    attention_factor)."""
-
-    kind: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    freq_factors: tuple[float, ...] = ()  # kind "freq_factors": one per rotary frequency (rotary_dim / 2)
-    # kind "longrope": the factors for contexts up to original_max_position_embeddings and past it. transformers
-    # picks a set per forward pass by the sequence's length; a served model picks one for its max_model_len
-    # (ModelConfig.for_context), so that every cached key of a sequence is rotated alike.
-    short_factors: tuple[float, ...] = ()
-    long_factors: tuple[float, ...] = ()
-    use_long_factors: bool = False
-    attention_factor: float = 1.0  # multiplies the rotated dimensions of q and k (folded into their weights at load)
 
 
 @dataclass(frozen=True)
@@ -88,7 +76,7 @@ class ModelConfig:
     attention_multiplier: float | None = None
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
-    hidden_act: str = "silu"  # one of ACTIVATIONS
+    hidden_act: str = "silu"  # one of config_json.ACTIVATIONS
     # Gemma. sliding_layers: which layers use sliding_window (None: every layer where it is set); local_rope_theta:
     # the windowed layers' rotary base, without scaling (Gemma 3's rope_local_base_freq; None: rope_theta for all);
     # the softcaps squash attention scores / final logits s to cap * tanh(s / cap); sandwich_norms: each block's
@@ -170,44 +158,44 @@ class ModelConfig:
             cfg = gemma3_text_config(cfg)
         model_type = cfg.get("model_type")
         if model_type == "gemma3_text":
-            cfg = _gemma3_rope(cfg, source)
+            cfg = gemma3_rope(cfg, source)
         if model_type not in SUPPORTED_MODEL_TYPES:
             archs = cfg.get("architectures") or []
             raise ModelLoadError(
                 f"{source}: unsupported model_type {model_type!r} (architectures {archs}); "
                 f"jserve supports {', '.join(SUPPORTED_MODEL_TYPES)}")
-        hidden_act = _activation(cfg, source)
-        num_heads = _positive_int(cfg, "num_attention_heads", source)
-        hidden = _positive_int(cfg, "hidden_size", source)
-        head_dim = _positive_int(cfg, "head_dim", source, hidden // num_heads)
+        hidden_act = activation(cfg, source)
+        num_heads = positive_int(cfg, "num_attention_heads", source)
+        hidden = positive_int(cfg, "hidden_size", source)
+        head_dim = positive_int(cfg, "head_dim", source, hidden // num_heads)
         attention_bias = bool(cfg.get("attention_bias", False))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
             model_type=model_type,
-            vocab_size=_positive_int(cfg, "vocab_size", source),
+            vocab_size=positive_int(cfg, "vocab_size", source),
             hidden_size=hidden,
-            intermediate_size=_positive_int(cfg, "intermediate_size", source),
-            num_layers=_positive_int(cfg, "num_hidden_layers", source),
+            intermediate_size=positive_int(cfg, "intermediate_size", source),
+            num_layers=positive_int(cfg, "num_hidden_layers", source),
             num_heads=num_heads,
-            num_kv_heads=_positive_int(cfg, "num_key_value_heads", source, num_heads),
+            num_kv_heads=positive_int(cfg, "num_key_value_heads", source, num_heads),
             head_dim=head_dim,
-            rms_norm_eps=_positive_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
-            rope_theta=_positive_float(_rope_param(cfg, "rope_theta", 10000.0), "rope_theta", source),
-            rope_scaling=_rope_scaling(cfg, source),
-            max_position_embeddings=_positive_int(cfg, "max_position_embeddings", source, 2048),
+            rms_norm_eps=positive_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
+            rope_theta=positive_float(rope_param(cfg, "rope_theta", 10000.0), "rope_theta", source),
+            rope_scaling=rope_scaling(cfg, source),
+            max_position_embeddings=positive_int(cfg, "max_position_embeddings", source, 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type != "qwen2" and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "gemma3_text"),
-            sliding_window=_sliding_window(cfg, source),
-            rotary_dim=_rotary_dim(cfg, head_dim, source),
+            sliding_window=sliding_window(cfg, source),
+            rotary_dim=rotary_dim(cfg, head_dim, source),
             hidden_act=hidden_act,
-            **_granite_multipliers(cfg, source),
-            **_gemma_fields(cfg, hidden, source),
-            **_windowed_layers(cfg, source),
-            **_smollm3_rope_layers(cfg, source),
+            **granite_multipliers(cfg, source),
+            **gemma_fields(cfg, hidden, source),
+            **windowed_layers(cfg, source),
+            **smollm3_rope_layers(cfg, source),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -230,30 +218,6 @@ class ModelConfig:
         # Chat models often list their end-of-turn token only in generation_config.json (as vLLM reads it).
         extra = _generation_eos_ids(Path(path) / "generation_config.json")
         return dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra)))
-
-
-_REQUIRED = object()
-
-
-def _positive_int(cfg: dict, key: str, source: str, default: object = _REQUIRED) -> int:
-    """cfg[key] as a positive integer; a missing or null optional field takes `default`. Anything else (a string, a
-    bool, a float, zero or less) raises ModelLoadError naming the file and the field, before it reaches array
-    shapes and kernels where it would fail without saying where it came from."""
-    if default is _REQUIRED:
-        value = cfg[key]  # KeyError: the caller reports the missing field
-    else:
-        value = cfg.get(key)
-        if value is None:
-            return default  # type: ignore[return-value]
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ModelLoadError(f"{source}: {key} must be a positive integer, got {value!r}")
-    return int(value)
-
-
-def _positive_float(value: object, key: str, source: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
-        raise ModelLoadError(f"{source}: {key} must be a positive number, got {value!r}")
-    return float(value)
 
 
 def _generation_eos_ids(path: Path) -> tuple[int, ...]:
@@ -292,236 +256,6 @@ def generation_defaults(model_dir: str | os.PathLike, setting: str = "auto") -> 
     if not isinstance(data, dict):
         return {}
     return {name: data[key] for key, name in GENERATION_CONFIG_KEYS.items() if data.get(key) is not None}
-
-
-def _rope_param(cfg: dict, key: str, default):
-    # transformers >= 5 nests rope settings under "rope_parameters"; older configs keep them at the top level.
-    params = cfg.get("rope_parameters") or {}
-    return params.get(key, cfg.get(key, default))
-
-
-def _rope_scaling(cfg: dict, source: str) -> RopeScaling:
-    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
-    if kind == "default":
-        return RopeScaling()
-    if kind == "linear":
-        return RopeScaling(kind="linear", factor=float(scaling["factor"]))
-    if kind == "llama3":
-        return RopeScaling(
-            kind="llama3",
-            factor=float(scaling["factor"]),
-            low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
-        )
-    if kind == "longrope":
-        return _longrope(cfg, scaling, source)
-    raise ModelLoadError(f"{source}: rope scaling type {kind!r} is not supported (default, linear, llama3, "
-                         "longrope)")
-
-
-def _longrope(cfg: dict, scaling: dict, source: str) -> RopeScaling:
-    """Phi-3's longrope, with transformers' defaults: original_max_position_embeddings from the scaling dict or the
-    config's top level; attention_factor, where not given, sqrt(1 + ln(factor) / ln(original)) with factor
-    max_position_embeddings / original (or the dict's own factor)."""
-    original = scaling.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
-    original = _positive_int({"original_max_position_embeddings": original}, "original_max_position_embeddings",
-                             source)
-    half = _rotary_dim(cfg, _head_dim(cfg, source), source) // 2
-    factors = {}
-    for key in ("short_factor", "long_factor"):
-        values = scaling.get(key)
-        if not isinstance(values, list) or len(values) != half or \
-                not all(isinstance(v, numbers.Real) and not isinstance(v, bool) and v > 0 for v in values):
-            raise ModelLoadError(f"{source}: longrope {key} must be a list of {half} positive numbers (one per "
-                                 f"rotary frequency), got {values!r}")
-        factors[key] = tuple(float(v) for v in values)
-    factor = scaling.get("factor")
-    if factor is None:
-        factor = _positive_int(cfg, "max_position_embeddings", source, 2048) / original
-    attention_factor = scaling.get("attention_factor")
-    if attention_factor is None:
-        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return RopeScaling(kind="longrope", factor=float(factor), original_max_position_embeddings=original,
-                       short_factors=factors["short_factor"], long_factors=factors["long_factor"],
-                       attention_factor=_positive_float(attention_factor, "rope attention_factor", source))
-
-
-def _activation(cfg: dict, source: str) -> str:
-    """The MLP activation: Gemma 2 and 3 name it hidden_activation, Gemma's first checkpoints say "gelu" for the
-    tanh approximation (as transformers reads them)."""
-    gemma = cfg.get("model_type") in GEMMA_TYPES
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
-    if gemma and act in ("gelu", "gelu_tanh"):
-        act = "gelu_pytorch_tanh"
-    if act not in ACTIVATIONS:
-        raise ModelLoadError(f"{source}: hidden activation {act!r} is not supported ({', '.join(ACTIVATIONS)})")
-    return act
-
-
-def _smollm3_rope_layers(cfg: dict, source: str) -> dict:
-    """SmolLM3's no_rope_layers (1: the layer rotates q and k, 0: NoPE), else transformers' default: every
-    no_rope_layer_interval-th layer (4) without rotary embedding."""
-    if cfg.get("model_type") != "smollm3":
-        return {}
-    num_layers = _positive_int(cfg, "num_hidden_layers", source)
-    flags = cfg.get("no_rope_layers")
-    if flags is None:
-        interval = _positive_int(cfg, "no_rope_layer_interval", source, 4)
-        flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
-    if not isinstance(flags, list) or len(flags) != num_layers or not all(f in (0, 1) for f in flags):
-        raise ModelLoadError(f"{source}: no_rope_layers must list {num_layers} flags (1: rotary embedding, 0: none), "
-                             f"got {flags!r}")
-    return {"rope_layers": tuple(bool(f) for f in flags)}
-
-
-# transformers' Gemma3TextConfig defaults: the text_config of Gemma 3's image-text checkpoints (4B, 12B, 27B) lists
-# only the fields that differ from them.
-GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
-                            num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131_072,
-                            rms_norm_eps=1e-6, query_pre_attn_scalar=256, sliding_window=4096,
-                            hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, bos_token_id=2,
-                            eos_token_id=1)
-
-
-def gemma3_text_config(cfg: dict) -> dict:
-    """The language model of a Gemma 3 image-text checkpoint (Gemma3ForConditionalGeneration) as a Gemma 3 text
-    config: its text_config over transformers' defaults, with the checkpoint's own end-of-turn ids. jserve serves its
-    text; the vision tower's weights are left unread."""
-    top = {key: cfg[key] for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings") if key in cfg}
-    return {**GEMMA3_TEXT_DEFAULTS, **top, **cfg["text_config"], "model_type": "gemma3_text"}
-
-
-def _gemma3_rope(cfg: dict, source: str) -> dict:
-    """Gemma 3's two rotary settings as the fields the other families use: rope_theta and rope_scaling for its
-    global layers, rope_local_base_freq (no scaling) for its windowed ones. transformers >= 5 writes them as
-    rope_parameters per layer type; older configs keep rope_theta / rope_scaling / rope_local_base_freq at the top
-    level (defaults 1e6 and 1e4, transformers')."""
-    cfg = dict(cfg)
-    params = cfg.get("rope_parameters")
-    if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
-        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
-        if local.get("rope_type", "default") != "default":
-            raise ModelLoadError(f"{source}: rope scaling {local.get('rope_type')!r} of the sliding-window layers is "
-                                 "not supported (only 'default')")
-        cfg["rope_parameters"] = full
-        cfg["rope_theta"] = full.get("rope_theta", 1_000_000.0)
-        cfg["rope_local_base_freq"] = local.get("rope_theta", 10_000.0)
-    else:
-        cfg.setdefault("rope_theta", 1_000_000.0)
-    cfg.setdefault("rope_local_base_freq", 10_000.0)
-    return cfg
-
-
-def _gemma_fields(cfg: dict, hidden: int, source: str) -> dict:
-    """Gemma's differences as ModelConfig fields (transformers' defaults where config.json leaves one out); none
-    for another family. Gemma 2 windows every other layer (even indices), Gemma 3 five of every six, each as its
-    layer_types say where given."""
-    model_type = cfg.get("model_type")
-    if model_type not in GEMMA_TYPES:
-        return {}
-    if cfg.get("use_bidirectional_attention"):
-        raise ModelLoadError(f"{source}: use_bidirectional_attention (an embedding model) is not supported: jserve "
-                             "serves causal language models")
-    fields = {"embedding_multiplier": math.sqrt(hidden), "norm_weight_offset": 1.0}
-    if model_type == "gemma":
-        return fields
-    scalar = _positive_float(cfg.get("query_pre_attn_scalar", 256), "query_pre_attn_scalar", source)
-    fields.update(attention_multiplier=scalar**-0.5, sandwich_norms=True)
-    defaults = {"gemma2": (50.0, 30.0), "gemma3_text": (None, None)}[model_type]
-    for key, default in zip(("attn_logit_softcapping", "final_logit_softcapping"), defaults, strict=True):
-        value = cfg.get(key, default)
-        fields[key] = None if value is None else _positive_float(value, key, source)
-    num_layers = _positive_int(cfg, "num_hidden_layers", source)
-    layer_types = cfg.get("layer_types")
-    if layer_types is None:
-        pattern = 2 if model_type == "gemma2" else cfg.get("sliding_window_pattern", 6)
-        pattern = _positive_int({"sliding_window_pattern": pattern}, "sliding_window_pattern", source)
-        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
-    fields["sliding_layers"] = _sliding_layers(layer_types, num_layers, source)
-    if model_type == "gemma3_text":
-        fields["local_rope_theta"] = _positive_float(cfg["rope_local_base_freq"], "rope_local_base_freq", source)
-    return fields
-
-
-def _sliding_layers(layer_types: object, num_layers: int, source: str) -> tuple[bool, ...]:
-    kinds = ("sliding_attention", "full_attention")
-    if not isinstance(layer_types, list) or len(layer_types) != num_layers or \
-            not all(kind in kinds for kind in layer_types):
-        raise ModelLoadError(f"{source}: layer_types must list {num_layers} layer kinds, each one of {kinds}, got "
-                             f"{layer_types!r}")
-    return tuple(kind == "sliding_attention" for kind in layer_types)
-
-
-def _granite_multipliers(cfg: dict, source: str) -> dict:
-    """Granite's four multipliers as ModelConfig fields (transformers' GraniteConfig defaults: 1.0 each); none for
-    another family."""
-    if cfg.get("model_type") != "granite":
-        return {}
-    return {key: _positive_float(cfg.get(key, 1.0), key, source)
-            for key in ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")}
-
-
-def _head_dim(cfg: dict, source: str) -> int:
-    num_heads = _positive_int(cfg, "num_attention_heads", source)
-    return _positive_int(cfg, "head_dim", source, _positive_int(cfg, "hidden_size", source) // num_heads)
-
-
-def _rotary_dim(cfg: dict, head_dim: int, source: str) -> int | None:
-    """The rotated dimensions of a head under partial_rotary_factor (top level or in rope_parameters), as
-    transformers computes them; None for the whole head. Both the rotated and the passed-through dimensions must
-    be even in number (they are rotated and passed in pairs)."""
-    factor = _rope_param(cfg, "partial_rotary_factor", None)
-    if factor is None or factor == 1.0:
-        return None
-    if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0 < factor <= 1:
-        raise ModelLoadError(f"{source}: partial_rotary_factor must be in (0, 1], got {factor!r}")
-    dim = int(head_dim * factor + 1e-6)  # as transformers' int(head_dim * factor), safe from 95.99999 for 96
-    if dim < 2 or dim % 2 or (head_dim - dim) % 2:
-        raise ModelLoadError(f"{source}: partial_rotary_factor {factor} rotates {dim} of {head_dim} head dimensions; "
-                             "jserve needs an even number rotated and an even number passed through")
-    return None if dim == head_dim else dim
-
-
-# transformers' Qwen2Config/Qwen3Config default: with use_sliding_window, layers at index >= 28 use the window.
-QWEN_DEFAULT_MAX_WINDOW_LAYERS = 28
-
-
-def _sliding_window(cfg: dict, source: str = "config.json") -> int | None:
-    """The sliding window of the layers that use one, or None. A window as long as the model's context never hides
-    a key (Phi-3.5 and Phi-4-mini say 262144 for 131072 positions): None, so the attention kernels skip the
-    window's masks. Qwen2/Qwen3 window only with use_sliding_window (which layers: _qwen_sliding_layers)."""
-    if not cfg.get("sliding_window") or cfg.get("model_type") == "gemma":
-        return None
-    if cfg.get("model_type") in _USE_SLIDING_WINDOW_TYPES and not cfg.get("use_sliding_window", False):
-        return None
-    window = _positive_int(cfg, "sliding_window", source)
-    if isinstance(cfg.get("max_position_embeddings"), int) and window >= cfg["max_position_embeddings"]:
-        return None
-    return window
-
-
-# Families whose sliding_window applies only with use_sliding_window, to the layers transformers marks.
-_USE_SLIDING_WINDOW_TYPES = ("qwen2", "qwen3", "smollm3")
-
-
-def _windowed_layers(cfg: dict, source: str) -> dict:
-    """Qwen2/Qwen3 and SmolLM3 window the layers transformers marks "sliding_attention": `layer_types`, else (Qwen)
-    those at index >= `max_window_layers` or (SmolLM3) its NoPE layers."""
-    if cfg.get("model_type") not in _USE_SLIDING_WINDOW_TYPES or _sliding_window(cfg, source) is None:
-        return {}
-    num_layers = _positive_int(cfg, "num_hidden_layers", source)
-    layer_types = cfg.get("layer_types")
-    if layer_types is None and cfg.get("model_type") == "smollm3":
-        rotates = _smollm3_rope_layers(cfg, source)["rope_layers"]
-        layer_types = ["full_attention" if rope else "sliding_attention" for rope in rotates]
-    if layer_types is None:
-        first = cfg.get("max_window_layers", QWEN_DEFAULT_MAX_WINDOW_LAYERS)
-        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
-            raise ModelLoadError(f"{source}: max_window_layers must be a non-negative integer, got {first!r}")
-        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
-    return {"sliding_layers": _sliding_layers(layer_types, num_layers, source)}
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")  # how draft tokens are proposed (jserve.engine.speculative)

@@ -44,7 +44,8 @@ import numpy as np
 from checkpoints import is_gguf_file
 from checkpoints.gguf_reader import GGUFFile, GGUFTensor, open_gguf
 from checkpoints.safetensors_loader import ParamSource, Tensor, assemble_state, hf_names
-from jserve.config import ModelConfig, ModelLoadError, RopeScaling
+from jserve.config import ModelConfig, ModelLoadError
+from jserve.config_json import RopeScaling
 
 # GGUF general.architecture -> jserve model_type. A Mistral GGUF says "llama" (llama.cpp converts Mistral as one).
 SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",

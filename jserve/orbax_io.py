@@ -27,7 +27,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from checkpoints.dummy import DummySource
 from checkpoints.safetensors_loader import FUSED_PARTS, fused_row_map
-from jserve.config import SUPPORTED_DTYPES, ModelConfig, ModelLoadError, RopeScaling
+from jserve.config import SUPPORTED_DTYPES, ModelConfig, ModelLoadError
+from jserve.config_json import RopeScaling
 from jserve.models import model_class
 from jserve.models.quantization import SCHEMES, quantize_model
 from sharding import MODEL_AXIS, logical_sharding

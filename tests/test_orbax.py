@@ -82,12 +82,20 @@ def test_a_phi3_conversion_keeps_its_laid_out_weights_and_longrope(hf_model_dir,
         loaded = load_model(source, "float32", max_model_len=context)
         restored = load_model(out, "float32", max_model_len=context)
         assert restored.config == loaded.config and restored.config.rope_scaling.use_long_factors == use_long
-        want, got = _flat(loaded.state), _flat(restored.state)
-        assert want.keys() == got.keys()
-        for path, array in want.items():
-            np.testing.assert_array_equal(got[path], array, err_msg=str(path))
+        _assert_same_state(loaded, restored)
+    _assert_transformers_logits(out, source)
+
+
+def _assert_same_state(loaded, restored) -> None:
+    want, got = _flat(loaded.state), _flat(restored.state)
+    assert want.keys() == got.keys()
+    for path, array in want.items():
+        np.testing.assert_array_equal(got[path], array, err_msg=str(path))
+
+
+def _assert_transformers_logits(converted, source) -> None:
     prompt = list(range(3, 43))
-    (ours,) = jserve_logits(out, [prompt], "float32")
+    (ours,) = jserve_logits(converted, [prompt], "float32")
     np.testing.assert_allclose(ours, hf_logits(load_hf(source), prompt), atol=1e-4, rtol=0)
 
 
@@ -100,13 +108,8 @@ def test_a_conversion_keeps_per_layer_windows_rotary_and_norms(hf_model_dir, tmp
     loaded, restored = load_model(source, "float32"), load_model(out, "float32")
     assert restored.config == loaded.config
     assert (restored.config.sliding_layers or restored.config.rope_layers) is not None
-    want, got = _flat(loaded.state), _flat(restored.state)
-    assert want.keys() == got.keys()
-    for path, array in want.items():
-        np.testing.assert_array_equal(got[path], array, err_msg=str(path))
-    prompt = list(range(3, 43))
-    (ours,) = jserve_logits(out, [prompt], "float32")
-    np.testing.assert_allclose(ours, hf_logits(load_hf(source), prompt), atol=1e-4, rtol=0)
+    _assert_same_state(loaded, restored)
+    _assert_transformers_logits(out, source)
 
 
 @pytest.mark.parametrize("kind, executor", [("safetensors", "xla"), ("safetensors", "cpu-layers"), ("gguf", "auto")])

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jserve.config import GEMMA_TYPES, ModelConfig, RopeScaling
+from jserve.config import ModelConfig
+from jserve.config_json import GEMMA_TYPES, RopeScaling
 from jserve.models.quantization import quantized_matmul
 from pallas_kernels.reference import dot_precision
 
