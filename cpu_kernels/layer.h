@@ -121,8 +121,8 @@ void GeluMul(const float* gate, const float* up, float* out, int64_t n) {
   const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f), sign = _mm256_set1_ps(-0.0f);
   for (; i + 8 <= n; i += 8) {
     const __m256 g = _mm256_loadu_ps(gate + i);
-    const __m256 inner = _mm256_mul_ps(_mm256_set1_ps(kSqrt2OverPi),
-                                       _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(kCubic), g), _mm256_mul_ps(g, g), g));
+    const __m256 cubic = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(kCubic), g), _mm256_mul_ps(g, g), g);
+    const __m256 inner = _mm256_mul_ps(_mm256_set1_ps(kSqrt2OverPi), cubic);
     const __m256 magnitude = _mm256_andnot_ps(sign, inner);
     const __m256 e = ExpNonPositive(_mm256_mul_ps(_mm256_set1_ps(-2.0f), magnitude));
     const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
@@ -283,8 +283,8 @@ void AppendLayerPhases(std::vector<Phase>& phases, LayerRun<W>& r, const Attenti
     }
   }); }, false, kRotaryPhase});
   for (Phase& phase : AttentionPhases(a, plan)) phases.push_back(std::move(phase));
-  // With a sandwich norm the block's output goes to `block` and is added normalized (AddNormedPhase); else it is
-  // added to the residual stream as the matmul stores it.
+  // With a sandwich norm the block's output goes to `block` and a row phase adds it normalized (add_normed); else
+  // the matmul adds it to the residual stream as it stores it.
   auto add_normed = [&](const float* norm, int kind) {
     phases.push_back({row_items, [run, block_rows, norm, rows](int64_t item) { rows(item, [&](int64_t t) {
       const LayerShape& s = run->s;
