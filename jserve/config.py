@@ -134,11 +134,6 @@ class ModelConfig:
         return 1 if self.layer_rope_theta(layer) is not None else 0
 
     @property
-    def layers_alike(self) -> bool:
-        """Every layer attends with the same window and rotary embedding (what one layer-kernel call takes)."""
-        return len({(self.layer_window(i), self.layer_rotary(i)) for i in range(self.num_layers)}) == 1
-
-    @property
     def rope_attention_factor(self) -> float:
         return self.rope_scaling.attention_factor if self.rope_scaling.kind == "longrope" else 1.0
 

@@ -134,7 +134,7 @@ class CpuLayerExecutor(XlaExecutor):
         int8 = quantization == "int8" or stored_quantization(model_dir, load_format) == "int8"
         arena = HugePageArena()
         # per-thread parts are stacked across layers: one call takes every layer, so its layers must be alike
-        in_parts = weight_parts != 0 and config.layers_alike and \
+        in_parts = weight_parts != 0 and len(layer_groups(config)) == 1 and \
             (int8 or all(("layers", 0, *path) in packed for path in _MATRICES))
         parts = weight_parts if weight_parts is not None else cpu_kernels.kernel_threads()
         matrix_dtype = jnp.dtype(jnp.int8) if int8 else param_dtype
