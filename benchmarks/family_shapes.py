@@ -1,9 +1,11 @@
-"""Batch-1 decode of model families on the CPU executors, at one shape: Gemma 3 270M's (google/gemma-3-270m's
-config.json, dummy bfloat16 weights), the same shape as a plain Llama, and Gemma 2's layers (sandwich norms, soft
-caps, a window on every other layer) at that shape. Each runs `jserve bench latency` on the CPU layer executor and
-on the XLA executor (the Flax model with the C++ attention kernel), in turns round by round.
+"""Batch-1 decode of model families on the CPU executors (dummy bfloat16 weights): Gemma 3 270M's shape
+(google/gemma-3-270m's config.json), the same shape as a plain Llama, and Gemma 2's layers (sandwich norms, soft
+caps, a window on every other layer) at that shape; and a mixture of experts, Qwen3-30B-A3B's shape cut to 6 layers.
+Each runs `jserve bench latency` on the CPU layer executor and on the XLA executor (the Flax model with the C++
+attention kernel), in turns round by round.
 
     python benchmarks/family_shapes.py --rounds 3 --output-len 128
+    python benchmarks/family_shapes.py --shapes qwen3_moe --executors xla
 """
 
 from __future__ import annotations
@@ -38,6 +40,15 @@ SHAPES = {
                                              "num_attention_heads", "num_key_value_heads", "head_dim",
                                              "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
                                              "bos_token_id", "eos_token_id")}},
+    # Qwen/Qwen3-30B-A3B's config.json with 6 of its 48 layers (each holds 1.2 GB of bf16 experts): a token reads the
+    # router and 8 of the 128 experts of each layer, about a tenth of the layer.
+    "qwen3_moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+                  "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                  "num_hidden_layers": 6, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                  "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                  "mlp_only_layers": [], "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+                  "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bos_token_id": 151643,
+                  "eos_token_id": 151645},
 }
 
 

@@ -134,8 +134,19 @@ def llama_name_map(tie_word_embeddings: bool) -> Callable[[str], list[Target] | 
     norm_re = re.compile(r"model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm|pre_feedforward_layernorm|"
                          r"post_feedforward_layernorm)\.weight$")
     qk_norm_re = re.compile(r"model\.layers\.(\d+)\.self_attn\.(q_norm|k_norm)\.weight$")
+    # Mixture of experts: each expert's matrix is one slice of a stacked [experts, out, in] parameter (or, from a
+    # GGUF file, the whole stack at once); Qwen2-MoE's shared expert is a fused MLP of its own.
+    expert_re = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(?:(\d+)\.)?(gate_proj|up_proj|down_proj)\.weight$")
+    shared_re = re.compile(r"model\.layers\.(\d+)\.mlp\.shared_expert\.(gate_proj|up_proj|down_proj)\.weight$")
 
     def target(name: str) -> list[Target] | None:
+        name = mixtral_name(name)
+        if m := expert_re.match(name):
+            return [(("layers", int(m[1]), "mlp", "experts", m[3], "weight"), None if m[2] is None else int(m[2]))]
+        if m := shared_re.match(name):
+            proj = m[2]
+            dest = fused.get(proj, proj)
+            return [(("layers", int(m[1]), "mlp", "shared_expert", dest, "weight"), proj if proj in fused else None)]
         if name == "model.embed_tokens.weight":
             return [(("embed_tokens",), None)]
         if name == "model.norm.weight":
@@ -158,6 +169,21 @@ def llama_name_map(tie_word_embeddings: bool) -> Callable[[str], list[Target] | 
     return target
 
 
+_MIXTRAL_EXPERT = re.compile(r"(model\.layers\.\d+\.)block_sparse_moe\.(?:(experts\.\d+\.)(w[123])|(gate))\.weight$")
+_MIXTRAL_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+
+
+def mixtral_name(name: str) -> str:
+    """A Mixtral tensor's name as Qwen-MoE's (block_sparse_moe.experts.J.w1 -> mlp.experts.J.gate_proj; w2 is down,
+    w3 up), which the name map places."""
+    m = _MIXTRAL_EXPERT.match(name)
+    if m is None:
+        return name
+    if m[4]:
+        return f"{m[1]}mlp.gate.weight"
+    return f"{m[1]}mlp.{m[2]}{_MIXTRAL_PROJ[m[3]]}.weight"
+
+
 class ParamSource:
     """Where one model parameter's values are in the memory-mapped checkpoint, and how to read any slice of it.
 
@@ -171,11 +197,15 @@ class ParamSource:
         self.whole: Tensor | None = None
         self.parts: dict[str, Tensor] = {}  # fused part name -> checkpoint tensor (memory-mapped or lazy)
         self.row_map: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # see fused_row_map
+        self.experts: dict[int, Tensor] = {}  # a stacked experts' parameter: expert index -> its [out, in] tensor
 
     def read(self, index: tuple = ()) -> np.ndarray:
         index = tuple(index) + (slice(None),) * (len(self.shape) - len(tuple(index)))
         if self.whole is not None:
             return take(self.whole, index, self.dtype)
+        if self.experts:
+            return np.stack([take(self.experts[e], index[1:], self.dtype)
+                             for e in range(*index[0].indices(self.shape[0]))])
         start, stop, step = index[0].indices(self.shape[0])
         assert step == 1, index  # shards are contiguous blocks
         rest = index[1:]
@@ -188,8 +218,9 @@ class ParamSource:
         return out
 
 
-def fused_row_map(config: CheckpointShape, dest: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """For each part of a fused weight: (destination rows in the fused parameter, source rows in its tensor).
+def fused_row_map(config: CheckpointShape, dest: str, rows: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """For each part of a fused weight of `rows` rows: (destination rows in the fused parameter, source rows in its
+    tensor). gate|up's halves are as wide as the MLP's (a shared expert's own width where it differs).
 
     The fused rows are config.fused_shards blocks; block i holds part after part, each part's i-th slice of
     rows, so a row split into fused_shards equal pieces gives each device its own heads (see
@@ -198,7 +229,7 @@ def fused_row_map(config: CheckpointShape, dest: str) -> dict[str, tuple[np.ndar
     shards, d, reps = config.fused_shards, config.head_dim, config.kv_head_replicas
     kv_src = (np.arange(config.kv_size) // d // reps) * d + np.arange(config.kv_size) % d
     sources = {"q_proj": np.arange(config.q_size), "k_proj": kv_src, "v_proj": kv_src,
-               "gate_proj": np.arange(config.intermediate_size), "up_proj": np.arange(config.intermediate_size)}
+               "gate_proj": np.arange(rows // 2), "up_proj": np.arange(rows // 2)}
     parts = FUSED_PARTS[dest]
     block = sum(len(sources[p]) for p in parts) // shards
     row_map, offset = {}, 0
@@ -268,11 +299,17 @@ def assemble_state(tensors: Iterable[tuple[str, Tensor, str]], config: Checkpoin
             if part is None:
                 _check_shape(tensor.shape, shape, name, origin)
                 source.whole = tensor
+            elif isinstance(part, int):  # one expert of a stacked parameter
+                if part >= shape[0]:
+                    raise CheckpointError(f"{origin}: unexpected tensor {name} (the model has {shape[0]} experts)")
+                _check_shape(tensor.shape, shape[1:], name, origin)
+                source.experts[part] = tensor
             else:
-                _check_shape(tensor.shape, (_fused_rows(name, config), *shape[1:]), name, origin)
+                _check_shape(tensor.shape, (_fused_rows(name, config, shape[0]), *shape[1:]), name, origin)
                 source.parts[part] = tensor
     complete = {path for path, src in sources.items()
-                if src.whole is not None or len(src.parts) == len(FUSED_PARTS[path[-2]])}
+                if src.whole is not None or (len(src.experts) == src.shape[0] if src.experts
+                                             else len(src.parts) == len(FUSED_PARTS[path[-2]]))}
     missing = [p for p in shapes if p not in complete]
     if missing:
         names = ", ".join((describe or hf_names)(p) for p in missing[:8])
@@ -281,18 +318,18 @@ def assemble_state(tensors: Iterable[tuple[str, Tensor, str]], config: Checkpoin
     placed: dict[tuple, object] = {}
     for path in shapes:
         source = sources.pop(path)  # drop our reference once placed
-        if source.whole is None:
-            source.row_map = fused_row_map(config, path[-2])
+        if source.whole is None and not source.experts:
+            source.row_map = fused_row_map(config, path[-2], source.shape[0])
         placed[path] = place(path, source)
     return placed
 
 
-def _fused_rows(name: str, config: CheckpointShape) -> int:
-    """Rows of one checkpoint tensor of a fused weight (before any KV-head replication)."""
+def _fused_rows(name: str, config: CheckpointShape, fused_rows: int) -> int:
+    """Rows of one checkpoint tensor of a fused weight of fused_rows rows (before any KV-head replication)."""
     proj = name.rsplit(".", 2)[-2]
     kv_rows = config.kv_size // config.kv_head_replicas
     return {"q_proj": config.q_size, "k_proj": kv_rows, "v_proj": kv_rows,
-            "gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}[proj]
+            "gate_proj": fused_rows // 2, "up_proj": fused_rows // 2}[proj]
 
 
 def _check_shape(got: tuple, expected: tuple, name: str, origin: str) -> None:
@@ -309,10 +346,11 @@ def hf_names(path: tuple) -> str:
         return "lm_head.weight"
     if path[0] != "layers":
         return "model." + ".".join(map(str, path))
-    prefix = f"model.layers.{path[1]}.{path[2]}."
-    rest = ".".join(map(str, path[3:]))
-    if path[3] == "qkv_proj":
-        return "/".join(f"{prefix}{p}.{path[4]}" for p in ("q_proj", "k_proj", "v_proj"))
-    if path[3] == "gate_up_proj":
-        return "/".join(f"{prefix}{p}.{path[4]}" for p in ("gate_proj", "up_proj"))
-    return prefix + rest
+    prefix = "model.layers." + ".".join(map(str, path[1:-2])) + "."
+    if path[-2] == "qkv_proj":
+        return "/".join(f"{prefix}{p}.{path[-1]}" for p in ("q_proj", "k_proj", "v_proj"))
+    if path[-2] == "gate_up_proj":
+        return "/".join(f"{prefix}{p}.{path[-1]}" for p in ("gate_proj", "up_proj"))
+    if path[-3] == "experts":
+        return f"{prefix}N.{path[-2]}.{path[-1]} (N: each expert)"
+    return prefix + ".".join(map(str, path[-2:]))

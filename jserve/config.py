@@ -16,6 +16,7 @@ from jserve.config_json import (
     gemma3_text_config,
     gemma_fields,
     granite_multipliers,
+    moe_fields,
     positive_float,
     positive_int,
     rope_param,
@@ -27,7 +28,7 @@ from jserve.config_json import (
 )
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3_text",
-                         "smollm3")
+                         "smollm3", "mixtral", "qwen2_moe", "qwen3_moe")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights of config.json's shape (checkpoints/dummy.py)
 # See pallas_kernels/interface.py (ENGINE_BACKENDS).
@@ -91,6 +92,16 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     sandwich_norms: bool = False
     norm_weight_offset: float = 0.0
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE; 0 experts: every layer a dense MLP): each token's MLP is
+    # the sum of its num_experts_per_tok experts of num_experts (moe_intermediate_size columns each), weighted by the
+    # router's softmax (renormalized over the chosen ones with norm_topk_prob), plus Qwen2-MoE's shared expert
+    # (shared_expert_intermediate_size; 0: none) gated by a sigmoid. moe_layers: which layers (None: all).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[bool, ...] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Set by jserve.models.sharded_config.shard_model_config for tensor parallelism (1 = the checkpoint's own
@@ -132,6 +143,10 @@ class ModelConfig:
         if self.rope_layers is not None and not self.rope_layers[layer]:
             return 2
         return 1 if self.layer_rope_theta(layer) is not None else 0
+
+    def layer_moe(self, layer: int) -> bool:
+        """Whether decoder layer `layer`'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and (self.moe_layers is None or self.moe_layers[layer])
 
     @property
     def rope_attention_factor(self) -> float:
@@ -180,10 +195,10 @@ class ModelConfig:
             rope_scaling=rope_scaling(cfg, source),
             max_position_embeddings=positive_int(cfg, "max_position_embeddings", source, 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type != "qwen2" and attention_bias,
+            qkv_bias=model_type in ("qwen2", "qwen2_moe") or attention_bias,
+            o_bias=model_type not in ("qwen2", "qwen2_moe") and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             sliding_window=sliding_window(cfg, source),
             rotary_dim=rotary_dim(cfg, head_dim, source),
             hidden_act=hidden_act,
@@ -191,6 +206,7 @@ class ModelConfig:
             **gemma_fields(cfg, hidden, source),
             **windowed_layers(cfg, source),
             **smollm3_rope_layers(cfg, source),
+            **moe_fields(cfg, source),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

@@ -270,7 +270,7 @@ def sliding_window(cfg: dict, source: str = "config.json") -> int | None:
 
 
 # Families whose sliding_window applies only with use_sliding_window, to the layers transformers marks.
-_USE_SLIDING_WINDOW_TYPES = ("qwen2", "qwen3", "smollm3")
+_USE_SLIDING_WINDOW_TYPES = ("qwen2", "qwen3", "smollm3", "qwen2_moe", "qwen3_moe")
 
 
 def windowed_layers(cfg: dict, source: str) -> dict:
@@ -289,3 +289,39 @@ def windowed_layers(cfg: dict, source: str) -> dict:
             raise ModelLoadError(f"{source}: max_window_layers must be a non-negative integer, got {first!r}")
         layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
     return {"sliding_layers": _sliding_layers(layer_types, num_layers, source)}
+
+
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def moe_fields(cfg: dict, source: str) -> dict:
+    """A mixture-of-experts family's fields (transformers' defaults where config.json leaves one out); none for a
+    dense family. Mixtral: every layer, experts as wide as intermediate_size, the chosen weights renormalized.
+    Qwen2-MoE / Qwen3-MoE: experts of moe_intermediate_size in every decoder_sparse_step-th layer not listed in
+    mlp_only_layers (those keep a dense MLP of intermediate_size), renormalized with norm_topk_prob; Qwen2-MoE adds
+    a shared expert."""
+    model_type = cfg.get("model_type")
+    if model_type not in MOE_TYPES:
+        return {}
+    num_layers = positive_int(cfg, "num_hidden_layers", source)
+    key = "num_local_experts" if "num_local_experts" in cfg or model_type == "mixtral" else "num_experts"
+    experts = positive_int(cfg, key, source, 8 if model_type == "mixtral" else 60)
+    per_token = positive_int(cfg, "num_experts_per_tok", source, 2 if model_type == "mixtral" else 4)
+    if per_token > experts:
+        raise ModelLoadError(f"{source}: num_experts_per_tok ({per_token}) exceeds the {experts} experts")
+    if model_type == "mixtral":
+        return {"num_experts": experts, "num_experts_per_tok": per_token, "norm_topk_prob": True,
+                "moe_intermediate_size": positive_int(cfg, "intermediate_size", source)}
+    step = positive_int(cfg, "decoder_sparse_step", source, 1)
+    dense = cfg.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers
+                                              for i in dense):
+        raise ModelLoadError(f"{source}: mlp_only_layers must list layer indices below {num_layers}, got {dense!r}")
+    layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    norm = cfg.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise ModelLoadError(f"{source}: norm_topk_prob must be true or false, got {norm!r}")
+    shared = positive_int(cfg, "shared_expert_intermediate_size", source, 5632) if model_type == "qwen2_moe" else 0
+    return {"num_experts": experts, "num_experts_per_tok": per_token, "norm_topk_prob": norm,
+            "moe_intermediate_size": positive_int(cfg, "moe_intermediate_size", source, 1408 if shared else 768),
+            "shared_expert_intermediate_size": shared, "moe_layers": None if all(layers) else layers}

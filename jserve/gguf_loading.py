@@ -29,7 +29,17 @@ What is llama.cpp's own convention, and undone here:
   one of each 2 (Gemma 2) or 5 of each 6 (Gemma 3) but the last (set_swa_pattern; an
   `attention.sliding_window_pattern` where a file has one); Gemma 3's windowed layers rotating by
   `rope.freq_base_swa` (10000 without it), unscaled; and no query_pre_attn_scalar: llama.cpp scales queries by
-  1/sqrt(head_dim), or 1/sqrt(hidden / heads) in its 27B models (46 layers for Gemma 2, 62 for Gemma 3).
+  1/sqrt(head_dim), or 1/sqrt(hidden / heads) in its 27B models (46 layers for Gemma 2, 62 for Gemma 3);
+- a mixture of experts (convert_hf_to_gguf.py's LlamaModel for Mixtral, Qwen2MoeModel, Qwen3MoeModel) is a `llama`
+  file with `expert_count` > 0 (Mixtral: experts as wide as `feed_forward_length`, q/k permuted), a `qwen2moe` or a
+  `qwen3moe` one; `expert_count` and `expert_used_count` are its experts and top-k, `expert_feed_forward_length`
+  and `expert_shared_feed_forward_length` the Qwen widths (n_ff / n_expert_used and n_ff without them); each
+  layer's experts are one stacked `blk.N.ffn_{gate,up,down}_exps` [experts, out, in] with the router
+  `ffn_gate_inp`, Qwen2-MoE's shared expert `ffn_{gate,up,down}_shexp` and its gate `ffn_gate_inp_shexp`
+  (a [hidden] vector, read as [1, hidden]). Whether the chosen weights are renormalized is the architecture's, as
+  llama.cpp builds it (llm_build_* norm_w; no `expert_weights_norm` is read): yes for Mixtral and Qwen3-MoE, no for
+  Qwen2-MoE; and every layer is a mixture of experts (llama.cpp has no dense layers in these architectures, so no
+  mlp_only_layers or decoder_sparse_step).
 """
 
 from __future__ import annotations
@@ -50,8 +60,13 @@ from jserve.config_json import RopeScaling
 # GGUF general.architecture -> jserve model_type. A Mistral GGUF says "llama" (llama.cpp converts Mistral as one).
 SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
                            "granite": "granite", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text",
-                           "smollm3": "smollm3"}
+                           "smollm3": "smollm3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 GGUF_ARCHITECTURE_OF = {model_type: arch for arch, model_type in SUPPORTED_ARCHITECTURES.items()}
+GGUF_ARCHITECTURE_OF["mixtral"] = "llama"  # a llama file with experts (general.architecture says nothing more)
+# Architectures a mixture of experts may be stored as (a llama one is Mixtral where expert_count > 0); the others
+# must have none. Qwen3-MoE and Mixtral renormalize the chosen experts' weights, Qwen2-MoE does not (llama.cpp's
+# build_moe_ffn norm_w in llm_build_llama / llm_build_qwen3moe / llm_build_qwen2moe).
+_MOE_ARCHITECTURES = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 # Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel.undo_permute; GraniteModel and
 # SmolLM3Model inherit it). A SmolLM3 file stores no NoPE layers: llama.cpp takes every fourth (n_no_rope_layer_step),
 # as transformers' default no_rope_layer_interval does.
@@ -80,6 +95,14 @@ _PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up":
 # Gemma 2 and 3's sandwich norms (gguf-py's tensor_mapping: ATTN_POST_NORM, FFN_PRE_NORM is ffn_norm, FFN_POST_NORM).
 _GEMMA2_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
                        "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# A mixture of experts' tensors (gguf-py's tensor_mapping: FFN_GATE_INP, FFN_*_EXP, FFN_*_SHEXP, FFN_GATE_INP_SHEXP):
+# the experts as whole [experts, out, in] stacks under the safetensors loader's stack names.
+_MOE_LAYER_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+                    "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"}
+_SHARED_EXPERT_NAMES = {"ffn_gate_inp_shexp": "mlp.shared_expert_gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                        "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+_DENSE_MLP = ("ffn_gate", "ffn_up", "ffn_down")
+_QWEN_MOE_LAYER_NAMES = {k: v for k, v in _LAYER_NAMES.items() if k not in _DENSE_MLP} | _MOE_LAYER_NAMES
 _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 # llama.cpp's per-frequency rotary divisors: read into the config, not a parameter.
@@ -108,13 +131,15 @@ def find_gguf(path: str | Path) -> Path | None:
 
 
 def _layer_names(arch: str) -> dict[str, str]:
-    return {"phi3": _PHI3_LAYER_NAMES, "gemma2": _GEMMA2_LAYER_NAMES, "gemma3": _GEMMA2_LAYER_NAMES}.get(
-        arch, _LAYER_NAMES)
+    return {"phi3": _PHI3_LAYER_NAMES, "gemma2": _GEMMA2_LAYER_NAMES, "gemma3": _GEMMA2_LAYER_NAMES,
+            "llama": _LAYER_NAMES | _MOE_LAYER_NAMES, "qwen3moe": _QWEN_MOE_LAYER_NAMES,
+            "qwen2moe": _QWEN_MOE_LAYER_NAMES | _SHARED_EXPERT_NAMES}.get(arch, _LAYER_NAMES)
 
 
 def hf_tensor_name(name: str, arch: str = "llama") -> str | None:
-    """The Hugging Face name of a GGUF tensor of the Llama / Qwen2 / Qwen3 / Phi-3 / Granite / Gemma families; None
-    for any other name."""
+    """The Hugging Face name of a GGUF tensor of the Llama / Qwen2 / Qwen3 / Phi-3 / Granite / Gemma / SmolLM3 /
+    Mixtral / Qwen-MoE families (a stack of experts under its whole-stack name, mlp.experts.gate_proj ...); None for
+    any other name."""
     layer_names = _layer_names(arch)
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
@@ -125,7 +150,9 @@ def hf_tensor_name(name: str, arch: str = "llama") -> str | None:
 
 def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
     """The GGUF name of a Hugging Face tensor name (the inverse of hf_tensor_name), for error messages: a part of a
-    fused weight (q_proj, gate_proj ...) is named by its fused tensor in a Phi-3 file."""
+    fused weight (q_proj, gate_proj ...) is named by its fused tensor in a Phi-3 file, a stack of experts
+    (hf_names' `mlp.experts.N.gate_proj.weight (N: each expert)`) by its stacked tensor."""
+    hf_name = re.sub(r"\.experts\.N\.(\w+\.\w+) \(N: each expert\)$", r".experts.\1", hf_name)
     for gguf_name, hf in _GLOBAL_NAMES.items():
         if hf == hf_name:
             return gguf_name
@@ -211,6 +238,8 @@ def gguf_model_config(path: str | Path) -> ModelConfig:
                     if key(gguf_key, None)})
     if arch in ("gemma2", "gemma3"):
         cfg.update(_gemma_config(file, arch, cfg))
+    if int(key("expert_count", 0) or 0) > 0:
+        cfg.update(_moe_config(file, arch, cfg))
     config = ModelConfig.from_hf_dict(cfg, source=str(file.path))
     # Biases are whatever tensors the file has (Qwen2's q/k/v; a Llama's with attention_bias or mlp_bias).
     config = dataclasses.replace(config, qkv_bias="blk.0.attn_q.bias" in tensors,
@@ -233,10 +262,14 @@ def load_gguf_state(path: str | Path, config: ModelConfig, shapes: dict[tuple, t
                 continue
             hf_name = hf_tensor_name(name, file.architecture)
             if hf_name is None:
+                m = _GGUF_LAYER_RE.match(name)
+                dense = m is not None and m[2] in _DENSE_MLP and file.architecture in ("qwen2moe", "qwen3moe")
                 raise ModelLoadError(f"{file.path}: unexpected tensor {name} ({tensor.type_name}) for a GGUF "
-                                     f"{file.architecture} model")
+                                     f"{file.architecture} model" + (" (llama.cpp's has experts in every layer, no "
+                                                                     "dense MLP)" if dense else ""))
             if permuted:
                 tensor = _unpermuted(tensor, name, config)
+            tensor = _moe_tensor(tensor, name)
             yield hf_name, tensor, f"{file.path} ({name})"
 
     # llama.cpp's converter stores a Gemma norm as the (1 + weight) it multiplies by: nothing to add at load
@@ -251,9 +284,12 @@ def _open_checked(path: str | Path) -> GGUFFile:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"{file.path}: GGUF architecture {arch!r} is not supported; jserve serves "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)} (a Mistral GGUF is a llama one)")
-    if int(file.get(f"{arch}.expert_count", 0) or 0) > 0:  # Mixtral is stored as a llama with expert tensors
-        raise ModelLoadError(f"{file.path}: a mixture-of-experts model ({file.get(f'{arch}.expert_count')} experts) "
-                             "is not supported")
+    experts = int(file.get(f"{arch}.expert_count", 0) or 0)
+    if experts > 0 and arch not in _MOE_ARCHITECTURES:
+        raise ModelLoadError(f"{file.path}: a mixture-of-experts {arch} model ({arch}.expert_count {experts}) is not "
+                             "supported (llama, qwen2moe and qwen3moe ones are)")
+    if experts == 0 and arch in ("qwen2moe", "qwen3moe"):  # llama.cpp: "n_expert must be > 0 for QWEN2MOE"
+        raise ModelLoadError(f"{file.path}: a GGUF {arch} model needs {arch}.expert_count > 0")
     if int(file.get("split.count", 1)) > 1:
         raise ModelLoadError(f"{file.path}: part of a GGUF split into {file.get('split.count')} files; merge them "
                              "first (llama-gguf-split --merge)")
@@ -292,6 +328,75 @@ def _gemma_config(file: GGUFFile, arch: str, cfg: dict) -> dict:
     if arch == "gemma3":
         out["rope_local_base_freq"] = float(file.get(f"{arch}.rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_THETA))
     return out
+
+
+def _moe_config(file: GGUFFile, arch: str, cfg: dict) -> dict:
+    """A mixture of experts' config.json fields as llama.cpp reads them from a file (the module docstring says which
+    defaults it takes): Mixtral's from a llama file, Qwen2-MoE's and Qwen3-MoE's with every layer sparse."""
+
+    def key(name: str, default=_REQUIRED):
+        value = file.get(f"{arch}.{name}", default)
+        if value is _REQUIRED:
+            raise ModelLoadError(f"{file.path}: GGUF metadata has no {arch}.{name} (a mixture of experts needs it)")
+        return value
+
+    gating = key("expert_gating_func", None)
+    if gating not in (None, 1):  # LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise ModelLoadError(f"{file.path}: {arch}.expert_gating_func {gating} is not supported (1: softmax)")
+    scale = key("expert_weights_scale", None)
+    if scale not in (None, 0, 1):  # llama.cpp scales the chosen weights only by a scale neither 0 nor 1
+        raise ModelLoadError(f"{file.path}: {arch}.expert_weights_scale {scale} is not supported (1)")
+    if int(key("expert_shared_count", 0) or 0) > 1:
+        raise ModelLoadError(f"{file.path}: {arch}.expert_shared_count {key('expert_shared_count')} is not supported")
+    experts, used = int(key("expert_count")), int(key("expert_used_count"))
+    if arch == "llama":  # Mixtral: its experts are feed_forward_length wide, their weights renormalized
+        return {"model_type": "mixtral", "num_local_experts": experts, "num_experts_per_tok": used}
+    width = cfg["intermediate_size"]
+    out = {"num_experts": experts, "num_experts_per_tok": used, "norm_topk_prob": _MOE_ARCHITECTURES[arch],
+           "decoder_sparse_step": 1, "mlp_only_layers": [],
+           "moe_intermediate_size": int(key("expert_feed_forward_length", 0) or width // max(used, 1))}
+    if arch == "qwen2moe":
+        out["shared_expert_intermediate_size"] = int(key("expert_shared_feed_forward_length", 0) or width)
+    return out
+
+
+class _ExpertStack:
+    """A GGUF [experts, out, in] tensor (a layer's stacked experts) read through one 2-D GGUFTensor per expert, as
+    checkpoints.gguf_reader decodes 2-D tensors only."""
+
+    def __init__(self, tensor: GGUFTensor):
+        experts, out = tensor.shape[:2]
+        self.shape, self.type_name = tuple(tensor.shape), tensor.type_name
+        data = tensor.data.reshape(experts, out, -1)
+        self.experts = [GGUFTensor(f"{tensor.name}[{e}]", data[e], tensor.qtype, tensor.shape[1:])
+                        for e in range(experts)]
+
+    def read(self, index: tuple = (), dtype: np.dtype | type = np.float32) -> np.ndarray:
+        index = tuple(index) + (slice(None),) * (3 - len(tuple(index)))
+        chosen = np.arange(self.shape[0])[index[0]]
+        return np.stack([self.experts[e].read(index[1:], dtype) for e in np.atleast_1d(chosen)]).reshape(
+            *np.shape(chosen), *(len(range(*s.indices(n))) for s, n in zip(index[1:], self.shape[1:], strict=True)))
+
+
+class _Row:
+    """A [n] GGUF vector read as the [1, n] matrix Hugging Face stores (Qwen2-MoE's shared expert gate)."""
+
+    def __init__(self, tensor: GGUFTensor):
+        self.tensor, self.shape, self.type_name = tensor, (1, *tensor.shape), tensor.type_name
+
+    def read(self, index: tuple = (), dtype: np.dtype | type = np.float32) -> np.ndarray:
+        index = tuple(index) + (slice(None),) * (2 - len(tuple(index)))
+        return self.tensor.read((), dtype)[None][index]
+
+
+def _moe_tensor(tensor: GGUFTensor, name: str) -> Tensor:
+    """An expert stack or a shared expert gate in the shape the safetensors loader places; other tensors as they
+    are (a mis-shaped one: the loader's shape check names it)."""
+    if len(tensor.shape) == 3 and name.endswith("_exps.weight"):
+        return _ExpertStack(tensor)
+    if len(tensor.shape) == 1 and name.endswith("ffn_gate_inp_shexp.weight"):
+        return _Row(tensor)
+    return tensor
 
 
 def _unpermuted(tensor: GGUFTensor, name: str, config: ModelConfig) -> GGUFTensor:

@@ -112,7 +112,8 @@ def config_from_dict(data: dict) -> ModelConfig:
         rope[key] = tuple(rope.get(key, ()))
     data["rope_scaling"] = RopeScaling(**rope)
     data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
-    for key in ("sliding_layers", "rope_layers"):  # JSON keeps them as lists; the config must stay hashable
+    # JSON keeps these as lists; the config must stay hashable
+    for key in ("sliding_layers", "rope_layers", "moe_layers"):
         if data.get(key) is not None:
             data[key] = tuple(data[key])
     if data.get("fused_shards", 1) != 1 or data.get("kv_head_replicas", 1) != 1:
@@ -218,9 +219,10 @@ def _to_tp_layout(array: jax.Array, config: ModelConfig, path: tuple, target: Na
     heads) the loader lays out: one on-device row gather into the target sharding."""
     base = dataclasses.replace(config, fused_shards=1, kv_head_replicas=1,
                                num_kv_heads=config.num_kv_heads // config.kv_head_replicas)
-    rows = np.empty(sum(len(dest) for dest, _ in fused_row_map(config, path[-2]).values()), np.int32)
+    row_map = fused_row_map(config, path[-2], array.shape[0])  # gate|up: as many rows in either layout
+    rows = np.empty(sum(len(dest) for dest, _ in row_map.values()), np.int32)
     offset = 0
-    for part, (dest, src) in fused_row_map(config, path[-2]).items():
+    for part, (dest, src) in row_map.items():
         rows[dest] = offset + src
-        offset += len(fused_row_map(base, path[-2])[part][1])
+        offset += len(fused_row_map(base, path[-2], array.shape[0])[part][1])
     return jax.jit(lambda a, r: a[r], out_shardings=target)(array, jnp.asarray(rows))

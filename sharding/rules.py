@@ -20,7 +20,8 @@ LOGICAL_AXIS_RULES: Mapping[str, str | None] = {
     "qkv": MODEL_AXIS,  # fused q|k|v rows, laid out per shard (see kv_head_replicas)
     "heads": MODEL_AXIS,  # o_proj input columns
     "kv_heads": MODEL_AXIS,  # the KV cache: each device keeps only its own KV heads
-    "mlp": MODEL_AXIS,  # gate|up rows (laid out per shard) and down_proj input columns
+    "mlp": MODEL_AXIS,  # gate|up rows (laid out per shard) and down_proj input columns; each expert's too
+    "expert": None,  # every device holds its slice of every expert (tensor-parallel experts, not expert-parallel)
     "norm": None,
     "head_dim": None,
     "pages": None,

@@ -9,12 +9,19 @@ Hugging Face's order, no lm_head, only the metadata keys each writes (no rope.fr
 Gemma 2's soft caps and window; Gemma 3's global rotary base and linear scaling, its windowed layers' base as
 rope.freq_base_swa, its window). Two things differ, for the tiny checkpoints: the tokenizer is the byte-level BPE one
 (the tiny checkpoints have no tokenizer.model for _set_vocab_sentencepiece), and Gemma 3's token_embd keeps every
-row (Gemma3Model cuts the rows past the tokenizer's tokens, which a real Gemma 3 has none of)."""
+row (Gemma3Model cuts the rows past the tokenizer's tokens, which a real Gemma 3 has none of).
+
+Mixtral as LlamaModel writes it (arch llama, q/k permuted, expert_count and expert_used_count), Qwen2-MoE and
+Qwen3-MoE as Qwen2MoeModel and Qwen3MoeModel (expert_feed_forward_length, and Qwen2-MoE's
+expert_shared_feed_forward_length): each layer's experts stacked into one [experts, out, in] tensor per projection
+(ffn_gate_exps, ffn_up_exps, ffn_down_exps), the router and the shared expert under gguf-py's names. Like the
+converter, a Qwen MoE checkpoint with a dense layer (mlp_only_layers, decoder_sparse_step) cannot be written."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,7 +31,7 @@ from safetensors.numpy import load_file
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
              "granite": "granite", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3",
-             "smollm3": "smollm3"}
+             "smollm3": "smollm3", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 T = gguf.GGMLQuantizationType
 
@@ -116,6 +123,14 @@ def write_gguf(model_dir: Path, out: Path, matrix_type: str | Callable[[str], st
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
+    # TextModel.set_gguf_parameters (num_local_experts / num_experts, num_experts_per_tok); Qwen2MoeModel's widths
+    if (experts := config.get("num_local_experts", config.get("num_experts"))) is not None:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(config["num_experts_per_tok"])
+    if arch in ("qwen2moe", "qwen3moe"):
+        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size") is not None:
+            w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     _add_tokenizer(w, model_dir, config["vocab_size"])
     for key, (value, vtype) in (metadata or {}).items():
@@ -125,10 +140,12 @@ def write_gguf(model_dir: Path, out: Path, matrix_type: str | Callable[[str], st
 
     names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), layers)
     tensors = {}
-    for hf_name, array in load_file(model_dir / "model.safetensors").items():
+    for hf_name, array in _stacked_experts(load_file(model_dir / "model.safetensors")).items():
         stem, suffix = hf_name.rsplit(".", 1)
         if arch in GEMMA_ARCHS and hf_name == "lm_head.weight":
             continue  # GemmaModel.modify_tensors (and the others alike) skip it
+        if names.get_name(stem) is None:  # ModelBase.map_tensor_name
+            raise ValueError(f"Can not map tensor {hf_name!r}")
         gguf_name = f"{names.get_name(stem)}.{suffix}"
         if arch in GEMMA_ARCHS and hf_name.endswith("norm.weight"):
             array = array + np.float32(1)  # GemmaModel.modify_tensors, Gemma3Model.norm_shift
@@ -161,6 +178,22 @@ def write_gguf(model_dir: Path, out: Path, matrix_type: str | Callable[[str], st
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return out
+
+
+def _stacked_experts(checkpoint: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The checkpoint with each layer's experts stacked into one [experts, out, in] tensor per projection, named
+    without the expert index (Qwen2MoeModel.modify_tensors' mlp.experts.down_proj ..., LlamaModel's
+    block_sparse_moe.experts.w1 ... for Mixtral), which gguf-py maps to ffn_*_exps."""
+    out, stacks = {}, {}
+    for name, array in checkpoint.items():
+        m = re.match(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight$", name)
+        if m is None:
+            out[name] = array
+        else:
+            stacks.setdefault(f"{m[1]}.{m[3]}.weight", {})[int(m[2])] = array
+    for name, parts in stacks.items():
+        out[name] = np.stack([parts[e] for e in range(len(parts))])
     return out
 
 

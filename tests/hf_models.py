@@ -15,7 +15,9 @@ VOCAB = 512
 # with tied embeddings; gemma: GELU, (1 + weight) norms, scaled embeddings, head_dim != hidden / heads; gemma2: its
 # sandwich norms, both soft caps and a window on every other layer; gemma3: q/k norm, five windowed layers of six
 # rotating by their own base, linear scaling on the global ones; smollm3: no rotary embedding in its NoPE layers
-# (the second of two).
+# (the second of two); mixtral: top-2 of 4 experts in every layer, renormalized; qwen2_moe: a dense first layer, then
+# top-2 of 4 experts (not renormalized) beside a gated shared expert; qwen3_moe: top-3 of 8 experts renormalized,
+# its middle layer dense (mlp_only_layers).
 VARIANTS: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", dict(num_key_value_heads=2)),
     "llama3_rope": ("LlamaConfig", dict(num_key_value_heads=2, rope_scaling={
@@ -42,13 +44,22 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                                             "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}},
                                         tie_word_embeddings=True)),
     "smollm3": ("SmolLM3Config", dict(num_key_value_heads=2, no_rope_layer_interval=2, tie_word_embeddings=True)),
+    "mixtral": ("MixtralConfig", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=48, shared_expert_intermediate_size=96,
+                                         decoder_sparse_step=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_key_value_heads=2, head_dim=16, num_hidden_layers=3, num_experts=8,
+                                         num_experts_per_tok=3, moe_intermediate_size=48, norm_topk_prob=True,
+                                         mlp_only_layers=[1])),
 }
 
 _MODEL_CLASSES = {"LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
                   "Qwen2Config": "Qwen2ForCausalLM", "Qwen3Config": "Qwen3ForCausalLM",
                   "Phi3Config": "Phi3ForCausalLM", "GraniteConfig": "GraniteForCausalLM",
                   "GemmaConfig": "GemmaForCausalLM", "Gemma2Config": "Gemma2ForCausalLM",
-                  "Gemma3TextConfig": "Gemma3ForCausalLM", "SmolLM3Config": "SmolLM3ForCausalLM"}
+                  "Gemma3TextConfig": "Gemma3ForCausalLM", "SmolLM3Config": "SmolLM3ForCausalLM",
+                  "MixtralConfig": "MixtralForCausalLM", "Qwen2MoeConfig": "Qwen2MoeForCausalLM",
+                  "Qwen3MoeConfig": "Qwen3MoeForCausalLM"}
 
 
 def make_config(variant: str, **overrides) -> transformers.PretrainedConfig:
@@ -68,7 +79,7 @@ def build_model(variant: str, out_dir: Path, seed: int = 0, **overrides) -> Path
     model = getattr(transformers, _MODEL_CLASSES[type(config).__name__])(config)
     with torch.no_grad():  # larger-than-default weights so logits differ visibly between tokens
         for p in model.parameters():
-            if p.ndim == 2:
+            if p.ndim >= 2:  # matrices, and stacks of experts' matrices
                 p.normal_(0.0, 0.08)
             elif "norm" in "".join(n for n, q in model.named_parameters() if q is p):
                 p.uniform_(0.8, 1.2)

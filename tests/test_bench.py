@@ -254,17 +254,21 @@ def test_roofline_bytes_for_the_135m_shape():
     assert decode_bytes_per_token(SMOLLM_135M, "bfloat16", 0) == (134_515_008 + 576) * 2
 
 
+# qwen2_moe: its dense and expert layers, router and shared expert; each token choosing every expert, it reads them all
+@pytest.mark.parametrize("variant, overrides", [("llama", {}), ("qwen2_moe", {"num_experts_per_tok": 4})])
 @pytest.mark.parametrize("quantization", [None, "int8"])
-def test_roofline_weight_bytes_are_the_loaded_arrays_bytes(hf_model_dir, quantization):
+def test_roofline_weight_bytes_are_the_loaded_arrays_bytes(hf_model_dir, quantization, variant, overrides):
     """The bytes a decode step reads, against the loaded model's own arrays: the same parameters, less the
     embedding table but one row (plus the table where the LM head is not tied to it), with the norms that the
     model keeps in float32 counted in bfloat16 by the roofline."""
     from jserve.loading import load_model
     from jserve.models.quantization import resident_bytes
 
-    loaded = load_model(hf_model_dir("llama"), "bfloat16", quantization=quantization)
+    loaded = load_model(hf_model_dir(variant, **overrides), "bfloat16", quantization=quantization)
     cfg = loaded.config
-    norms = 2 * cfg.num_layers * cfg.hidden_size + cfg.hidden_size
+    # norms (and qwen2_moe's q/k/v biases) in float32
+    norms = 2 * cfg.num_layers * cfg.hidden_size + cfg.hidden_size + cfg.num_layers * (cfg.q_size + 2 * cfg.kv_size) \
+        * cfg.qkv_bias
     table = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * 2
     read = weight_bytes_read_per_token(cfg, "bfloat16", quantization)
     assert read - cfg.hidden_size * 2 + table + norms * 2 == resident_bytes(loaded.state)

@@ -38,9 +38,13 @@ MIXED_TYPES = ("F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 # the safetensors path, so the files compared with their checkpoint are written from ones that say head_dim (16).
 # llama.cpp's readings the tiny checkpoints must share: Gemma's query_pre_attn_scalar as head_dim, SmolLM3's NoPE
 # layers every fourth (llama.cpp's n_no_rope_layer_step, stored nowhere in the file).
+# llama.cpp's qwen2moe and qwen3moe have experts in every layer (no dense ones: the converter cannot map a dense
+# layer's tensors), so the Qwen MoE files are written from checkpoints without mlp_only_layers / decoder_sparse_step.
 LLAMA_CPP_ALIKE = {"gemma2": {"query_pre_attn_scalar": 16}, "gemma3": {"query_pre_attn_scalar": 16},
-                   "smollm3": {"no_rope_layer_interval": 4, "num_hidden_layers": 4}}
+                   "smollm3": {"no_rope_layer_interval": 4, "num_hidden_layers": 4},
+                   "qwen2_moe": {"decoder_sparse_step": 1}, "qwen3_moe": {"mlp_only_layers": None}}
 GEMMAS = ["gemma", "gemma2", "gemma3"]
+MOES = ["mixtral", "qwen2_moe", "qwen3_moe"]
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +84,12 @@ def _flat(state) -> dict:
 # ----- loading: the state, the config, the tokenizer -----
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3", "phi3", "granite", *GEMMAS, "smollm3"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3", "phi3", "granite", *GEMMAS, "smollm3", *MOES])
 def test_float32_file_loads_the_checkpoints_exact_state(hf_model_dir, gguf_file, variant, dtype):
     """Names, the q/k un-permutation, fused q|k|v and gate|up and biases land exactly where the safetensors loader
     puts the checkpoint the file was written from; Gemma's norms, stored as (1 + weight), are not shifted again,
-    and Gemma 2 and 3's sandwich norms land in their own places."""
+    and Gemma 2 and 3's sandwich norms land in their own places; stacked experts (ffn_*_exps), routers and
+    Qwen2-MoE's shared expert and its gate land in the experts' stacks and the shared expert's fused gate|up."""
     overrides = LLAMA_CPP_ALIKE.get(variant, {})
     ours = _flat(load_model(gguf_file(variant, **overrides), dtype).state)
     theirs = _flat(load_model(hf_model_dir(variant, **overrides), dtype).state)
@@ -126,6 +131,46 @@ def test_gemma_config_equals_the_config_json_one(hf_model_dir, gguf_file, varian
     if variant == "gemma3":
         assert ours.sliding_layers == (True,) * 5 + (False, True) and ours.local_rope_theta == 500.0
         assert (ours.rope_theta, ours.rope_scaling.kind, ours.rope_scaling.factor) == (100000.0, "linear", 4.0)
+
+
+@pytest.mark.parametrize("variant", MOES)
+def test_moe_config_equals_the_config_json_one(hf_model_dir, gguf_file, variant):
+    """Every ModelConfig field of a Mixtral (a llama file with expert_count), Qwen2-MoE or Qwen3-MoE file is the one
+    its config.json gives: experts, top-k, expert and shared expert widths, renormalization (rms_norm_eps as the
+    float32 GGUF stores it)."""
+    overrides = LLAMA_CPP_ALIKE.get(variant, {})
+    ours, theirs = gguf_model_config(gguf_file(variant, **overrides)), model_config(hf_model_dir(variant, **overrides))
+    assert np.float32(ours.rms_norm_eps) == np.float32(theirs.rms_norm_eps)
+    assert dataclasses.replace(ours, rms_norm_eps=theirs.rms_norm_eps) == theirs
+    assert (ours.model_type, ours.num_experts, ours.num_experts_per_tok, ours.moe_layers) == \
+        {"mixtral": ("mixtral", 4, 2, None), "qwen2_moe": ("qwen2_moe", 4, 2, None),
+         "qwen3_moe": ("qwen3_moe", 8, 3, None)}[variant]
+
+
+def test_moe_files_take_llama_cpps_readings(hf_model_dir, gguf_file, tmp_path):
+    """A shared expert gate stored as a [hidden] vector loads as the [1, hidden] one; a Qwen3-MoE file renormalizes
+    its experts' weights whatever config.json said, a Qwen2-MoE one does not (llama.cpp stores no norm_topk_prob);
+    without expert_feed_forward_length an expert is feed_forward_length / expert_used_count wide; a dense MLP in a
+    Qwen MoE file, which llama.cpp cannot have, is named."""
+    overrides = LLAMA_CPP_ALIKE["qwen2_moe"]
+    path = gguf_file("qwen2_moe", **overrides)
+    vectors = {f"blk.{i}.ffn_gate_inp_shexp.weight": GGUFFile(path).tensors[f"blk.{i}.ffn_gate_inp_shexp.weight"]
+               .read()[0] for i in range(2)}
+    flat = write_gguf(hf_model_dir("qwen2_moe", **overrides), tmp_path / "flat.gguf", extra_tensors=vectors)
+    assert GGUFFile(flat).tensors["blk.0.ffn_gate_inp_shexp.weight"].shape == (64,)
+    ours, theirs = _flat(load_model(flat).state), _flat(load_model(path).state)
+    for key, value in ours.items():
+        np.testing.assert_array_equal(value, theirs[key], err_msg=key)
+    plain = write_gguf(hf_model_dir("qwen3_moe", norm_topk_prob=False, **LLAMA_CPP_ALIKE["qwen3_moe"]),
+                       tmp_path / "q3.gguf", drop=("qwen3moe.expert_feed_forward_length",))
+    config = gguf_model_config(plain)
+    assert config.norm_topk_prob and (config.intermediate_size, config.moe_intermediate_size) == (128, 128 // 3)
+    assert not gguf_model_config(path).norm_topk_prob
+    dense = write_gguf(hf_model_dir("qwen3_moe", **LLAMA_CPP_ALIKE["qwen3_moe"]), tmp_path / "dense.gguf",
+                       extra_tensors={"blk.1.ffn_up.weight": np.zeros((128, 64), np.float32)})
+    with pytest.raises(ModelLoadError, match=r"unexpected tensor blk.1.ffn_up.weight \(F32\) for a GGUF qwen3moe "
+                                             r"model \(llama.cpp's has experts in every layer, no dense MLP\)"):
+        load_model(dense)
 
 
 def test_gemma_configs_take_llama_cpps_readings(hf_model_dir, tmp_path):
@@ -232,13 +277,14 @@ def test_logits_match_transformers_on_the_same_file(gguf_file, variant, matrix_t
 
 @pytest.mark.parametrize("executor", list(EXECUTORS))
 @pytest.mark.parametrize("variant", ["llama3_rope", "llama_linear_rope", "qwen3", "mistral", "phi3", "granite",
-                                     *GEMMAS, "smollm3"])
+                                     *GEMMAS, "smollm3", *MOES])
 def test_float32_file_logits_match_the_original_checkpoint(hf_model_dir, gguf_file, variant, executor):
     """What transformers' GGUF loading leaves out or cannot load here (Llama 3's rope_freqs, linear rope scaling,
     Qwen3's head_dim, a Mistral: a llama file, with no sliding window, as llama.cpp converts one; Phi-3's fused
     tensors, partial rotary embedding, longrope factors and sliding window; Granite's multipliers; Gemma's shifted
     norms, Gemma 2's sandwich norms, soft caps and alternating window, Gemma 3's q/k norms, windowed layers and their
-    own rotary base; SmolLM3's NoPE layers) checked against the checkpoint the file was written from."""
+    own rotary base; SmolLM3's NoPE layers; Mixtral's, Qwen2-MoE's and Qwen3-MoE's experts, top-k and
+    renormalization, Qwen2-MoE's gated shared expert) checked against the checkpoint the file was written from."""
     overrides = {"sliding_window": None} if variant == "mistral" else LLAMA_CPP_ALIKE.get(variant, {})
     path = gguf_file(variant, **overrides)
     hf = load_hf(hf_model_dir(variant, **overrides))
@@ -341,7 +387,7 @@ def test_unsupported_tensor_type_is_named(hf_model_dir, tmp_path):
      r"rope scaling 'yarn' \(llama.rope.scaling.type\) is not supported"),
     (dict(metadata={"split.count": (3, gguf.GGUFValueType.UINT16)}), r"part of a GGUF split into 3 files"),
     (dict(metadata={"llama.expert_count": (8, gguf.GGUFValueType.UINT32)}),
-     r"a mixture-of-experts model \(8 experts\) is not supported"),
+     r"GGUF metadata has no llama.expert_used_count \(a mixture of experts needs it\)"),
 ], ids=["fused-qkv", "missing", "extra-layer", "yarn", "split", "experts"])
 def test_files_jserve_cannot_serve_are_named(hf_model_dir, tmp_path, bend, message):
     path = write_gguf(hf_model_dir("llama"), tmp_path / "bent.gguf", **bend)

@@ -99,15 +99,16 @@ def _assert_transformers_logits(converted, source) -> None:
     np.testing.assert_allclose(ours, hf_logits(load_hf(source), prompt), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("variant", ["gemma3", "smollm3"])
-def test_a_conversion_keeps_per_layer_windows_rotary_and_norms(hf_model_dir, tmp_path, variant):
+@pytest.mark.parametrize("variant", ["gemma3", "smollm3", "qwen2_moe"])
+def test_a_conversion_keeps_per_layer_differences(hf_model_dir, tmp_path, variant):
     """Gemma 3's weights are stored as loaded (norm weights with their 1 added) and its per-layer windows and
-    rotary bases restored, as are SmolLM3's NoPE layers: the restored model gives transformers' logits."""
+    rotary bases restored, as are SmolLM3's NoPE layers and Qwen2-MoE's dense and expert layers (stacked experts, a
+    shared expert): the restored model gives transformers' logits."""
     source = hf_model_dir(variant)
     out = convert(str(source), tmp_path / "out", "float32")
     loaded, restored = load_model(source, "float32"), load_model(out, "float32")
     assert restored.config == loaded.config
-    assert (restored.config.sliding_layers or restored.config.rope_layers) is not None
+    assert (restored.config.sliding_layers or restored.config.rope_layers or restored.config.moe_layers) is not None
     _assert_same_state(loaded, restored)
     _assert_transformers_logits(out, source)
 

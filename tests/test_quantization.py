@@ -57,8 +57,12 @@ def test_quantize_rows_matches_numpy_and_rejects_bad_input():
     assert np.all(np.abs(dequantize_rows(q, scale) - w) <= scale[:, None] / 2 + 1e-7)
     with pytest.raises(ValueError, match="inf or NaN"):
         quantize_rows(np.full((2, 2), np.nan, np.float32))
-    with pytest.raises(ValueError, match="2-D"):
+    with pytest.raises(ValueError, match=r"\[out, in\] matrix"):
         quantize_rows(np.ones(4, np.float32))
+    # a stack of matrices (a mixture of experts' [experts, out, in]) is quantized matrix by matrix
+    stack_q, stack_scale = quantize_rows(np.stack([w, 2 * w]))
+    np.testing.assert_array_equal(stack_q, np.stack([q, q]))
+    np.testing.assert_allclose(stack_scale, np.stack([scale, np.where(scale == 1.0, 1.0, 2 * scale)]), rtol=1e-7)
     with pytest.raises(ValueError, match="unknown quantization"):
         quantize_rows(w, "int4")
 
@@ -110,7 +114,9 @@ def _quantized_paths(model: LoadedModel) -> list[tuple]:
     """The projections' weights, and the LM head's where it is quantized."""
     flat = dict(nnx.to_flat_state(model.state))
     head = [HEAD_PATHS[1] if HEAD_PATHS[1] in flat else HEAD_PATHS[0]] if ("head_scale",) in flat else []
-    return [path for path in flat if path[-1] == "weight" and path[-2] in PROJECTIONS] + head
+    projections = [path for path in flat if path[-1] == "weight" and
+                   (path[-2] in PROJECTIONS or path[-3:-2] == ("experts",))]  # an ExpertLinear's stack
+    return projections + head
 
 
 def _dequantized_float_model(quantized: LoadedModel, model_dir) -> LoadedModel:
@@ -185,7 +191,9 @@ def test_loaded_weights_are_the_checkpoint_quantized_per_row(hf_model_dir):
     assert fp8[("lm_head",)][...].dtype == jnp.float32 and ("head_scale",) not in fp8  # fp8 keeps the head
 
 
-@pytest.mark.parametrize("variant", ["llama", "qwen2"])  # qwen2: q/k/v biases and tied embeddings
+# qwen2: q/k/v biases and tied embeddings; qwen2_moe: every expert's matrices (the router in float) and the shared
+# expert's
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen2_moe"])
 @pytest.mark.parametrize("scheme", ["int8", "fp8"])  # fp8: the GPU scheme's model and step, XLA emulating e4m3 here
 def test_quantized_logits_match_float_model_with_dequantized_weights(hf_model_dir, variant, scheme):
     model_dir = hf_model_dir(variant)

@@ -68,7 +68,7 @@ def test_fused_qkv_block_holds_its_own_heads(tp):
     source = ParamSource((cfg.q_size + 2 * cfg.kv_size, 1), np.float32)
     source.parts = {"q_proj": q, "k_proj": 1000 + np.arange(kv_rows)[:, None] * 1.0,
                     "v_proj": 2000 + np.arange(kv_rows)[:, None] * 1.0}
-    source.row_map = fused_row_map(cfg, "qkv_proj")
+    source.row_map = fused_row_map(cfg, "qkv_proj", cfg.q_size + 2 * cfg.kv_size)
     full = source.read()[:, 0]
     heads, kv_heads = cfg.num_heads // tp, cfg.num_kv_heads // tp
     for s, block in enumerate(np.split(full, tp)):
@@ -86,10 +86,12 @@ def multi_device(hf_model_dir):
     """Run every multi-device check once, in a subprocess with 8 CPU devices (XLA_FLAGS must precede JAX)."""
     llama8 = str(hf_model_dir("llama", num_attention_heads=8))  # 8 heads, 2 KV heads: TP 8 replicates KV heads
     # phi3 at TP 4: its fused checkpoint tensors split and laid out per device, its 2 KV heads replicated; gemma3 at
-    # TP 2: layers with their own windows and rotary bases, sandwich norms
+    # TP 2: layers with their own windows and rotary bases, sandwich norms; qwen2_moe at TP 2: every expert's columns
+    # and the shared expert's fused gate|up split between the devices
     spec = {"logits": {"llama8": llama8, "qwen2": str(hf_model_dir("qwen2")), "qwen3": str(hf_model_dir("qwen3")),
-                       "phi3": str(hf_model_dir("phi3")), "gemma3": str(hf_model_dir("gemma3"))},
-            "tp": {"llama8": [2, 8], "qwen2": [4], "qwen3": [2], "phi3": [4], "gemma3": [2]},
+                       "phi3": str(hf_model_dir("phi3")), "gemma3": str(hf_model_dir("gemma3")),
+                       "qwen2_moe": str(hf_model_dir("qwen2_moe"))},
+            "tp": {"llama8": [2, 8], "qwen2": [4], "qwen3": [2], "phi3": [4], "gemma3": [2], "qwen2_moe": [2]},
             "kernel_model": llama8, "kernel_tp": [2, 8],
             "greedy": llama8, "greedy_tp": [2, 8], "dp": True, "draft": True,
             "sharding_model": llama8, "sharding_tp": [2, 4, 8]}
@@ -104,7 +106,7 @@ def multi_device(hf_model_dir):
 
 # TP 2 splits whole KV heads; TP 4 and 8 replicate them (qwen2: with its q/k/v biases)
 @pytest.mark.parametrize("model, tp", [("llama8", 2), ("llama8", 8), ("qwen2", 4), ("qwen3", 2), ("phi3", 4),
-                                       ("gemma3", 2)])
+                                       ("gemma3", 2), ("qwen2_moe", 2)])
 def test_tp_logits_match_single_device(multi_device, model, tp):
     assert multi_device[f"logits/{model}"][str(tp)] < 1e-4
 

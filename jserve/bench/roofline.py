@@ -1,4 +1,5 @@
-"""The memory-bandwidth bound of batch-1 decode: every weight and the whole KV context are read once per token.
+"""The memory-bandwidth bound of batch-1 decode: every weight and the whole KV context are read once per token (of
+a mixture of experts, the experts the token chose).
 
 bytes per token / stream bandwidth is the least time one decode step can take, so bandwidth / bytes per token is
 the most tokens per second any implementation can reach at batch 1.
@@ -19,13 +20,24 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 SCALE_BYTES = 4  # a float32 scale of a quantized weight row or KV row
 
 
+def _layer_reads(cfg: ModelConfig, layer: int) -> tuple[int, int, int]:
+    """(parameters of the projection matrices, their rows, other parameters) a decode token reads in a layer: a
+    mixture of experts' layer reads the router, the k experts the token chose and any shared expert."""
+    hidden, inter, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    params, rows = hidden * (q + 2 * kv) + q * hidden, (q + 2 * kv) + hidden
+    other = 2 * hidden + (q + 2 * kv) * cfg.qkv_bias + hidden * cfg.o_bias + 2 * cfg.head_dim * cfg.qk_norm
+    if not cfg.layer_moe(layer):
+        return params + 3 * hidden * inter, rows + 2 * inter + hidden, other + (2 * inter + hidden) * cfg.mlp_bias
+    width, shared = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    params += 3 * hidden * (cfg.num_experts_per_tok * width + shared)
+    rows += cfg.num_experts_per_tok * (2 * width + hidden) + (2 * shared + hidden if shared else 0)
+    return params, rows, other + hidden * (cfg.num_experts + (1 if shared else 0))  # the router (and shared gate)
+
+
 def weight_params_read_per_token(cfg: ModelConfig) -> int:
     """Parameters a decode step reads: every layer, the final norm, the LM head, and one embedding row."""
-    hidden, inter, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
-    layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter + 2 * hidden
-    layer += (q + 2 * kv) * cfg.qkv_bias + hidden * cfg.o_bias + (2 * inter + hidden) * cfg.mlp_bias
-    layer += 2 * cfg.head_dim * cfg.qk_norm
-    return cfg.num_layers * layer + hidden + cfg.vocab_size * hidden + hidden
+    layers = sum(params + other for params, _, other in (_layer_reads(cfg, i) for i in range(cfg.num_layers)))
+    return layers + cfg.hidden_size + cfg.vocab_size * cfg.hidden_size + cfg.hidden_size
 
 
 def weight_bytes_read_per_token(cfg: ModelConfig, dtype: str, quantization: str | None = None) -> int:
@@ -34,12 +46,11 @@ def weight_bytes_read_per_token(cfg: ModelConfig, dtype: str, quantization: str 
     total = weight_params_read_per_token(cfg) * DTYPE_BYTES[dtype]
     if quantization is None:
         return total
-    hidden, inter, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
-    matrix_params = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter
-    matrix_rows = (q + 2 * kv) + hidden + 2 * inter + hidden
-    total -= cfg.num_layers * (matrix_params * (DTYPE_BYTES[dtype] - 1) - matrix_rows * SCALE_BYTES)
+    for layer in range(cfg.num_layers):
+        matrix_params, matrix_rows, _ = _layer_reads(cfg, layer)
+        total -= matrix_params * (DTYPE_BYTES[dtype] - 1) - matrix_rows * SCALE_BYTES
     if quantizes_head(quantization):
-        total -= cfg.vocab_size * (hidden * (DTYPE_BYTES[dtype] - 1) - SCALE_BYTES)
+        total -= cfg.vocab_size * (cfg.hidden_size * (DTYPE_BYTES[dtype] - 1) - SCALE_BYTES)
     return total
 
 

@@ -123,10 +123,12 @@ class CpuLayerExecutor(XlaExecutor):
         if quantization not in (None, "int8"):
             raise ValueError(f"executor 'cpu-layers' has no {quantization} matmul kernels; quantization "
                              f"{quantization!r} needs executor 'xla'")
-        if mesh is not None:  # sharded: XLA partitions the dots, the attention kernel runs on each device's heads
+        config = model_config(model_dir, max_model_len)
+        # sharded: XLA partitions the dots, the attention kernel runs on each device's heads; a mixture of experts
+        # (which the layer kernel does not take): the Flax model with the attention kernel, its weights as loaded
+        if mesh is not None or config.num_experts:
             return load_model(model_dir, dtype, attention_backend, mesh=mesh, load_format=load_format,
                               quantization=quantization, max_model_len=max_model_len)
-        config = model_config(model_dir, max_model_len)
         param_dtype = jnp.dtype(dtype)
         packed = _packed_paths(config, param_dtype) if cpu_kernels.packs_weights(param_dtype) else set()
         # int8 may come from the checkpoint itself (compressed-tensors, a quantized conversion): its matrices reach
@@ -175,7 +177,8 @@ class CpuLayerExecutor(XlaExecutor):
         # One kernel call a run of alike layers (every layer at once where they are all alike: then stacked).
         self.layer_groups = layer_groups(model.config)
         self.weight_paths = kernel_weight_paths(model.config)
-        self.every_step_fused = mesh is None and len(self.layer_groups) == 1 and (
+        self.moe = model.config.num_experts > 0  # the layer kernel runs dense MLPs only
+        self.every_step_fused = mesh is None and not self.moe and len(self.layer_groups) == 1 and (
             self.int8_layers or max_num_batched_tokens <= cpu_kernels.max_kernel_rows())
         self.layer_stack = getattr(model, "layer_stack", None) if self.every_step_fused else None
         if self.layer_stack is None and _matrices_in_parts(model):
@@ -201,7 +204,8 @@ class CpuLayerExecutor(XlaExecutor):
         return KVCache(k=jnp.zeros(stacked, dtype), v=jnp.zeros(stacked, dtype))
 
     def layer_kernel_takes(self, num_tokens: int) -> bool:
-        return self.mesh is None and (self.int8_layers or num_tokens <= cpu_kernels.max_kernel_rows())
+        return self.mesh is None and not self.moe and (
+            self.int8_layers or num_tokens <= cpu_kernels.max_kernel_rows())
 
     def _forward(self, params: list, kv_cache: KVCache, batch: StepBatch) -> tuple[KVCache, jax.Array]:
         tree = jax.tree.unflatten(self._params_tree, params)

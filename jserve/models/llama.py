@@ -1,12 +1,13 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, Granite, Gemma 1/2/3, SmolLM3): one decoder
-whose differences are config flags.
+"""The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, Granite, Gemma 1/2/3, SmolLM3, and the mixtures of
+experts Mixtral, Qwen2-MoE and Qwen3-MoE): one decoder whose differences are config flags.
 
 Qwen2 adds q/k/v biases, Qwen3 normalizes q and k per head before rotary, Mistral may use a sliding window; Gemma
 scales its embeddings, uses GELU, windows some layers and not others (Gemma 3 rotating them with their own base),
 soft-caps scores and logits (Gemma 2) and normalizes each block's output too (Gemma 2/3); SmolLM3 leaves rotary
-embedding out of every fourth layer. Everything else is shared, so one module serves them all (Phi-3's and
-Granite's differences are folded into the weights at load). q/k/v and gate/up projections are fused into one
-matmul each (the checkpoint loader concatenates them) because small dots pay a fixed cost on XLA CPU.
+embedding out of every fourth layer; the MoE families' MLP is a mixture of experts (jserve.models.moe). Everything
+else is shared, so one module serves them all (Phi-3's and Granite's differences are folded into the weights at
+load). q/k/v and gate/up projections are fused into one matmul each (the checkpoint loader concatenates them)
+because small dots pay a fixed cost on XLA CPU.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from jserve.models.layers import (
     soft_cap,
     split_fused,
 )
+from jserve.models.moe import SparseMoeBlock
 from jserve.models.quantization import quantized_matmul
 from pallas_kernels import ragged_paged_attention, write_kv
 
@@ -71,13 +73,13 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, config: ModelConfig, dtype: jnp.dtype):
-        self.intermediate_size = config.intermediate_size
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, intermediate_size: int | None = None):
+        self.intermediate_size = intermediate_size or config.intermediate_size  # a shared expert's own width
         self.hidden_act = config.hidden_act
         self.fused_shards = config.fused_shards  # [gate | up] row blocks (see split_fused)
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, dtype=dtype,
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, dtype=dtype,
                                    axes=("mlp", "embed"), bias=config.mlp_bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, dtype=dtype,
+        self.down_proj = Linear(self.intermediate_size, config.hidden_size, dtype=dtype,
                                 axes=("embed", "mlp"), bias=config.mlp_bias)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -93,7 +95,8 @@ class DecoderLayer(nnx.Module):
         # Llama's post_attention_layernorm is the MLP's input norm; with Gemma 2/3's sandwich norms it normalizes the
         # attention output, and pre_ / post_feedforward_layernorm surround the MLP.
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, dtype)
+        # Mixtral / Qwen-MoE: a mixture of experts (Mixtral's block_sparse_moe is read under this name too)
+        self.mlp = SparseMoeBlock(config, dtype, MLP) if config.layer_moe(layer) else MLP(config, dtype)
         if config.sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -102,12 +105,17 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, k_pages, v_pages, batch, inv_freq):
         attn_out, k_pages, v_pages = self.self_attn(self.input_layernorm(x), k_pages, v_pages, batch, inv_freq)
+        if isinstance(self.mlp, SparseMoeBlock):  # padding tokens (after the batch's last) reach no expert
+            real = jnp.arange(x.shape[0]) < batch.query_start[-1]
+            mlp = lambda h: self.mlp(h, real)  # noqa: E731
+        else:
+            mlp = self.mlp
         if self.pre_feedforward_layernorm is None:
             x = x + attn_out
-            x = x + self.mlp(self.post_attention_layernorm(x))
+            x = x + mlp(self.post_attention_layernorm(x))
         else:
             x = x + self.post_attention_layernorm(attn_out)
-            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            x = x + self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(x)))
         return x, k_pages, v_pages
 
 

@@ -48,20 +48,21 @@ CPU_REDUCE_MAX_TOKENS = 16
 
 
 def quantize_rows(w: np.ndarray, scheme: str = "int8") -> tuple[np.ndarray, np.ndarray]:
-    """w[out, in] (any float dtype) -> (quantized weight[out, in], float32 scale[out]) with w ~= q * scale[:, None].
+    """w[..., out, in] (any float dtype) -> (quantized weight[..., out, in], float32 scale[..., out]) with
+    w ~= q * scale[..., None] (a stack of experts' matrices is quantized matrix by matrix).
 
     Symmetric per output channel: scale = max|row| / qmax; an all-zero row gets scale 1 (q = 0 either way)."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization {scheme!r}; expected one of {tuple(SCHEMES)}")
-    if w.ndim != 2:
-        raise ValueError(f"quantize_rows: expected a 2-D [out, in] matrix, got shape {w.shape}")
+    if w.ndim < 2:
+        raise ValueError(f"quantize_rows: expected an [out, in] matrix, got shape {w.shape}")
     qdtype, qmax = SCHEMES[scheme]
     w32 = np.asarray(w, np.float32)
-    amax = np.max(np.abs(w32), axis=1)
+    amax = np.max(np.abs(w32), axis=-1)
     if not np.all(np.isfinite(amax)):
         raise ValueError("quantize_rows: the weight holds inf or NaN")
     scale = np.where(amax > 0, amax / qmax, 1.0).astype(np.float32)
-    scaled = w32 / scale[:, None]
+    scaled = w32 / scale[..., None]
     if qdtype == jnp.int8:
         return np.clip(np.rint(scaled), -qmax, qmax).astype(np.int8), scale
     return np.asarray(jnp.asarray(np.clip(scaled, -qmax, qmax)).astype(qdtype)), scale
@@ -80,9 +81,9 @@ def _device_quantizer(scheme: str, shardings: tuple | None) -> Callable:
 
     def quantize(w: jax.Array) -> tuple[jax.Array, jax.Array]:
         w32 = w.astype(jnp.float32)
-        amax = jnp.max(jnp.abs(w32), axis=1)
+        amax = jnp.max(jnp.abs(w32), axis=-1)
         scale = jnp.where(amax > 0, amax / qmax, 1.0).astype(jnp.float32)
-        scaled = w32 / scale[:, None]
+        scaled = w32 / scale[..., None]
         q = jnp.clip(jnp.rint(scaled), -qmax, qmax) if qdtype == jnp.int8 else jnp.clip(scaled, -qmax, qmax)
         return q.astype(qdtype), scale
 
@@ -91,7 +92,7 @@ def _device_quantizer(scheme: str, shardings: tuple | None) -> Callable:
 
 def dequantize_rows(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """The float32 matrix a quantized weight stands for."""
-    return np.asarray(q, np.float32) * np.asarray(scale, np.float32)[:, None]
+    return np.asarray(q, np.float32) * np.asarray(scale, np.float32)[..., None]
 
 
 def quantized_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, compute_dtype: jnp.dtype) -> jax.Array:
@@ -136,12 +137,11 @@ def quantize_model(model: nnx.Module, scheme: str, head: bool | None = None) -> 
     for path, module in nnx.iter_graph(model):
         if not getattr(module, "quantizable", False) or not path or path[0] != "layers":
             continue
-        weight = module.weight
+        weight = module.weight  # [out, in], or an ExpertLinear's [experts, out, in]
         axes = weight.get_metadata().get("logical_axes")
-        out_features = weight.shape[0]
         module.compute_dtype = jnp.dtype(weight.dtype)
         module.weight = nnx.Param(jnp.zeros(weight.shape, qdtype), logical_axes=axes)
-        module.scale = nnx.Param(jnp.ones((out_features,), jnp.float32), logical_axes=axes[:1])
+        module.scale = nnx.Param(jnp.ones(weight.shape[:-1], jnp.float32), logical_axes=axes[:-1])
         paths.append((*path, "weight"))
     return paths
 

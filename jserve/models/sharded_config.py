@@ -21,6 +21,9 @@ def shard_model_config(config: ModelConfig, tensor_parallel_size: int) -> ModelC
     tp = tensor_parallel_size
     if tp == 1:
         return config
+    for field in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        if getattr(config, field) % tp:  # each device takes an equal slice of every expert's columns
+            raise ValueError(f"tensor_parallel_size {tp} does not divide {field}={getattr(config, field)}")
     replicas = kv_head_replicas(config.num_heads, config.num_kv_heads, config.intermediate_size, tp)
     return dataclasses.replace(config, num_kv_heads=config.num_kv_heads * replicas, kv_head_replicas=replicas,
                                fused_shards=tp)

@@ -1,0 +1,147 @@
+"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks each token's top-k experts, each a
+SwiGLU MLP of its own, and the token's output is their weighted sum (plus Qwen2-MoE's gated shared expert).
+
+Experts run grouped: every (token, chosen expert) pair is sorted by expert into tiles of `tile_rows(...)` rows,
+each tile holding one expert's tokens (a group's last tile padded), and a loop over the tiles multiplies each by
+its expert's matrices. A step then reads only the experts its tokens chose (a decode step of one token, k of
+them), each about once, and computes at most about twice the rows it needs, where `jax.lax.ragged_dot` on CPU
+computes every token against every expert. A tile past the used ones, and the pairs of padding tokens, are
+skipped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jserve.config import ModelConfig
+from jserve.models.layers import Linear, matmul, param
+from jserve.models.quantization import quantized_matmul
+
+
+class Router(Linear):
+    """The router's (and Qwen2-MoE's shared-expert gate's) linear map: kept in float under weight quantization,
+    since its rounding would change which experts a token reaches (vLLM keeps it unquantized too)."""
+
+    quantizable = False
+
+
+class ExpertLinear(nnx.Module):
+    """One projection of every expert: weight [num_experts, out, in] (each expert's Hugging Face [out, in])."""
+
+    quantizable = True  # jserve.models.quantization: int8 / fp8 with float32 scale [num_experts, out]
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, *, dtype: jnp.dtype,
+                 axes: tuple[str, str]):
+        self.weight = param((num_experts, out_features, in_features), dtype, ("expert", *axes))
+        self.scale: nnx.Param | None = nnx.data(None)
+        self.compute_dtype = jnp.dtype(dtype)
+
+    def arrays(self) -> tuple[jax.Array, jax.Array | None]:
+        return self.weight[...], None if self.scale is None else self.scale[...]
+
+
+def expert_matmul(x: jax.Array, weight: jax.Array, scale: jax.Array | None, expert: jax.Array,
+                  compute_dtype: jnp.dtype) -> jax.Array:
+    """x[rows, in] @ expert `expert`'s weight[out, in]^T -> float32[rows, out]."""
+    w = jax.lax.dynamic_index_in_dim(weight, expert, keepdims=False)
+    if scale is None:
+        return matmul(x, w)
+    return quantized_matmul(x, w, jax.lax.dynamic_index_in_dim(scale, expert, keepdims=False), compute_dtype)
+
+
+class Experts(nnx.Module):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype):
+        e, hidden, width = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_proj = ExpertLinear(e, hidden, width, dtype=dtype, axes=("mlp", "embed"))
+        self.up_proj = ExpertLinear(e, hidden, width, dtype=dtype, axes=("mlp", "embed"))
+        self.down_proj = ExpertLinear(e, width, hidden, dtype=dtype, axes=("embed", "mlp"))
+
+
+def tile_rows(num_pairs: int, num_experts: int) -> int:
+    """Rows of a tile: 1 where the pairs are no more than the experts (decode), else the power of two nearest
+    above the pairs an expert gets on average."""
+    return 1 << max(0, math.ceil(math.log2(max(1.0, num_pairs / num_experts))))
+
+
+def route(logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+    """Router logits [T, E] -> (weights float32[T, k], expert ids int32[T, k]): the softmax's k largest, summing to
+    1 with normalize (transformers' order: softmax over every expert, then top-k)."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, k)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, ids.astype(jnp.int32)
+
+
+def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, valid: jax.Array, experts: Experts,
+                    activation) -> jax.Array:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t with valid[t] -> float32[T, H] (zeros for
+    the others). x [T, H]; weights, ids [T, k]; valid bool[T]."""
+    num_tokens, k = ids.shape
+    (gate_w, gate_s), (up_w, up_s) = experts.gate_proj.arrays(), experts.up_proj.arrays()
+    down_w, down_s = experts.down_proj.arrays()
+    compute_dtype = experts.gate_proj.compute_dtype
+    num_experts, hidden = gate_w.shape[0], x.shape[-1]
+    pairs = num_tokens * k
+    rows = tile_rows(pairs, num_experts)
+    capacity = -(-(pairs + num_experts * (rows - 1)) // rows) * rows  # every group padded to whole tiles
+    num_tiles = capacity // rows
+
+    pair_expert = jnp.where(valid[:, None], ids, num_experts).reshape(-1)  # [P]; num_experts: dropped
+    order = jnp.argsort(pair_expert, stable=True)
+    sorted_expert = pair_expert[order]
+    counts = jnp.bincount(pair_expert, length=num_experts + 1)[:num_experts]  # [E]
+    padded = (counts + rows - 1) // rows * rows
+    padded_end = jnp.cumsum(padded)
+    padded_start, group_start = padded_end - padded, jnp.cumsum(counts) - counts
+    expert = jnp.minimum(sorted_expert, num_experts - 1)
+    dest = jnp.where(sorted_expert < num_experts,
+                     padded_start[expert] + jnp.arange(pairs) - group_start[expert], capacity)  # [P]
+    tokens = order // k
+    x_rows = jnp.zeros((capacity, hidden), x.dtype).at[dest].set(x[tokens], mode="drop")
+    # each tile's expert: the first whose padded rows end after the tile's start (num_experts past the last)
+    tile_expert = jnp.searchsorted(padded_end, jnp.arange(num_tiles) * rows, side="right").astype(jnp.int32)
+
+    def tile(_, inputs):
+        x_tile, e = inputs
+
+        def run() -> jax.Array:
+            gate = expert_matmul(x_tile, gate_w, gate_s, e, compute_dtype)
+            up = expert_matmul(x_tile, up_w, up_s, e, compute_dtype)
+            return expert_matmul(activation(gate) * up, down_w, down_s, e, compute_dtype)
+
+        return None, jax.lax.cond(e < num_experts, run, lambda: jnp.zeros((rows, hidden), jnp.float32))
+
+    _, y = jax.lax.scan(tile, None, (x_rows.reshape(num_tiles, rows, hidden), tile_expert))
+    pair_out = jnp.take(y.reshape(capacity, hidden), dest, axis=0, mode="fill", fill_value=0)
+    pair_out = pair_out * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((num_tokens, hidden), jnp.float32).at[tokens].add(pair_out)
+
+
+class SparseMoeBlock(nnx.Module):
+    """Hugging Face's names: `gate` (the router), `experts`, and Qwen2-MoE's `shared_expert` and
+    `shared_expert_gate`."""
+
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, dense_mlp: type[nnx.Module]):
+        self.num_experts_per_tok = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.hidden_act = config.hidden_act
+        self.gate = Router(config.hidden_size, config.num_experts, dtype=dtype, axes=(None, "embed"))
+        self.experts = Experts(config, dtype)
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = dense_mlp(config, dtype, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = Router(config.hidden_size, 1, dtype=dtype, axes=(None, "embed"))
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+
+    def __call__(self, x: jax.Array, valid: jax.Array) -> jax.Array:
+        weights, ids = route(self.gate(x), self.num_experts_per_tok, self.norm_topk_prob)
+        activation = jax.nn.silu if self.hidden_act == "silu" else lambda g: jax.nn.gelu(g, approximate=True)
+        out = grouped_experts(x, weights, ids, valid, self.experts, activation)
+        if self.shared_expert is not None:
+            out = out + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

@@ -1,0 +1,152 @@
+"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE): the router and the grouped expert loop against a NumPy
+loop over tokens, batches against each request alone, and the config fields against transformers' models.
+Logits and greedy tokens against transformers run in tests/test_parity.py (the mixtral, qwen2_moe and qwen3_moe
+variants), GGUF files in tests/test_gguf.py, int8 / fp8 experts in tests/test_quantization.py."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jserve.config import ModelConfig, ModelLoadError
+from jserve.models.moe import Experts, grouped_experts, route, tile_rows
+from jserve.sampling_params import SamplingParams
+
+E, H, WIDTH = 6, 16, 24
+
+
+def numpy_route(logits: np.ndarray, k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    weights = np.take_along_axis(probs, ids, -1)
+    return (weights / weights.sum(-1, keepdims=True) if normalize else weights), ids
+
+
+def _experts(rng: np.random.Generator) -> tuple[Experts, dict[str, np.ndarray]]:
+    config = ModelConfig(model_type="qwen3_moe", vocab_size=8, hidden_size=H, intermediate_size=8, num_layers=1,
+                         num_heads=1, num_kv_heads=1, head_dim=H, num_experts=E, num_experts_per_tok=2,
+                         moe_intermediate_size=WIDTH)
+    experts = Experts(config, jnp.float32)
+    arrays = {name: rng.normal(0, 0.3, getattr(experts, name).weight.shape).astype(np.float32)
+              for name in ("gate_proj", "up_proj", "down_proj")}
+    for name, array in arrays.items():
+        getattr(experts, name).weight = nnx.Param(jnp.asarray(array))
+    return experts, arrays
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_route_is_softmax_then_top_k(normalize):
+    logits = np.random.default_rng(0).normal(0, 2, (9, E)).astype(np.float32)
+    weights, ids = route(jnp.asarray(logits), 3, normalize)
+    want_weights, want_ids = numpy_route(logits, 3, normalize)
+    np.testing.assert_array_equal(np.asarray(ids), want_ids)
+    np.testing.assert_allclose(np.asarray(weights), want_weights, rtol=1e-6)
+
+
+# 2 tokens x 2: fewer pairs than experts (a tile a pair); 5 x 3: tiles of 4 rows; 40 x 2: tiles of 16, most experts
+# split over several tiles. Some tokens are padding, and with few tokens some experts get none.
+@pytest.mark.parametrize("num_tokens, k", [(2, 2), (5, 3), (40, 2)])
+def test_grouped_experts_match_a_loop_over_tokens(num_tokens, k):
+    rng = np.random.default_rng(num_tokens)
+    experts, w = _experts(rng)
+    x = rng.normal(0, 1, (num_tokens, H)).astype(np.float32)
+    weights, ids = numpy_route(rng.normal(0, 1, (num_tokens, E)).astype(np.float32), k, True)
+    valid = np.arange(num_tokens) < num_tokens - 1  # the last token is padding
+    got = jax.jit(lambda x, w, i, v: grouped_experts(x, w, i, v, experts, jax.nn.silu))(
+        jnp.asarray(x), jnp.asarray(weights, jnp.float32), jnp.asarray(ids, jnp.int32), jnp.asarray(valid))
+    want = np.zeros((num_tokens, H), np.float32)
+    for t in range(num_tokens - 1):
+        for weight, e in zip(weights[t], ids[t], strict=True):
+            gate, up = w["gate_proj"][e] @ x[t], w["up_proj"][e] @ x[t]
+            want[t] += weight * (w["down_proj"][e] @ (gate / (1 + np.exp(-gate)) * up))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+    assert not np.asarray(got)[-1].any()  # padding reaches no expert
+
+
+def test_tile_rows():
+    assert tile_rows(8, 8) == 1 and tile_rows(4, 128) == 1  # decode: a tile a pair
+    assert tile_rows(9, 8) == 2 and tile_rows(4096, 128) == 32 and tile_rows(4000, 8) == 512
+
+
+def test_config_fields_follow_transformers():
+    import transformers
+
+    mixtral = ModelConfig.from_hf_dict(transformers.MixtralConfig(num_hidden_layers=2).to_dict())
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.moe_intermediate_size,
+            mixtral.norm_topk_prob, mixtral.moe_layers) == (8, 2, 14336, True, None)
+    qwen3 = ModelConfig.from_hf_dict(transformers.Qwen3MoeConfig(
+        num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=True).to_dict())
+    assert qwen3.moe_layers == (False, True, False, False) and qwen3.norm_topk_prob and qwen3.qk_norm
+    # as transformers' own layers: a mixture of experts where its decoder layer built a sparse block
+    hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, num_experts=4, num_hidden_layers=4, decoder_sparse_step=2,
+        mlp_only_layers=[3]))
+    assert [hasattr(layer.mlp, "experts") for layer in hf.model.layers] == list(qwen3.moe_layers)
+    qwen2 = ModelConfig.from_hf_dict(transformers.Qwen2MoeConfig(num_hidden_layers=2).to_dict())
+    assert (qwen2.shared_expert_intermediate_size, qwen2.qkv_bias, qwen2.norm_topk_prob) == (5632, True, False)
+
+
+@pytest.mark.parametrize("bend, message", [
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok \\(9\\) exceeds the 8 experts"),
+    ({"num_experts": 0}, "num_experts must be a positive integer"),
+    ({"mlp_only_layers": [5]}, "mlp_only_layers must list layer indices below 2"),
+    ({"norm_topk_prob": "yes"}, "norm_topk_prob must be true or false"),
+])
+def test_bad_moe_fields_are_named(bend, message):
+    import transformers
+
+    cfg = transformers.Qwen3MoeConfig(num_hidden_layers=2).to_dict()
+    cfg.pop("num_local_experts", None)  # transformers 5's name; the published checkpoints say num_experts
+    cfg = {**cfg, "num_experts": 8, **bend}
+    with pytest.raises(ModelLoadError, match=message):
+        ModelConfig.from_hf_dict(cfg)
+
+
+@pytest.mark.parametrize("executor", ["auto", "reference"], ids=["cpu-kernels", "xla"])
+def test_batched_requests_equal_each_alone(hf_model_dir, llm_factory, executor):
+    """Routing is per token: 12 requests batched (tiles shared between sequences, padding tokens) give each one's
+    tokens alone, sampled with seeds too."""
+    llm = llm_factory(hf_model_dir("qwen3_moe"), attention_backend=executor)
+    rng = np.random.default_rng(5)
+    prompts = [{"prompt_token_ids": rng.integers(3, 500, int(n)).tolist()} for n in rng.integers(3, 40, 12)]
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=12, ignore_eos=True)
+              for i in range(12)]
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    alone = [llm.generate([p], [s], use_tqdm=False)[0].outputs[0].token_ids for p, s in zip(prompts, params,
+                                                                                             strict=True)]
+    assert batched == alone
+
+
+def test_a_checkpoint_missing_an_expert_is_named(hf_model_dir, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    from jserve.loading import load_model
+
+    source = hf_model_dir("mixtral")
+    tensors = load_file(str(source / "model.safetensors"))
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    for f in source.iterdir():
+        if f.suffix == ".json":
+            (tmp_path / f.name).write_text(f.read_text())
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"missing tensor\(s\) model.layers.1.mlp.experts.N.down_proj.weight"):
+        load_model(tmp_path, "float32")
+
+
+def test_dummy_weights_draw_every_expert(hf_model_dir, tmp_path):
+    """load_format="dummy" from config.json alone: each expert's matrices drawn apart, the router too."""
+    from jserve.loading import load_model
+
+    for f in hf_model_dir("mixtral").iterdir():
+        if f.suffix == ".json":
+            (tmp_path / f.name).write_text(f.read_text())
+    model = load_model(tmp_path, "float32", load_format="dummy")
+    flat = {"/".join(map(str, path)): np.asarray(v) for path, v in nnx.to_flat_state(model.state)}
+    gate = flat["layers/0/mlp/experts/gate_proj/weight"]
+    assert gate.shape == (4, 128, 64) and flat["layers/0/mlp/experts/down_proj/weight"].shape == (4, 64, 128)
+    assert not np.array_equal(gate[0], gate[1]) and flat["layers/0/mlp/gate/weight"].std() > 0
