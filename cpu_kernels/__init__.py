@@ -134,6 +134,8 @@ def _load() -> ctypes.CDLL | KernelUnavailable:
         lib_path = os.environ.get(LIBRARY_ENV) or _built_library()
         lib = ctypes.cdll.LoadLibrary(str(lib_path))
         jax.ffi.register_ffi_target("jserve_matmul", jax.ffi.pycapsule(lib.JserveMatmul), platform="cpu")
+        jax.ffi.register_ffi_target("jserve_expert_matmul", jax.ffi.pycapsule(lib.JserveExpertMatmul),
+                                    platform="cpu")
         jax.ffi.register_ffi_target("jserve_paged_attention", jax.ffi.pycapsule(lib.JservePagedAttention),
                                     platform="cpu")
         jax.ffi.register_ffi_target("jserve_decoder_layers", jax.ffi.pycapsule(lib.JserveDecoderLayers),
@@ -396,6 +398,33 @@ def matmul(x: jax.Array, w: jax.Array, out_features: int | None = None,
     out = jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32)
     int8_round = w.dtype == jnp.int8 and compute_dtype is not None and jnp.dtype(compute_dtype) == jnp.bfloat16
     return jax.ffi.ffi_call("jserve_matmul", out)(rows, w, int8_round=np.int64(int8_round)).reshape(*lead, n)
+
+
+def is_packed_stack(w: jax.Array) -> bool:
+    """A stack of packed weights, [E, ...] of pack_weight's or pack_weight_int8's (a mixture of experts' matrices)."""
+    return w.ndim == 4 and w.shape[3] == PACKED_ROWS and w.dtype in (jnp.uint32, jnp.float32, jnp.int8)
+
+
+def expert_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, out_features: int,
+                  compute_dtype: str | jnp.dtype | None = None) -> jax.Array:
+    """matmul(x, w[expert], out_features, compute_dtype) for a stack of packed weights w[E, ...] and a traced expert
+    index: the kernel reads the expert's blocks in place (an XLA slice of the stack would be copied out first)."""
+    _require()
+    if not is_packed_stack(w):
+        raise ValueError(f"expert_matmul: a stack of packed weights [E, ...] expected, got {w.shape} {w.dtype}")
+    k = w.shape[2] - INT8_SCALE_ROWS if w.dtype == jnp.int8 else (2 if w.dtype == jnp.uint32 else 1) * w.shape[2]
+    if x.shape[-1] != k or w.shape[1] * PACKED_ROWS != -(-out_features // PACKED_ROWS) * PACKED_ROWS:
+        raise ValueError(f"expert_matmul: x[..., {k}] and {out_features} outputs expected for w {w.shape}, got "
+                         f"{x.shape}")
+    if w.dtype == jnp.int8 and compute_dtype is not None:
+        x = x.astype(compute_dtype)
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, k).astype(jnp.float32)
+    out = jax.ShapeDtypeStruct((rows.shape[0], out_features), jnp.float32)
+    int8_round = w.dtype == jnp.int8 and compute_dtype is not None and jnp.dtype(compute_dtype) == jnp.bfloat16
+    index = jnp.asarray(expert, jnp.int32).reshape(1)
+    return jax.ffi.ffi_call("jserve_expert_matmul", out)(rows, w, index, int8_round=np.int64(int8_round)).reshape(
+        *lead, out_features)
 
 
 def argmax(x: jax.Array) -> jax.Array:

@@ -118,6 +118,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveMatmul, MatmulImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("int8_round"));  // int8 weights: x holds bfloat16 values
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveExpertMatmul, ExpertMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()           // [E, ...] packed weights
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // the expert's index, one value
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("int8_round"));
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JservePagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()

@@ -69,6 +69,38 @@ def test_packed_matmul_matches_numpy(rows, in_features, out_features, dtype):
         cpu_kernels.matmul(jnp.asarray(x), jnp.asarray(packed), out_features + 32)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8])
+def test_expert_matmul_reads_the_chosen_expert_of_a_packed_stack(dtype):
+    """A mixture of experts' stack of packed matrices: each traced expert index gives that expert's product (int8:
+    packed with its scales, x rounded to bfloat16 first), and an index past the stack is an error."""
+    if dtype != jnp.int8:
+        _skip_unless_packed(dtype)
+    rng = np.random.default_rng(3)
+    experts, rows, k, n = 5, 3, 64, 70
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = rng.standard_normal((experts, n, k)).astype(np.float32)
+    if dtype == jnp.int8:
+        scale = np.abs(w).max(-1) / 127
+        q = np.rint(w / scale[..., None]).astype(np.int8)
+        stack = np.stack([cpu_kernels.pack_weight_int8(q[e], scale[e]) for e in range(experts)])
+        x_in = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
+        # as tests/test_cpu_int8.py: x quantized in blocks of 32 where the build's int8 matmul does
+        want = [cpu_kernels.int8_activation_reference(x_in, q[e], scale[e]) if cpu_kernels.int8_quantizes_activations()
+                else x_in @ (q[e] * scale[e][:, None]).T for e in range(experts)]
+        compute = jnp.bfloat16
+    else:
+        rounded = np.asarray(jnp.asarray(w).astype(dtype))
+        stack = np.stack([cpu_kernels.pack_weight(rounded[e]) for e in range(experts)])
+        x_in = np.asarray(jnp.asarray(x).astype(dtype), np.float64)
+        want, compute = [x_in @ rounded[e].astype(np.float64).T for e in range(experts)], None
+    call = jax.jit(lambda x, w, e: cpu_kernels.expert_matmul(x, w, e, n, compute))
+    for e in (0, 3, 4):
+        got = np.asarray(call(jnp.asarray(x), jnp.asarray(stack), jnp.int32(e)))
+        np.testing.assert_allclose(got, want[e], rtol=1e-5, atol=1e-4)
+    with pytest.raises(Exception, match="expert index out of range"):
+        np.asarray(call(jnp.asarray(x), jnp.asarray(stack), jnp.int32(experts)))
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_a_row_gets_the_same_bits_in_any_batch(dtype):
     """Decode batches of 1-4 rows (matmul_packed.h's RowBlocks) add the same products in the same order as the tiles

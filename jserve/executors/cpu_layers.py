@@ -123,12 +123,13 @@ class CpuLayerExecutor(XlaExecutor):
         if quantization not in (None, "int8"):
             raise ValueError(f"executor 'cpu-layers' has no {quantization} matmul kernels; quantization "
                              f"{quantization!r} needs executor 'xla'")
-        config = model_config(model_dir, max_model_len)
-        # sharded: XLA partitions the dots, the attention kernel runs on each device's heads; a mixture of experts
-        # (which the layer kernel does not take): the Flax model with the attention kernel, its weights as loaded
-        if mesh is not None or config.num_experts:
+        if mesh is not None:  # sharded: XLA partitions the dots, the attention kernel runs on each device's heads
             return load_model(model_dir, dtype, attention_backend, mesh=mesh, load_format=load_format,
                               quantization=quantization, max_model_len=max_model_len)
+        config = model_config(model_dir, max_model_len)
+        if config.num_experts:  # the layer kernel runs dense MLPs only
+            return _load_packed_for_flax(model_dir, config, dtype, attention_backend, load_format, quantization,
+                                         max_model_len)
         param_dtype = jnp.dtype(dtype)
         packed = _packed_paths(config, param_dtype) if cpu_kernels.packs_weights(param_dtype) else set()
         # int8 may come from the checkpoint itself (compressed-tensors, a quantized conversion): its matrices reach
@@ -310,6 +311,55 @@ def _layer_stack(stacks: LayerStacks, config: ModelConfig) -> cpu_kernels.LayerW
     matrices = (weights.qkv, weights.o, weights.gate_up, weights.down)
     whole = matrix_parts is not None or all(w is not None for w in matrices)
     return weights if whole and weights.input_norm is not None and weights.post_norm is not None else None
+
+
+def _load_packed_for_flax(model_dir: str | Path, config: ModelConfig, dtype: str, attention_backend: str,
+                          load_format: str, quantization: str | None, max_model_len: int | None) -> LoadedModel:
+    """A model the layer kernel does not take (a mixture of experts), for the Flax model with its matmuls on the C++
+    kernels: every projection, each expert's matrices (a stack of packed ones) and the LM head packed, which
+    Linear, the experts and the head then multiply by through cpu_kernels.matmul / expert_matmul."""
+    packed = _flax_packed_paths(config, jnp.dtype(dtype)) if cpu_kernels.packs_weights(dtype) else set()
+    arena = HugePageArena()
+
+    def experts(path: tuple) -> bool:
+        return path[-3:-2] == ("experts",)
+
+    def place(path: tuple, source: ParamSource) -> jax.Array:
+        array = source.read()
+        if path not in packed:
+            return jax.device_put(array)
+        return arena.place(np.stack([cpu_kernels.pack_weight(w) for w in array]) if experts(path)
+                           else cpu_kernels.pack_weight(array))
+
+    def place_quantized(path: tuple, q: np.ndarray, scale: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        if q.dtype != np.int8:
+            raise ModelLoadError(f"executor 'cpu-layers' takes int8 weights, not {q.dtype} ({path})")
+        packed_q = (np.stack([cpu_kernels.pack_weight_int8(w, s) for w, s in zip(q, scale, strict=True)])
+                    if experts(path) else cpu_kernels.pack_weight_int8(q, scale))
+        return arena.place(packed_q), jax.device_put(scale)
+
+    return load_model(model_dir, dtype, attention_backend, load_format=load_format, place=place,
+                      quantization=quantization, place_quantized=place_quantized, max_model_len=max_model_len)
+
+
+def _flax_packed_paths(config: ModelConfig, dtype: jnp.dtype) -> set[tuple]:
+    """What _load_packed_for_flax packs: the layers' projections (attention, dense MLPs, shared experts), the
+    experts' stacks and the LM head."""
+    paths = {("embed_tokens",) if config.tie_word_embeddings else ("lm_head",)}
+    for i in range(config.num_layers):
+        paths |= {("layers", i, "self_attn", name, "weight") for name in ("qkv_proj", "o_proj")}
+        mlp = ("layers", i, "mlp")
+        if not config.layer_moe(i):
+            paths |= {(*mlp, name, "weight") for name in ("gate_up_proj", "down_proj")}
+            continue
+        paths |= {(*mlp, "experts", name, "weight") for name in ("gate_proj", "up_proj", "down_proj")}
+        if config.shared_expert_intermediate_size:
+            paths |= {(*mlp, "shared_expert", name, "weight") for name in ("gate_up_proj", "down_proj")}
+    sizes = (config.hidden_size, config.q_size, config.intermediate_size, config.moe_intermediate_size,
+             config.shared_expert_intermediate_size)
+    if dtype == jnp.bfloat16 and any(size % 2 for size in sizes):
+        return set()  # the bfloat16 layout pairs adjacent inputs
+    return paths
 
 
 def _packed_paths(config: ModelConfig, dtype: jnp.dtype) -> set[tuple]:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import cpu_kernels
 from jserve.config import ModelConfig
 from jserve.config_json import GEMMA_TYPES, RopeScaling
 from jserve.models.quantization import quantized_matmul
@@ -36,6 +37,8 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 def embed_lookup(table: jax.Array, token_ids: jax.Array, scale: jax.Array | None = None) -> jax.Array:
     """Rows of the embedding table as float32 (times their rows' scales where the table is quantized). A bfloat16
     table is gathered as uint16 bits: XLA CPU would otherwise convert the whole table to float32 on every step."""
+    if cpu_kernels.is_packed(table):  # the CPU layer executor's tied table, packed for its LM head (int8: scaled)
+        return cpu_kernels.packed_rows(table, token_ids)
     if scale is not None:
         return table[token_ids].astype(jnp.float32) * scale[token_ids][:, None]
     if table.dtype != jnp.bfloat16:
@@ -69,12 +72,16 @@ class Linear(nnx.Module):
         # weight, and the float dtype the weight is converted to inside the dot.
         self.scale: nnx.Param | None = nnx.data(None)
         self.compute_dtype = jnp.dtype(dtype)
+        self.out_features = out_features
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        if self.scale is not None:
-            y = quantized_matmul(x, self.weight[...], self.scale[...], self.compute_dtype)
+        w = self.weight[...]
+        if cpu_kernels.is_packed(w):  # packed by the CPU layer executor (an int8 one holds its scales)
+            y = cpu_kernels.matmul(x, w, self.out_features, self.compute_dtype)
+        elif self.scale is not None:
+            y = quantized_matmul(x, w, self.scale[...], self.compute_dtype)
         else:
-            y = matmul(x, self.weight[...])
+            y = matmul(x, w)
         return y if self.bias is None else y + self.bias[...]
 
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import cpu_kernels
 from jserve.config import ModelConfig
 from jserve.models.batch import KVCache, StepBatch
 from jserve.models.layers import (
@@ -150,7 +151,9 @@ class LlamaForCausalLM(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 logits [S, V] of the final hidden states [S, E] (only the positions that predict a token)."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        if self.head_scale is not None:
+        if cpu_kernels.is_packed(head[...]):  # packed by the CPU layer executor (int8: with its scales)
+            logits = cpu_kernels.matmul(self.norm(hidden), head[...], self.config.vocab_size, self.head_compute_dtype)
+        elif self.head_scale is not None:
             logits = quantized_matmul(self.norm(hidden), head[...], self.head_scale[...], self.head_compute_dtype)
         else:
             logits = matmul(self.norm(hidden), head[...])

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import cpu_kernels
 from jserve.config import ModelConfig
 from jserve.models.layers import Linear, matmul, param
 from jserve.models.quantization import quantized_matmul
@@ -39,14 +40,18 @@ class ExpertLinear(nnx.Module):
         self.weight = param((num_experts, out_features, in_features), dtype, ("expert", *axes))
         self.scale: nnx.Param | None = nnx.data(None)
         self.compute_dtype = jnp.dtype(dtype)
+        self.out_features = out_features
 
     def arrays(self) -> tuple[jax.Array, jax.Array | None]:
         return self.weight[...], None if self.scale is None else self.scale[...]
 
 
 def expert_matmul(x: jax.Array, weight: jax.Array, scale: jax.Array | None, expert: jax.Array,
-                  compute_dtype: jnp.dtype) -> jax.Array:
-    """x[rows, in] @ expert `expert`'s weight[out, in]^T -> float32[rows, out]."""
+                  compute_dtype: jnp.dtype, out_features: int) -> jax.Array:
+    """x[rows, in] @ expert `expert`'s weight[out, in]^T -> float32[rows, out]. The CPU layer executor's experts
+    are stacks of packed matrices (an int8 one holding its scales), which the C++ matmul reads in place."""
+    if cpu_kernels.is_packed_stack(weight):
+        return cpu_kernels.expert_matmul(x, weight, expert, out_features, compute_dtype)
     w = jax.lax.dynamic_index_in_dim(weight, expert, keepdims=False)
     if scale is None:
         return matmul(x, w)
@@ -84,7 +89,7 @@ def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, valid: jax
     num_tokens, k = ids.shape
     (gate_w, gate_s), (up_w, up_s) = experts.gate_proj.arrays(), experts.up_proj.arrays()
     down_w, down_s = experts.down_proj.arrays()
-    compute_dtype = experts.gate_proj.compute_dtype
+    compute_dtype, width = experts.gate_proj.compute_dtype, experts.gate_proj.out_features
     num_experts, hidden = gate_w.shape[0], x.shape[-1]
     pairs = num_tokens * k
     rows = tile_rows(pairs, num_experts)
@@ -110,9 +115,9 @@ def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, valid: jax
         x_tile, e = inputs
 
         def run() -> jax.Array:
-            gate = expert_matmul(x_tile, gate_w, gate_s, e, compute_dtype)
-            up = expert_matmul(x_tile, up_w, up_s, e, compute_dtype)
-            return expert_matmul(activation(gate) * up, down_w, down_s, e, compute_dtype)
+            gate = expert_matmul(x_tile, gate_w, gate_s, e, compute_dtype, width)
+            up = expert_matmul(x_tile, up_w, up_s, e, compute_dtype, width)
+            return expert_matmul(activation(gate) * up, down_w, down_s, e, compute_dtype, hidden)
 
         return None, jax.lax.cond(e < num_experts, run, lambda: jnp.zeros((rows, hidden), jnp.float32))
 
