@@ -189,8 +189,9 @@ def test_the_cpu_layer_executor_packs_experts_for_its_matmuls(hf_model_dir):
 def test_int8_experts_on_both_executors(hf_model_dir):
     """int8 weights (experts included, per row): the CPU layer executor's packed int8 matmuls against the XLA
     executor's quantized dots, which differ by the C++ kernel's quantization of x where the CPU has VNNI."""
-    from jserve.executors import CpuLayerExecutor, XlaExecutor
     from test_parity import _prompts
+
+    from jserve.executors import CpuLayerExecutor, XlaExecutor
 
     model_dir = hf_model_dir("qwen2_moe")
     logits = {}
