@@ -16,6 +16,7 @@ from jserve.config_json import (
     gemma3_text_config,
     gemma_fields,
     granite_multipliers,
+    mistral3_text_config,
     moe_fields,
     positive_float,
     positive_int,
@@ -166,6 +167,8 @@ class ModelConfig:
     def from_hf_dict(cls, cfg: dict, source: str = "config.json") -> ModelConfig:
         if cfg.get("model_type") == "gemma3" and isinstance(cfg.get("text_config"), dict):
             cfg = gemma3_text_config(cfg)
+        if cfg.get("model_type") == "mistral3" and isinstance(cfg.get("text_config"), dict):
+            cfg = mistral3_text_config(cfg)
         model_type = cfg.get("model_type")
         if model_type == "gemma3_text":
             cfg = gemma3_rope(cfg, source)

@@ -160,6 +160,16 @@ def gemma3_text_config(cfg: dict) -> dict:
     return {**GEMMA3_TEXT_DEFAULTS, **top, **cfg["text_config"], "model_type": "gemma3_text"}
 
 
+def mistral3_text_config(cfg: dict) -> dict:
+    """The language model of a Mistral 3 image-text checkpoint (Mistral3ForConditionalGeneration: Mistral Small 3.1
+    and 3.2, Devstral Small, Magistral Small) as its own config: the text_config (a Mistral), with the checkpoint's
+    end-of-turn ids and its top-level tie_word_embeddings where it states one (transformers 5 ties by it). jserve
+    serves its text; the vision tower and projector are left unread."""
+    top = {key: cfg[key] for key in ("eos_token_id", "bos_token_id") if key in cfg}
+    tie = {"tie_word_embeddings": cfg["tie_word_embeddings"]} if "tie_word_embeddings" in cfg else {}
+    return {"model_type": "mistral", **top, **cfg["text_config"], **tie}
+
+
 def gemma3_rope(cfg: dict, source: str) -> dict:
     """Gemma 3's two rotary settings as the fields the other families use: rope_theta and rope_scaling for its
     global layers, rope_local_base_freq (no scaling) for its windowed ones. transformers >= 5 writes them as

@@ -145,3 +145,26 @@ def build_gemma3_image_text(out_dir: Path, seed: int = 0) -> Path:
     model.eval()
     model.save_pretrained(out_dir, safe_serialization=True)
     return Path(out_dir)
+
+
+def build_mistral3_image_text(out_dir: Path, seed: int = 0) -> Path:
+    """A tiny Mistral3ForConditionalGeneration (Mistral Small 3.1 / 3.2's class): the mistral variant's language
+    model (its window off, as those checkpoints have it) beside a one-layer Pixtral vision tower, untied."""
+    text = {**make_config("mistral", sliding_window=None).to_dict(), "model_type": "mistral"}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16,
+                  image_size=28, patch_size=14)
+    config = transformers.Mistral3Config(text_config=text, vision_config=vision, image_token_index=VOCAB - 1,
+                                         tie_word_embeddings=False, eos_token_id=[2, 5])
+    torch.manual_seed(seed)
+    model = transformers.Mistral3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 0.08)
+            elif "norm" in name:
+                p.uniform_(0.8, 1.2)
+            else:
+                p.normal_(0.0, 0.05)
+    model.eval()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return Path(out_dir)

@@ -171,3 +171,26 @@ def test_gemma3_image_text_checkpoint_serves_its_language_model(tmp_path):
     save_file(renamed, str(model_dir / "model.safetensors"))
     for ours, theirs in zip(jserve_logits(model_dir, prompts, "float32"), logits, strict=True):
         np.testing.assert_array_equal(ours, theirs)
+
+
+def test_mistral3_image_text_checkpoint_serves_its_language_model(tmp_path):
+    """A Mistral3ForConditionalGeneration checkpoint (Mistral Small 3.1 / 3.2, Devstral and Magistral Small) loads
+    its language model, the vision tower and projector left unread: text logits equal transformers' own image-text
+    model's, and its end-of-turn ids are kept."""
+    import json
+
+    import transformers
+    from hf_models import build_mistral3_image_text
+
+    from jserve.config import ModelConfig
+
+    model_dir = build_mistral3_image_text(tmp_path / "mistral3")
+    saved = json.loads((model_dir / "config.json").read_text())
+    assert saved["model_type"] == "mistral3" and saved["text_config"]["model_type"] == "mistral"
+    config = ModelConfig.from_pretrained(model_dir)
+    assert config.model_type == "mistral" and config.eos_token_ids == (2, 5) and not config.tie_word_embeddings
+    hf = transformers.Mistral3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32,
+                                                                      attn_implementation="eager").eval()
+    prompts = _prompts(6)
+    for prompt, ours in zip(prompts, jserve_logits(model_dir, prompts, "float32"), strict=True):
+        np.testing.assert_allclose(ours, hf_logits(hf, prompt), atol=1e-4, rtol=0)
