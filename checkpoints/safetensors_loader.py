@@ -127,8 +127,10 @@ def iter_tensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
         yield name, data[start:end].view(dtype).reshape(shape)
 
 
-def llama_name_map(tie_word_embeddings: bool) -> Callable[[str], list[Target] | None]:
-    """Map a Hugging Face Llama-family tensor name to where it lands in LlamaForCausalLM's state."""
+def llama_name_map(tie_word_embeddings: bool,
+                   skip_layers_from: int | None = None) -> Callable[[str], list[Target] | None]:
+    """Map a Hugging Face Llama-family tensor name to where it lands in LlamaForCausalLM's state; layers from
+    skip_layers_from on are read as nothing (None: every layer is the decoder's)."""
     fused = {part: dest for dest, parts in FUSED_PARTS.items() for part in parts}
     layer_re = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
     norm_re = re.compile(r"model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm|pre_feedforward_layernorm|"
@@ -137,10 +139,16 @@ def llama_name_map(tie_word_embeddings: bool) -> Callable[[str], list[Target] | 
     # Mixture of experts: each expert's matrix is one slice of a stacked [experts, out, in] parameter (or, from a
     # GGUF file, the whole stack at once); Qwen2-MoE's shared expert is a fused MLP of its own.
     expert_re = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(?:(\d+)\.)?(gate_proj|up_proj|down_proj)\.weight$")
-    shared_re = re.compile(r"model\.layers\.(\d+)\.mlp\.shared_expert\.(gate_proj|up_proj|down_proj)\.weight$")
+    shared_re = re.compile(r"model\.layers\.(\d+)\.mlp\.shared_experts?\.(gate_proj|up_proj|down_proj)\.weight$")
+    correction_re = re.compile(r"model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias$")
+    layer_index_re = re.compile(r"model\.layers\.(\d+)\.")
 
     def target(name: str) -> list[Target] | None:
         name = mixtral_name(name)
+        if skip_layers_from is not None and (m := layer_index_re.match(name)) and int(m[1]) >= skip_layers_from:
+            return []  # GLM-4.5's multi-token-prediction layers, past the decoder's (transformers skips them too)
+        if m := correction_re.match(name):
+            return [(("layers", int(m[1]), "mlp", "gate", "e_score_correction_bias"), None)]
         if m := expert_re.match(name):
             return [(("layers", int(m[1]), "mlp", "experts", m[3], "weight"), None if m[2] is None else int(m[2]))]
         if m := shared_re.match(name):
@@ -283,7 +291,9 @@ def assemble_state(tensors: Iterable[tuple[str, Tensor, str]], config: Checkpoin
     """load_state for tensors of any origin: (Hugging Face name, tensor, where it is for error messages) for each
     tensor of the checkpoint `where`; `describe` names the tensor(s) a parameter missing from it would come from
     (default: their Hugging Face names)."""
-    name_map = llama_name_map(config.tie_word_embeddings)
+    # GLM-4.5 checkpoints hold num_nextn_predict_layers multi-token-prediction layers after the decoder's
+    name_map = llama_name_map(config.tie_word_embeddings,
+                              config.num_layers if config.model_type == "glm4_moe" else None)
     sources: dict[tuple, ParamSource] = {}
     for name, tensor, origin in llama_layout(tensors, config):
         targets = name_map(name)

@@ -29,7 +29,7 @@ from jserve.config_json import (
 )
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3_text",
-                         "smollm3", "mixtral", "qwen2_moe", "qwen3_moe")
+                         "smollm3", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights of config.json's shape (checkpoints/dummy.py)
 # See pallas_kernels/interface.py (ENGINE_BACKENDS).
@@ -93,16 +93,24 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     sandwich_norms: bool = False
     norm_weight_offset: float = 0.0
-    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE; 0 experts: every layer a dense MLP): each token's MLP is
-    # the sum of its num_experts_per_tok experts of num_experts (moe_intermediate_size columns each), weighted by the
-    # router's softmax (renormalized over the chosen ones with norm_topk_prob), plus Qwen2-MoE's shared expert
-    # (shared_expert_intermediate_size; 0: none) gated by a sigmoid. moe_layers: which layers (None: all).
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5; 0 experts: every layer a dense MLP): each token's
+    # MLP is the sum of its num_experts_per_tok experts of num_experts (moe_intermediate_size columns each), weighted
+    # by the router's scores (renormalized over the chosen ones with norm_topk_prob), plus a shared expert
+    # (shared_expert_intermediate_size; 0: none), gated by a sigmoid where shared_expert_gated (Qwen2-MoE).
+    # moe_routing "softmax" scores by the router logits' softmax; "sigmoid_groups" (GLM-4.5, DeepSeek-V3's scheme)
+    # by their sigmoid, choosing among the topk_expert_groups best of num_expert_groups groups by the scores plus a
+    # learned correction bias, the weights times routed_scaling_factor. moe_layers: which layers (None: all).
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
+    shared_expert_gated: bool = True
     moe_layers: tuple[bool, ...] | None = None
+    moe_routing: str = "softmax"
+    num_expert_groups: int = 1
+    topk_expert_groups: int = 1
+    routed_scaling_factor: float = 1.0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Set by jserve.models.sharded_config.shard_model_config for tensor parallelism (1 = the checkpoint's own
@@ -199,9 +207,9 @@ class ModelConfig:
             max_position_embeddings=positive_int(cfg, "max_position_embeddings", source, 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type in ("qwen2", "qwen2_moe") or attention_bias,
-            o_bias=model_type not in ("qwen2", "qwen2_moe") and attention_bias,
+            o_bias=model_type not in ("qwen2", "qwen2_moe", "glm4_moe") and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text") or bool(cfg.get("use_qk_norm", False)),
             sliding_window=sliding_window(cfg, source),
             rotary_dim=rotary_dim(cfg, head_dim, source),
             hidden_act=hidden_act,

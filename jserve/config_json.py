@@ -301,7 +301,7 @@ def windowed_layers(cfg: dict, source: str) -> dict:
     return {"sliding_layers": _sliding_layers(layer_types, num_layers, source)}
 
 
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
 
 
 def moe_fields(cfg: dict, source: str) -> dict:
@@ -313,6 +313,8 @@ def moe_fields(cfg: dict, source: str) -> dict:
     model_type = cfg.get("model_type")
     if model_type not in MOE_TYPES:
         return {}
+    if model_type == "glm4_moe":
+        return _glm4_moe_fields(cfg, source)
     num_layers = positive_int(cfg, "num_hidden_layers", source)
     key = "num_local_experts" if "num_local_experts" in cfg or model_type == "mixtral" else "num_experts"
     experts = positive_int(cfg, key, source, 8 if model_type == "mixtral" else 60)
@@ -335,3 +337,35 @@ def moe_fields(cfg: dict, source: str) -> dict:
     return {"num_experts": experts, "num_experts_per_tok": per_token, "norm_topk_prob": norm,
             "moe_intermediate_size": positive_int(cfg, "moe_intermediate_size", source, 1408 if shared else 768),
             "shared_expert_intermediate_size": shared, "moe_layers": None if all(layers) else layers}
+
+
+def _glm4_moe_fields(cfg: dict, source: str) -> dict:
+    """GLM-4.5's experts (transformers' Glm4MoeConfig defaults): dense MLPs in the first first_k_dense_replace
+    layers, then n_routed_experts experts chosen by sigmoid scores in groups, and n_shared_experts shared experts'
+    worth of columns added ungated."""
+    num_layers = positive_int(cfg, "num_hidden_layers", source)
+    key = "num_local_experts" if "num_local_experts" in cfg else "n_routed_experts"
+    experts = positive_int(cfg, key, source, 128)
+    per_token = positive_int(cfg, "num_experts_per_tok", source, 8)
+    groups = positive_int(cfg, "n_group", source, 1)
+    topk_groups = positive_int(cfg, "topk_group", source, 1)
+    if per_token > experts or experts % groups or topk_groups > groups:
+        raise ModelLoadError(f"{source}: {experts} experts in n_group={groups} groups, topk_group={topk_groups} of "
+                             f"them and num_experts_per_tok={per_token} do not fit together")
+    width = positive_int(cfg, "moe_intermediate_size", source, 1408)
+    dense = cfg.get("first_k_dense_replace", 1)
+    if isinstance(dense, bool) or not isinstance(dense, int) or dense < 0:
+        raise ModelLoadError(f"{source}: first_k_dense_replace must be a non-negative integer, got {dense!r}")
+    norm = cfg.get("norm_topk_prob", True)
+    if not isinstance(norm, bool):
+        raise ModelLoadError(f"{source}: norm_topk_prob must be true or false, got {norm!r}")
+    shared = cfg.get("n_shared_experts", 1) or 0
+    if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+        raise ModelLoadError(f"{source}: n_shared_experts must be a non-negative integer, got {shared!r}")
+    layers = tuple(i >= dense for i in range(num_layers))
+    return {"num_experts": experts, "num_experts_per_tok": per_token, "norm_topk_prob": norm,
+            "moe_intermediate_size": width, "shared_expert_intermediate_size": width * shared,
+            "shared_expert_gated": False, "moe_layers": None if all(layers) else layers,
+            "moe_routing": "sigmoid_groups", "num_expert_groups": groups, "topk_expert_groups": topk_groups,
+            "routed_scaling_factor": positive_float(cfg.get("routed_scaling_factor", 1.0), "routed_scaling_factor",
+                                                    source)}

@@ -17,7 +17,9 @@ VOCAB = 512
 # rotating by their own base, linear scaling on the global ones; smollm3: no rotary embedding in its NoPE layers
 # (the second of two); mixtral: top-2 of 4 experts in every layer, renormalized; qwen2_moe: a dense first layer, then
 # top-2 of 4 experts (not renormalized) beside a gated shared expert; qwen3_moe: top-3 of 8 experts renormalized,
-# its middle layer dense (mlp_only_layers).
+# its middle layer dense (mlp_only_layers); glm4_moe (GLM-4.5): a dense first layer, then top-3 of 8 experts by
+# sigmoid scores within the 2 best of 4 groups (a random correction bias), scaled by 2.5, beside 2 shared experts'
+# worth of ungated columns; q/k/v biases, q/k norm and half the head rotated.
 VARIANTS: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", dict(num_key_value_heads=2)),
     "llama3_rope": ("LlamaConfig", dict(num_key_value_heads=2, rope_scaling={
@@ -51,6 +53,11 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_key_value_heads=2, head_dim=16, num_hidden_layers=3, num_experts=8,
                                          num_experts_per_tok=3, moe_intermediate_size=48, norm_topk_prob=True,
                                          mlp_only_layers=[1])),
+    "glm4_moe": ("Glm4MoeConfig", dict(num_key_value_heads=2, head_dim=16, num_hidden_layers=3, attention_bias=True,
+                                       use_qk_norm=True, partial_rotary_factor=0.5, n_routed_experts=8,
+                                       num_experts_per_tok=3, moe_intermediate_size=48, n_shared_experts=2,
+                                       first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                       norm_topk_prob=True)),
 }
 
 _MODEL_CLASSES = {"LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
@@ -59,7 +66,7 @@ _MODEL_CLASSES = {"LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralFo
                   "GemmaConfig": "GemmaForCausalLM", "Gemma2Config": "Gemma2ForCausalLM",
                   "Gemma3TextConfig": "Gemma3ForCausalLM", "SmolLM3Config": "SmolLM3ForCausalLM",
                   "MixtralConfig": "MixtralForCausalLM", "Qwen2MoeConfig": "Qwen2MoeForCausalLM",
-                  "Qwen3MoeConfig": "Qwen3MoeForCausalLM"}
+                  "Qwen3MoeConfig": "Qwen3MoeForCausalLM", "Glm4MoeConfig": "Glm4MoeForCausalLM"}
 
 
 def make_config(variant: str, **overrides) -> transformers.PretrainedConfig:
@@ -85,6 +92,9 @@ def build_model(variant: str, out_dir: Path, seed: int = 0, **overrides) -> Path
                 p.uniform_(0.8, 1.2)
             else:
                 p.normal_(0.0, 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # GLM-4.5's router bias (zeros as transformers makes it)
+                b.normal_(0.0, 0.1)
     model.eval()
     model.save_pretrained(out_dir, safe_serialization=True)
     return Path(out_dir)

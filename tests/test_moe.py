@@ -48,6 +48,35 @@ def test_route_is_softmax_then_top_k(normalize):
     np.testing.assert_allclose(np.asarray(weights), want_weights, rtol=1e-6)
 
 
+@pytest.mark.parametrize("groups, topk_groups, normalize", [(4, 2, True), (1, 1, False), (8, 3, True)])
+def test_grouped_sigmoid_routing_matches_transformers_router(groups, topk_groups, normalize):
+    """GLM-4.5's router (transformers' own Glm4MoeTopkRouter, a random correction bias): the same experts chosen for
+    each token and the same weights, scaled."""
+    import torch
+    import transformers
+
+    config = transformers.Glm4MoeConfig(hidden_size=16, n_routed_experts=16, num_experts_per_tok=4, n_group=groups,
+                                        topk_group=topk_groups, norm_topk_prob=normalize, routed_scaling_factor=2.5)
+    router = transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeTopkRouter(config)
+    torch.manual_seed(groups)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.5)
+        router.e_score_correction_bias.normal_(0, 0.1)
+    x = torch.randn(24, 16)
+    with torch.no_grad():
+        _, want_weights, want_ids = router(x)
+    logits = x.numpy() @ router.weight.detach().numpy().T
+    from jserve.models.moe import route_sigmoid_groups
+
+    weights, ids = route_sigmoid_groups(jnp.asarray(logits), 4, normalize,
+                                        jnp.asarray(router.e_score_correction_bias.numpy()), groups, topk_groups, 2.5)
+    order, want_order = np.argsort(np.asarray(ids), -1), np.argsort(want_ids.numpy(), -1)  # torch: unsorted top-k
+    np.testing.assert_array_equal(np.take_along_axis(np.asarray(ids), order, -1),
+                                  np.take_along_axis(want_ids.numpy(), want_order, -1))
+    np.testing.assert_allclose(np.take_along_axis(np.asarray(weights), order, -1),
+                               np.take_along_axis(want_weights.numpy(), want_order, -1), rtol=1e-5)
+
+
 # 2 tokens x 2: fewer pairs than experts (a tile a pair); 5 x 3: tiles of 4 rows; 40 x 2: tiles of 16, most experts
 # split over several tiles. Some tokens are padding, and with few tokens some experts get none.
 @pytest.mark.parametrize("num_tokens, k", [(2, 2), (5, 3), (40, 2)])
@@ -151,6 +180,28 @@ def test_a_checkpoint_missing_an_expert_is_named(hf_model_dir, tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ModelLoadError, match=r"missing tensor\(s\) model.layers.1.mlp.experts.N.down_proj.weight"):
         load_model(tmp_path, "float32")
+
+
+def test_glm_multi_token_prediction_layers_are_left_unread(hf_model_dir, tmp_path):
+    """GLM-4.5 checkpoints end with num_nextn_predict_layers layers past the decoder's (multi-token prediction),
+    which transformers does not load either: the checkpoint with one more layer gives the same state."""
+    from safetensors.numpy import load_file, save_file
+
+    from jserve.loading import load_model
+
+    source = hf_model_dir("glm4_moe")
+    tensors = load_file(str(source / "model.safetensors"))
+    extra = {name.replace("model.layers.2.", "model.layers.3.", 1): array for name, array in tensors.items()
+             if name.startswith("model.layers.2.")}
+    for f in source.iterdir():
+        if f.suffix == ".json":
+            (tmp_path / f.name).write_text(f.read_text())
+    save_file({**tensors, **extra, "model.layers.3.eh_proj.weight": np.ones((4, 4), np.float32)},
+              str(tmp_path / "model.safetensors"))
+    want = {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(load_model(source, "float32").state)}
+    got = {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(load_model(tmp_path, "float32").state)}
+    assert want.keys() == got.keys() and all(np.array_equal(want[p], got[p]) for p in want)
+    assert np.asarray(got[("layers", 2, "mlp", "gate", "e_score_correction_bias")]).std() > 0
 
 
 def test_dummy_weights_draw_every_expert(hf_model_dir, tmp_path):

@@ -1,5 +1,6 @@
-"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks each token's top-k experts, each a
-SwiGLU MLP of its own, and the token's output is their weighted sum (plus Qwen2-MoE's gated shared expert).
+"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5): a router picks each token's top-k experts,
+each a SwiGLU MLP of its own, and the token's output is their weighted sum (plus a shared expert: Qwen2-MoE's gated,
+GLM-4.5's not).
 
 Experts run grouped: every (token, chosen expert) pair is sorted by expert into tiles of `tile_rows(...)` rows,
 each tile holding one expert's tokens (a group's last tile padded), and a loop over the tiles multiplies each by
@@ -25,9 +26,14 @@ from jserve.models.quantization import quantized_matmul
 
 class Router(Linear):
     """The router's (and Qwen2-MoE's shared-expert gate's) linear map: kept in float under weight quantization,
-    since its rounding would change which experts a token reaches (vLLM keeps it unquantized too)."""
+    since its rounding would change which experts a token reaches (vLLM keeps it unquantized too). With
+    correction_bias (GLM-4.5), the learned bias its grouped sigmoid routing adds to the scores it chooses by."""
 
     quantizable = False
+
+    def __init__(self, in_features: int, out_features: int, *, dtype: jnp.dtype, correction_bias: bool = False):
+        super().__init__(in_features, out_features, dtype=dtype, axes=(None, "embed"))
+        self.e_score_correction_bias = param((out_features,), jnp.float32, (None,)) if correction_bias else None
 
 
 class ExpertLinear(nnx.Module):
@@ -82,6 +88,28 @@ def route(logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Ar
     return weights, ids.astype(jnp.int32)
 
 
+def route_sigmoid_groups(logits: jax.Array, k: int, normalize: bool, correction: jax.Array, groups: int,
+                         topk_groups: int, scale: float) -> tuple[jax.Array, jax.Array]:
+    """GLM-4.5's (and DeepSeek-V3's) routing, in transformers' order: sigmoid scores; each token keeps the
+    topk_groups of its `groups` expert groups whose two best corrected scores (score + correction) sum highest, and
+    chooses its k experts there by corrected score; their weights are the uncorrected scores (renormalized with
+    normalize), times scale."""
+    scores = jax.nn.sigmoid(logits.astype(jnp.float32))  # [T, E]
+    choice = scores + correction
+    num_tokens, num_experts = scores.shape
+    per_group = num_experts // groups
+    if groups > 1:
+        best = jax.lax.top_k(choice.reshape(num_tokens, groups, per_group), min(2, per_group))[0].sum(-1)
+        _, kept = jax.lax.top_k(best, topk_groups)  # [T, topk_groups]
+        mask = jnp.zeros((num_tokens, groups), bool).at[jnp.arange(num_tokens)[:, None], kept].set(True)
+        choice = jnp.where(jnp.repeat(mask, per_group, axis=1), choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if normalize:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * scale, ids.astype(jnp.int32)
+
+
 def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, valid: jax.Array, experts: Experts,
                     activation) -> jax.Array:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t with valid[t] -> float32[T, H] (zeros for
@@ -128,25 +156,33 @@ def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, valid: jax
 
 
 class SparseMoeBlock(nnx.Module):
-    """Hugging Face's names: `gate` (the router), `experts`, and Qwen2-MoE's `shared_expert` and
-    `shared_expert_gate`."""
+    """Hugging Face's names: `gate` (the router), `experts`, and the shared expert: Qwen2-MoE's `shared_expert` with
+    its `shared_expert_gate`, GLM-4.5's `shared_experts` (read under the same name), ungated."""
 
     def __init__(self, config: ModelConfig, dtype: jnp.dtype, dense_mlp: type[nnx.Module]):
-        self.num_experts_per_tok = config.num_experts_per_tok
-        self.norm_topk_prob = config.norm_topk_prob
-        self.hidden_act = config.hidden_act
-        self.gate = Router(config.hidden_size, config.num_experts, dtype=dtype, axes=(None, "embed"))
+        self.config = config
+        grouped = config.moe_routing == "sigmoid_groups"
+        # GLM-4.5 routes in float32 (transformers casts x and the router's weight to it)
+        self.gate = Router(config.hidden_size, config.num_experts, dtype=jnp.float32 if grouped else dtype,
+                           correction_bias=grouped)
         self.experts = Experts(config, dtype)
-        if config.shared_expert_intermediate_size:
-            self.shared_expert = dense_mlp(config, dtype, config.shared_expert_intermediate_size)
-            self.shared_expert_gate = Router(config.hidden_size, 1, dtype=dtype, axes=(None, "embed"))
-        else:
-            self.shared_expert = self.shared_expert_gate = None
+        shared = config.shared_expert_intermediate_size
+        self.shared_expert = dense_mlp(config, dtype, shared) if shared else None
+        self.shared_expert_gate = Router(config.hidden_size, 1, dtype=dtype) if shared and config.shared_expert_gated \
+            else None
 
     def __call__(self, x: jax.Array, valid: jax.Array) -> jax.Array:
-        weights, ids = route(self.gate(x), self.num_experts_per_tok, self.norm_topk_prob)
-        activation = jax.nn.silu if self.hidden_act == "silu" else lambda g: jax.nn.gelu(g, approximate=True)
+        cfg = self.config
+        if cfg.moe_routing == "sigmoid_groups":
+            weights, ids = route_sigmoid_groups(self.gate(x), cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                                                self.gate.e_score_correction_bias[...], cfg.num_expert_groups,
+                                                cfg.topk_expert_groups, cfg.routed_scaling_factor)
+        else:
+            weights, ids = route(self.gate(x), cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        activation = jax.nn.silu if cfg.hidden_act == "silu" else lambda g: jax.nn.gelu(g, approximate=True)
         out = grouped_experts(x, weights, ids, valid, self.experts, activation)
         if self.shared_expert is not None:
-            out = out + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            shared = self.shared_expert(x)
+            out = out + (shared if self.shared_expert_gate is None else jax.nn.sigmoid(self.shared_expert_gate(x))
+                         * shared)
         return out
