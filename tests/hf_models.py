@@ -83,17 +83,24 @@ def build_model(variant: str, out_dir: Path, seed: int = 0, **overrides) -> Path
     """Save a random-weight model of `variant` to out_dir (float32 safetensors) and return the path."""
     config = make_config(variant, **overrides)
     torch.manual_seed(seed)
-    model = getattr(transformers, _MODEL_CLASSES[type(config).__name__])(config)
-    with torch.no_grad():  # larger-than-default weights so logits differ visibly between tokens
-        for p in model.parameters():
-            if p.ndim >= 2:  # matrices, and stacks of experts' matrices
+    return _save_random(getattr(transformers, _MODEL_CLASSES[type(config).__name__])(config), out_dir)
+
+
+def _save_random(model: torch.nn.Module, out_dir: Path, norms: tuple[float, float] = (0.8, 1.2)) -> Path:
+    """Fill a transformers model with larger-than-default random weights, so that logits differ visibly between
+    tokens, and save it (float32 safetensors): matrices and stacks of experts' matrices normal(0, 0.08), norm weights
+    uniform over `norms`, the rest normal(0, 0.05), GLM-4.5's router bias (a buffer, zeros as transformers makes
+    it) normal(0, 0.1)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2:
                 p.normal_(0.0, 0.08)
-            elif "norm" in "".join(n for n, q in model.named_parameters() if q is p):
-                p.uniform_(0.8, 1.2)
+            elif "norm" in name:
+                p.uniform_(*norms)
             else:
                 p.normal_(0.0, 0.05)
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # GLM-4.5's router bias (zeros as transformers makes it)
+            if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.1)
     model.eval()
     model.save_pretrained(out_dir, safe_serialization=True)
@@ -143,18 +150,8 @@ def build_gemma3_image_text(out_dir: Path, seed: int = 0) -> Path:
                                        boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2,
                                        image_token_index=VOCAB - 1, eos_token_id=[2, 5])
     torch.manual_seed(seed)
-    model = transformers.Gemma3ForConditionalGeneration(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 2:
-                p.normal_(0.0, 0.08)
-            elif "norm" in name:
-                p.uniform_(-0.2, 0.2)
-            else:
-                p.normal_(0.0, 0.05)
-    model.eval()
-    model.save_pretrained(out_dir, safe_serialization=True)
-    return Path(out_dir)
+    # norm weights near 0: Gemma multiplies by (1 + weight)
+    return _save_random(transformers.Gemma3ForConditionalGeneration(config), out_dir, norms=(-0.2, 0.2))
 
 
 def build_mistral3_image_text(out_dir: Path, seed: int = 0) -> Path:
@@ -166,15 +163,4 @@ def build_mistral3_image_text(out_dir: Path, seed: int = 0) -> Path:
     config = transformers.Mistral3Config(text_config=text, vision_config=vision, image_token_index=VOCAB - 1,
                                          tie_word_embeddings=False, eos_token_id=[2, 5])
     torch.manual_seed(seed)
-    model = transformers.Mistral3ForConditionalGeneration(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 2:
-                p.normal_(0.0, 0.08)
-            elif "norm" in name:
-                p.uniform_(0.8, 1.2)
-            else:
-                p.normal_(0.0, 0.05)
-    model.eval()
-    model.save_pretrained(out_dir, safe_serialization=True)
-    return Path(out_dir)
+    return _save_random(transformers.Mistral3ForConditionalGeneration(config), out_dir)
