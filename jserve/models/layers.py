@@ -108,6 +108,11 @@ def embedding_multiplier(config: ModelConfig, dtype: jnp.dtype) -> float:
     return config.embedding_multiplier
 
 
+def mlp_activation(x: jax.Array, name: str) -> jax.Array:
+    """The gate's activation of a SwiGLU / GeGLU MLP (config_json.ACTIVATIONS): SiLU, or GELU's tanh form."""
+    return jax.nn.silu(x) if name == "silu" else jax.nn.gelu(x, approximate=True)
+
+
 def soft_cap(logits: jax.Array, cap: float | None) -> jax.Array:
     """cap * tanh(logits / cap) (Gemma 2's final logits), or the logits where there is no cap."""
     return logits if cap is None else cap * jnp.tanh(logits / cap)

@@ -27,6 +27,7 @@ from jserve.models.layers import (
     embed_lookup,
     embedding_multiplier,
     matmul,
+    mlp_activation,
     param,
     rope_inv_freq,
     soft_cap,
@@ -85,8 +86,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gate, up = split_fused(self.gate_up_proj(x), (self.intermediate_size,) * 2, self.fused_shards)
-        act = jax.nn.silu(gate) if self.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
-        return self.down_proj(act * up)
+        return self.down_proj(mlp_activation(gate, self.hidden_act) * up)
 
 
 class DecoderLayer(nnx.Module):

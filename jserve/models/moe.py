@@ -5,9 +5,9 @@ GLM-4.5's not).
 Experts run grouped: every (token, chosen expert) pair is sorted by expert into tiles of `tile_rows(...)` rows,
 each tile holding one expert's tokens (a group's last tile padded), and a loop over the tiles multiplies each by
 its expert's matrices. A step then reads only the experts its tokens chose (a decode step of one token, k of
-them), each about once, and computes at most about twice the rows it needs, where `jax.lax.ragged_dot` on CPU
-computes every token against every expert. A tile past the used ones, and the pairs of padding tokens, are
-skipped.
+them), each about once, and computes at most about twice the rows it needs, where `jax.lax.ragged_dot` lowers on
+CPU (and, as far as public reports go, on GPU) to every token against every expert. A tile past the used ones, and
+the pairs of padding tokens, are skipped.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from flax import nnx
 
 import cpu_kernels
 from jserve.config import ModelConfig
-from jserve.models.layers import Linear, matmul, param
+from jserve.models.layers import Linear, matmul, mlp_activation, param
 from jserve.models.quantization import quantized_matmul
 
 
@@ -111,9 +111,9 @@ def route_sigmoid_groups(logits: jax.Array, k: int, normalize: bool, correction:
 
 
 def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, valid: jax.Array, experts: Experts,
-                    activation) -> jax.Array:
+                    activation: str) -> jax.Array:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t with valid[t] -> float32[T, H] (zeros for
-    the others). x [T, H]; weights, ids [T, k]; valid bool[T]."""
+    the others). x [T, H]; weights, ids [T, k]; valid bool[T]; activation: the gate's (config_json.ACTIVATIONS)."""
     num_tokens, k = ids.shape
     (gate_w, gate_s), (up_w, up_s) = experts.gate_proj.arrays(), experts.up_proj.arrays()
     down_w, down_s = experts.down_proj.arrays()
@@ -145,7 +145,7 @@ def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, valid: jax
         def run() -> jax.Array:
             gate = expert_matmul(x_tile, gate_w, gate_s, e, compute_dtype, width)
             up = expert_matmul(x_tile, up_w, up_s, e, compute_dtype, width)
-            return expert_matmul(activation(gate) * up, down_w, down_s, e, compute_dtype, hidden)
+            return expert_matmul(mlp_activation(gate, activation) * up, down_w, down_s, e, compute_dtype, hidden)
 
         return None, jax.lax.cond(e < num_experts, run, lambda: jnp.zeros((rows, hidden), jnp.float32))
 
@@ -179,8 +179,7 @@ class SparseMoeBlock(nnx.Module):
                                                 cfg.topk_expert_groups, cfg.routed_scaling_factor)
         else:
             weights, ids = route(self.gate(x), cfg.num_experts_per_tok, cfg.norm_topk_prob)
-        activation = jax.nn.silu if cfg.hidden_act == "silu" else lambda g: jax.nn.gelu(g, approximate=True)
-        out = grouped_experts(x, weights, ids, valid, self.experts, activation)
+        out = grouped_experts(x, weights, ids, valid, self.experts, cfg.hidden_act)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             out = out + (shared if self.shared_expert_gate is None else jax.nn.sigmoid(self.shared_expert_gate(x))
