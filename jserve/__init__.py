@@ -13,8 +13,12 @@ def __getattr__(name: str):
         from jserve.llm import LLM
 
         return LLM
+    if name == "LoRARequest":
+        from jserve.lora import LoRARequest
+
+        return LoRARequest
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "ModelConfig", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "EngineConfig", "ModelConfig", "RequestOutput", "CompletionOutput",
            "Logprob"]

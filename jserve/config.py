@@ -118,6 +118,14 @@ class ModelConfig:
     # checkpoint KV head is repeated `kv_head_replicas` times (num_kv_heads counts the copies).
     fused_shards: int = 1
     kv_head_replicas: int = 1
+    # Set where the engine serves LoRA adapters (enable_lora): every decoder projection holds max_loras adapter
+    # slots of rank up to max_lora_rank (jserve.lora); 0: none, and no adapter weights.
+    max_loras: int = 0
+    max_lora_rank: int = 0
+
+    def lora_shape(self, parts: int) -> tuple[int, int] | None:
+        """(slots, rank width) of the adapter stacks of a projection fusing `parts` matrices, or None."""
+        return (self.max_loras, parts * self.max_lora_rank) if self.max_loras else None
 
     @property
     def q_size(self) -> int:
@@ -387,7 +395,8 @@ class EngineConfig:
       decode_burst_ms: while any running request streams, a burst holds only the steps that fit this long, by the
         last measured decode step at that batch size, so it holds back a stream's tokens, or a newly arrived request,
         about this long at most. Requests reported only when finished (LLM.generate, `jserve generate`) burst fully.
-      compilation_cache_dir: JAX's persistent compilation cache; "" disables it.
+      compilation_cache_dir: JAX's persistent compilation cache; "" leaves jax's own setting (off unless
+        JAX_COMPILATION_CACHE_DIR is set).
       warmup: compile every step shape at start-up so serving never stalls on a compile.
       executor: what runs the model. "auto" (the CPU layer executor on one CPU device where the C++ kernels build
         and the attention backend allows it, else XLA) | "xla" (the Flax model under XLA: what GPUs and TPUs run) |
@@ -417,6 +426,10 @@ class EngineConfig:
         --generation-config: "auto" (the model's generation_config.json: its temperature, top_p, top_k, min_p and
         repetition_penalty, and max_new_tokens as the most tokens when a request sets no max_tokens) | "vllm"
         (SamplingParams' own defaults) | a folder holding a generation_config.json.
+      enable_lora: serve LoRA adapters (PEFT directories) that requests name (jserve.lora; docs/server.md).
+      max_loras: adapters resident at once, each in a slot of every decoder projection; a step's sequences may mix
+        them.
+      max_lora_rank: the largest adapter rank served (every slot is this wide).
     """
 
     model: str | None = None
@@ -447,6 +460,9 @@ class EngineConfig:
     process_id: int = 0
     speculative_config: SpeculativeConfig | dict | str | None = None
     generation_config: str = "auto"
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -454,7 +470,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         optional = ("max_model_len", "kv_cache_memory_bytes", "decode_burst")  # None: from the model or device
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
-                     "data_parallel_size", "num_processes", "decode_burst", *optional):
+                     "data_parallel_size", "num_processes", "decode_burst", "max_loras", "max_lora_rank", *optional):
             value = getattr(self, name)
             if value is None and name in optional:
                 continue
@@ -479,6 +495,10 @@ class EngineConfig:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
+        if self.enable_lora and self.speculative_config is not None:
+            raise ValueError("enable_lora with speculative_config is not supported")
+        if self.enable_lora and self.num_processes > 1:
+            raise ValueError("enable_lora is not supported in multi-host serving (num_processes > 1)")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
 

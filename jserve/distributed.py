@@ -86,7 +86,7 @@ class MultiHostExecutor(XlaExecutor):
 
 def _encode(batch: StepBatch) -> bytes:
     buf = io.BytesIO()
-    np.savez(buf, **{k: np.asarray(v) for k, v in vars(batch).items()})
+    np.savez(buf, **{k: np.asarray(v) for k, v in vars(batch).items() if v is not None})  # None: a field not in use
     return buf.getvalue()
 
 

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from jserve.config import EngineConfig
 from jserve.engine.data_parallel import create_engine
+from jserve.lora import LoRARequest
 from jserve.outputs import RequestOutput
 from jserve.sampling_params import (
     SAMPLING_FIELDS,
@@ -54,11 +55,14 @@ class LLM:
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | dict | Seq[SamplingParams | dict] | None = None, *,
                  use_tqdm: bool | Callable[..., tqdm] = True,
-                 priority: Seq[int] | None = None) -> list[RequestOutput]:
+                 priority: Seq[int] | None = None,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (a string, token ids, or {"prompt_token_ids": [...]}) in input order.
 
         Token ids may be Python or NumPy integers (a 1-D array is one prompt); sampling_params may also be a dict of
-        SamplingParams' fields. use_tqdm: a progress bar from 8 prompts on, or a tqdm-like class to show one with."""
+        SamplingParams' fields. use_tqdm: a progress bar from 8 prompts on, or a tqdm-like class to show one with.
+        lora_request: the LoRA adapter of every prompt, or one per prompt (None: the base model); the LLM needs
+        enable_lora."""
         if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
             prompts = [prompts]  # one prompt's token ids, as a tokenizer's NumPy output gives them
         elif isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and _is_token_id(prompts[0])):
@@ -74,7 +78,9 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         params = [_sampling_params(p) for p in _per_prompt(sampling_params, len(prompts), "sampling_params")]
         priorities = _per_prompt(priority, len(prompts), "priority") if priority is not None else [0] * len(prompts)
-        return self._run(prompts, params, priorities, use_tqdm)
+        loras = [lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, LoRARequest) \
+            else _per_prompt(lora_request, len(prompts), "lora_request")
+        return self._run(prompts, params, priorities, use_tqdm, loras)
 
     def chat(self, messages: list[dict] | Seq[list[dict]],
              sampling_params: SamplingParams | dict | Seq[SamplingParams | dict] | None = None, *,
@@ -82,7 +88,8 @@ class LLM:
              add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
              chat_template_kwargs: dict | None = None,
-             priority: Seq[int] | None = None) -> list[RequestOutput]:
+             priority: Seq[int] | None = None,
+             lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Apply the chat template to each conversation, then generate (vLLM's `LLM.chat` arguments).
 
         chat_template replaces the model's template; continue_final_message renders the last message open, so the
@@ -100,18 +107,18 @@ class LLM:
             kwargs["tools"] = tools
         prompts = [{"prompt_token_ids": tokenizer.apply_chat_template(conv, add_generation_prompt, **kwargs)}
                    for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority, lora_request=lora_request)
 
     def _run(self, prompts: list, params: list[SamplingParams], priorities: list[int],
-             use_tqdm: bool | Callable[..., tqdm]) -> list[RequestOutput]:
+             use_tqdm: bool | Callable[..., tqdm], loras: list[LoRARequest | None]) -> list[RequestOutput]:
         ids = [f"offline-{next(self._request_ids)}" for _ in prompts]
         added = []
         try:
-            for request_id, prompt, p, prio in zip(ids, prompts, params, priorities, strict=True):
+            for request_id, prompt, p, prio, lora in zip(ids, prompts, params, priorities, loras, strict=True):
                 # Only finished outputs are returned: no per-step outputs, and each text decoded once.
                 p = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
                 # vLLM's offline LLM ends a request at the context rather than refusing its max_tokens.
-                self.engine.add_request(request_id, prompt, p, priority=prio, cap_max_tokens=True)
+                self.engine.add_request(request_id, prompt, p, priority=prio, cap_max_tokens=True, lora_request=lora)
                 added.append(request_id)
         except Exception:
             for request_id in added:  # a bad prompt rejects the whole call, leaving nothing half-run

@@ -3,6 +3,7 @@ the mesh."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from checkpoints.safetensors_loader import ParamSource, hf_names, load_state
 from jserve.config import LOAD_FORMATS, ModelConfig, ModelLoadError
 from jserve.gguf_loading import GGUF_ARCHITECTURE_OF, find_gguf, gguf_model_config, gguf_tensor_name, load_gguf_state
 from jserve.models import model_class
+from jserve.models.layers import LoraWeight
 from jserve.models.quantization import (
     compressed_tensors_format,
     load_compressed_tensors_state,
@@ -98,7 +100,7 @@ def stored_quantization(model_dir: str | Path, load_format: str = "auto") -> str
 def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend: str = "reference",
                mesh: Mesh | None = None, load_format: str = "auto", place: Place | None = None,
                quantization: str | None = None, place_quantized: PlaceQuantized | None = None,
-               max_model_len: int | None = None) -> LoadedModel:
+               max_model_len: int | None = None, lora: tuple[int, int] = (0, 0)) -> LoadedModel:
     """model_dir: a Hugging Face checkpoint directory, a GGUF file, or a directory holding one GGUF file (and no
     safetensors; jserve.gguf_loading). max_model_len: the context the model is loaded for (ModelConfig.for_context).
 
@@ -113,6 +115,9 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
 
     place: where an executor keeps its parameters its own way (the CPU layer executor packs and stacks them in host
     memory), the function that turns each parameter's source into the array the state holds; unsharded only.
+
+    lora: (max_loras, max_lora_rank) where the engine serves LoRA adapters: each decoder projection gets that many
+    adapter slots (jserve.models.layers.LoraWeight), zeros until the executor writes an adapter into one.
 
     quantization: "int8" / "fp8" quantizes the decoder layers' projection matrices as they are read
     (jserve.models.quantization): each is read whole on the host, quantized per output row and placed with its scales
@@ -143,6 +148,8 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
             raise ValueError(f"{model_dir} holds {orbax.quantization} weights (jserve convert --quantization "
                              f"{orbax.quantization}); quantization {quantization!r} does not apply to them")
         quantization = orbax.quantization
+    if lora[0]:
+        config = dataclasses.replace(config, max_loras=lora[0], max_lora_rank=lora[1])
     if mesh is not None:
         if place is not None:
             raise ValueError("load_model: a custom placement is for unsharded models only")
@@ -164,9 +171,11 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
     # Dummy weights of a compressed-tensors checkpoint are drawn in dtype and quantized like any float weight (drawn
     # as int8, normal(0, 0.02) rounds to zeros).
     read_as = np.dtype(np.int8) if prequantized is not None and load_format == "auto" else np.dtype(dtype)
+    flat_state = list(nnx.to_flat_state(state))
+    adapters = {tuple(path): var for path, var in flat_state if isinstance(var, LoraWeight)}  # not in checkpoints
     shapes = {path: (leaf.shape, read_as if path in quantized and not stored_quantized else np.dtype(leaf.dtype))
-              for path, leaf in _flatten(pure) if path not in scales}
-    axes = {tuple(path): var.get_metadata().get("logical_axes") for path, var in nnx.to_flat_state(state)}
+              for path, leaf in _flatten(pure) if path not in scales and path not in adapters}
+    axes = {tuple(path): var.get_metadata().get("logical_axes") for path, var in flat_state}
     placed_scales: dict[tuple, jax.Array] = {}
 
     def place_array(path: tuple, array: np.ndarray) -> jax.Array:
@@ -240,6 +249,11 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
     else:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     placed.update(placed_scales)
+    abstract_leaves = dict(_flatten(pure))
+    for path in adapters:  # empty slots, placed as their rules say
+        zeros = np.zeros(abstract_leaves[path].shape, abstract_leaves[path].dtype)
+        placed[path] = jax.device_put(zeros) if mesh is None else place_sharded(
+            DummySource(zeros), logical_sharding(mesh, axes[path], zeros.shape))
     for path, array in placed.items():
         _assign(pure, path, array)
     nnx.replace_by_pure_dict(state, pure)

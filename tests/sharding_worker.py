@@ -24,21 +24,27 @@ from jserve.engine.packing import pack  # noqa: E402
 from jserve.engine.sequence import ScheduledSeq, Sequence  # noqa: E402
 from jserve.executors import CpuLayerExecutor, XlaExecutor  # noqa: E402
 from jserve.loading import load_model  # noqa: E402
+from jserve.lora import LoRARequest, load_adapter  # noqa: E402
 from jserve.sampling_params import SamplingParams  # noqa: E402
 from sharding import KV_CACHE_AXES, MODEL_AXIS, logical_spec, make_mesh  # noqa: E402
 
 
-def two_step_logits(model_dir: str, tp: int, backend: str = "reference") -> np.ndarray:
-    """All-token float32 logits of a ragged batch run as two chunks per prompt (the second reads cached KV)."""
+def two_step_logits(model_dir: str, tp: int, backend: str = "reference", lora: str | None = None) -> np.ndarray:
+    """All-token float32 logits of a ragged batch run as two chunks per prompt (the second reads cached KV).
+    lora: a PEFT adapter directory that every other prompt runs with (in the second of two slots)."""
     mesh = make_mesh(tp) if tp > 1 else None
     executor = CpuLayerExecutor if backend == "cpu" else XlaExecutor
-    runner = executor(executor.load(model_dir, dtype="float32", attention_backend=backend, mesh=mesh),
-                      dtype="float32", num_blocks=32, block_size=16, max_num_batched_tokens=128, max_num_seqs=8,
-                      max_model_len=256, mesh=mesh)
+    model = executor.load(model_dir, dtype="float32", attention_backend=backend, mesh=mesh,
+                          lora=(2, 8) if lora else (0, 0))
+    runner = executor(model, dtype="float32", num_blocks=32, block_size=16, max_num_batched_tokens=128,
+                      max_num_seqs=8, max_model_len=256, mesh=mesh)
+    if lora:
+        runner.set_lora(1, load_adapter(LoRARequest("tp", 1, lora), model.config, 8))
     rng = np.random.default_rng(0)
     seqs, next_block = [], 0
-    for n in (5, 37, 20, 1):
+    for i, n in enumerate((5, 37, 20, 1)):
         seq = Sequence("tp", rng.integers(3, 390, n).tolist(), SamplingParams())
+        seq.lora_slot = 1 if lora and i % 2 == 0 else -1
         seq.block_table = list(range(next_block, next_block + 3))[::-1]  # pages out of order on purpose
         next_block += 3
         seqs.append(seq)
@@ -123,6 +129,10 @@ def main(spec: dict) -> dict:
         base = bases[model_dir] = two_step_logits(model_dir, 1)
         result[f"logits/{name}"] = {tp: float(np.abs(two_step_logits(model_dir, tp) - base).max())
                                     for tp in spec["tp"][name]}
+    for name, (model_dir, adapter, tps) in spec.get("lora", {}).items():  # fused B rows laid out per device
+        base = two_step_logits(model_dir, 1, lora=adapter)
+        result[f"lora/{name}"] = {tp: float(np.abs(two_step_logits(model_dir, tp, lora=adapter) - base).max())
+                                  for tp in tps}
     if "kernel_model" in spec:  # the Pallas kernel (interpreted) inside shard_map, against TP = 1 reference
         base = bases.get(spec["kernel_model"])
         base = two_step_logits(spec["kernel_model"], 1) if base is None else base

@@ -37,8 +37,8 @@ JSERVE_LAYERS = [
     ["jserve.models", "jserve.engine.sequence", "jserve.engine.packing", "jserve.engine.sampler",
      "jserve.engine.rejection"],
     # what builds and runs a model: the checkpoint loader (and its GGUF names and config, its Orbax checkpoints and
-    # their writer), the executors, the multi-host executor
-    ["jserve.loading", "jserve.gguf_loading", "jserve.orbax_io", "jserve.convert", "jserve.executors",
+    # their writer, LoRA adapters), the executors, the multi-host executor
+    ["jserve.loading", "jserve.gguf_loading", "jserve.orbax_io", "jserve.convert", "jserve.lora", "jserve.executors",
      "jserve.distributed"],
     # the engine: scheduler, KV blocks, output processing, the step, data parallelism
     ["jserve.engine"],

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from test_lora import make_adapter
 from tp_workload import ENGINE_ARGS, OUTPUT_LENGTHS, greedy_tokens
 
 from checkpoints.safetensors_loader import ParamSource, fused_row_map
@@ -82,8 +83,13 @@ def test_fused_qkv_block_holds_its_own_heads(tp):
 
 
 @pytest.fixture(scope="module")
-def multi_device(hf_model_dir):
+def multi_device(hf_model_dir, tmp_path_factory):
     """Run every multi-device check once, in a subprocess with 8 CPU devices (XLA_FLAGS must precede JAX)."""
+    def adapter(model_dir, **settings) -> str:
+        out = tmp_path_factory.mktemp("lora")
+        make_adapter(model_dir, out, **settings)
+        return str(out)
+
     llama8 = str(hf_model_dir("llama", num_attention_heads=8))  # 8 heads, 2 KV heads: TP 8 replicates KV heads
     # phi3 at TP 4: its fused checkpoint tensors split and laid out per device, its 2 KV heads replicated; gemma3 at
     # TP 2: layers with their own windows and rotary bases, sandwich norms; qwen2_moe at TP 2: every expert's columns
@@ -94,7 +100,11 @@ def multi_device(hf_model_dir):
             "tp": {"llama8": [2, 8], "qwen2": [4], "qwen3": [2], "phi3": [4], "gemma3": [2], "qwen2_moe": [2]},
             "kernel_model": llama8, "kernel_tp": [2, 8],
             "greedy": llama8, "greedy_tp": [2, 8], "dp": True, "draft": True,
-            "sharding_model": llama8, "sharding_tp": [2, 4, 8]}
+            "sharding_model": llama8, "sharding_tp": [2, 4, 8],
+            # adapters on every projection (llama8: KV heads replicated at TP 8) and on phi3's fused ones
+            "lora": {"llama8": [llama8, adapter(llama8), [8]],
+                     "phi3": [str(hf_model_dir("phi3")), adapter(hf_model_dir("phi3"), targets=[
+                         "qkv_proj", "gate_up_proj", "o_proj", "down_proj"]), [4]]}}
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "sharding_worker.py"), json.dumps(spec)],
                           capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
@@ -109,6 +119,13 @@ def multi_device(hf_model_dir):
                                        ("gemma3", 2), ("qwen2_moe", 2)])
 def test_tp_logits_match_single_device(multi_device, model, tp):
     assert multi_device[f"logits/{model}"][str(tp)] < 1e-4
+
+
+@pytest.mark.parametrize("model, tp", [("llama8", 8), ("phi3", 4)])
+def test_tp_lora_logits_match_single_device(multi_device, model, tp):
+    """A batch mixing an adapter's prompts with the base model's: each device's share of the adapters' B rows
+    follows its share of the fused weight's rows."""
+    assert multi_device[f"lora/{model}"][str(tp)] < 1e-4
 
 
 @pytest.mark.parametrize("tp", [2, 8])

@@ -27,6 +27,7 @@ from jserve.config import EngineConfig, ModelConfig, ModelLoadError, default_dec
 from jserve.distributed import MultiHostExecutor
 from jserve.engine.draft_model import DraftModelProposer, build_draft_proposer, open_draft_model
 from jserve.engine.kv_cache import BlockManager
+from jserve.engine.lora_slots import LoraSlots
 from jserve.engine.output_processor import OutputProcessor
 from jserve.engine.rejection import logits_rows_for
 from jserve.engine.request_inputs import resolve_params, tokenize_prompt
@@ -40,6 +41,7 @@ from jserve.executors.base import STOP_IDS_WIDTH, no_stop_ids
 from jserve.executors.cpu_layers import MAX_BLOCK_SIZE as CPU_MAX_BLOCK_SIZE
 from jserve.executors.xla import kv_bytes_per_block
 from jserve.loading import resolve_model_path, stored_quantization
+from jserve.lora import LoRARequest
 from jserve.outputs import RequestOutput
 from jserve.sampling_params import SamplingParams, default_params
 from jserve.tokenizer import Tokenizer, load_tokenizer
@@ -159,9 +161,13 @@ class LLMEngine:
                              f"{executor_class.name!r}, attention 'cpu'): block_size must be in [1, "
                              f"{CPU_MAX_BLOCK_SIZE}]; or choose --attention-backend reference")
         logger.info("executor %s (%s), attention %s", executor_class.name, why, attention)
+        lora = (config.max_loras, config.max_lora_rank) if config.enable_lora else (0, 0)
         model = executor_class.load(model_dir, dtype=config.dtype, attention_backend=attention, mesh=self.mesh,
                                     load_format=config.load_format, quantization=quantization,
-                                    max_model_len=config.max_model_len)
+                                    max_model_len=config.max_model_len, lora=lora)
+        if config.enable_lora and model.config.num_experts:
+            raise ValueError(f"enable_lora: LoRA adapters on a mixture of experts ({model.config.model_type}) are "
+                             "not supported")
         logger.info("resident weight bytes %d (dtype %s, quantization %s)", model.resident_bytes(), config.dtype,
                     quantization or "none")
         self.model_config = model.config
@@ -185,9 +191,11 @@ class LLMEngine:
             proposer = make_proposer(spec)
         # Decode-only steps run forward and sample in one device call (a burst of 1 or more steps) where the
         # executor can: one dispatch instead of two, and the logits never leave the device.
+        self.lora_slots = LoraSlots(config.max_loras, config.max_lora_rank, self.model_config,
+                                    self.executor.set_lora) if config.enable_lora else None
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
                                    burst_buckets=self.executor.token_buckets if self.executor.supports_burst else None,
-                                   proposer=proposer)
+                                   proposer=proposer, lora_slots=self.lora_slots)
         self.eos_token_ids = self._eos_token_ids()
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.stats = EngineStats(spec_accepted_per_pos=[0] * (spec.num_speculative_tokens if spec else 0))
@@ -252,12 +260,19 @@ class LLMEngine:
     # ----- requests -----
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
-                    *, priority: int = 0, arrival_time: float | None = None, cap_max_tokens: bool = False) -> None:
+                    *, priority: int = 0, arrival_time: float | None = None, cap_max_tokens: bool = False,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue a request. A max_tokens past the context raises InvalidParameterError (vLLM's OpenAI server
-        answers 400), or with cap_max_tokens ends the sequence at the context, as vLLM's offline LLM does."""
+        answers 400), or with cap_max_tokens ends the sequence at the context, as vLLM's offline LLM does.
+        lora_request: the LoRA adapter it runs with (enable_lora); read and checked the first time its id is seen."""
         params = params or default_params(self.sampling_defaults)
         if request_id in self.outputs.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        adapter = None
+        if lora_request is not None:
+            if self.lora_slots is None:
+                raise ValueError("a LoRA request needs an engine started with enable_lora")
+            adapter = self.lora_slots.register(lora_request)
         vocab = self.model_config.vocab_size
         prompt_text, prompt_ids = tokenize_prompt(self.tokenizer, vocab, self.max_model_len, prompt,
                                                   params.truncate_prompt_tokens)
@@ -270,6 +285,7 @@ class LLMEngine:
         for index in range(params.n):
             seq = Sequence(request_id, prompt_ids, params, index=index, priority=priority, arrival_time=arrival)
             seq.sampling_seed = self._sampling_seed(params.seed, index)
+            seq.lora = adapter
             seqs.append(seq)
         for seq in seqs:  # raises before anything is registered if the request could never run
             self.scheduler.check_fits(seq)

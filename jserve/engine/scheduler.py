@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from jserve.config import EngineConfig
 from jserve.engine.kv_cache import BlockManager
+from jserve.engine.lora_slots import LoraSlots
 from jserve.engine.sampler import has_dynamic_bias, has_penalty
 from jserve.engine.sequence import ScheduledSeq, Sequence, SequenceStatus
 from jserve.engine.speculative import Proposer
@@ -46,9 +47,12 @@ class Scheduler:
     """Owns the waiting and running queues. Each step: schedule(), run the model, update()."""
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
-                 burst_buckets: list[int] | None = None, proposer: Proposer | None = None):
+                 burst_buckets: list[int] | None = None, proposer: Proposer | None = None,
+                 lora_slots: LoraSlots | None = None):
         """burst_buckets: the padded batch sizes the executor's decode bursts run at (None: no bursts); proposer:
-        what proposes draft tokens (speculative decoding; config.speculative_config bounds how many)."""
+        what proposes draft tokens (speculative decoding; config.speculative_config bounds how many); lora_slots: the
+        executor's LoRA adapter slots (enable_lora), which a sequence must hold a slot of to be admitted."""
+        self.lora_slots = lora_slots
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.max_num_seqs = config.max_num_seqs
@@ -117,6 +121,8 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq.block_table:
             self.block_manager.free(seq)
+        if self.lora_slots is not None:
+            self.lora_slots.release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -250,6 +256,8 @@ class Scheduler:
             seq = self.waiting[0]
             if self._sibling_prefilling(seq):
                 break  # wait one step: once the sibling's prompt is cached, this sample reuses its blocks
+            if self.lora_slots is not None and not self.lora_slots.acquire(seq):
+                break  # every adapter slot is held by running sequences of other adapters: wait for one to finish
             bm.allocate_prefix(seq)  # cached blocks shrink the work, so look them up before sizing the chunk
             num_new = self._chunk(seq, budget)
             if num_new == 0 or not bm.allocate_slots(seq, num_new):

@@ -50,6 +50,8 @@ class Sequence:
         # tokens; draft_tail lists what the last round wrote from there on, valid as far as it matches the tokens.
         self.draft_computed = 0
         self.draft_tail: list[int] = []
+        self.lora = None  # the LoRA adapter it runs with (jserve.lora.LoraAdapter), or None
+        self.lora_slot = -1  # the executor's slot holding it, from first admission to finish (engine.lora_slots)
 
     @property
     def token_ids(self) -> list[int]:

@@ -112,7 +112,8 @@ class CpuLayerExecutor(XlaExecutor):
     @classmethod
     def load(cls, model_dir: str | Path, *, dtype: str, attention_backend: str = "cpu", mesh: Mesh | None = None,
              load_format: str = "auto", weight_parts: int | None = None,
-             quantization: str | None = None, max_model_len: int | None = None) -> LoadedModel:
+             quantization: str | None = None, max_model_len: int | None = None,
+             lora: tuple[int, int] = (0, 0)) -> LoadedModel:
         """weight_parts: where the matmul weights are packed, the layers' matrices are laid out in this many per-thread
         parts (cpu_kernels.PartLayout; None: one per CPU the kernels run on; 0: as [num_layers, ...] stacks whose
         slices are the layers' own parameters). In parts, only the layer kernel reads them (through
@@ -125,11 +126,11 @@ class CpuLayerExecutor(XlaExecutor):
                              f"{quantization!r} needs executor 'xla'")
         if mesh is not None:  # sharded: XLA partitions the dots, the attention kernel runs on each device's heads
             return load_model(model_dir, dtype, attention_backend, mesh=mesh, load_format=load_format,
-                              quantization=quantization, max_model_len=max_model_len)
+                              quantization=quantization, max_model_len=max_model_len, lora=lora)
         config = model_config(model_dir, max_model_len)
-        if config.num_experts:  # the layer kernel runs dense MLPs only
+        if config.num_experts or lora[0]:  # the layer kernel runs dense MLPs without adapters only
             return _load_packed_for_flax(model_dir, config, dtype, attention_backend, load_format, quantization,
-                                         max_model_len)
+                                         max_model_len, lora)
         param_dtype = jnp.dtype(dtype)
         packed = _packed_paths(config, param_dtype) if cpu_kernels.packs_weights(param_dtype) else set()
         # int8 may come from the checkpoint itself (compressed-tensors, a quantized conversion): its matrices reach
@@ -161,7 +162,8 @@ class CpuLayerExecutor(XlaExecutor):
             return stacks.place(path[2:], path[1], packed_q), jax.device_put(scale)
 
         model = load_model(model_dir, dtype, attention_backend, load_format=load_format, place=place,
-                           quantization=quantization, place_quantized=place_quantized, max_model_len=max_model_len)
+                           quantization=quantization, place_quantized=place_quantized, max_model_len=max_model_len,
+                      lora=lora)
         return CpuLoadedModel(config=model.config, graphdef=model.graphdef, state=model.state,
                               attention_backend=attention_backend, layer_stack=_layer_stack(stacks, config),
                               quantization="int8" if int8 else None)
@@ -178,8 +180,9 @@ class CpuLayerExecutor(XlaExecutor):
         # One kernel call a run of alike layers (every layer at once where they are all alike: then stacked).
         self.layer_groups = layer_groups(model.config)
         self.weight_paths = kernel_weight_paths(model.config)
-        self.moe = model.config.num_experts > 0  # the layer kernel runs dense MLPs only
-        self.every_step_fused = mesh is None and not self.moe and len(self.layer_groups) == 1 and (
+        # the layer kernel runs dense MLPs without adapters only: the rest is the Flax model on packed weights
+        self.flax_layers = model.config.num_experts > 0 or model.config.max_loras > 0
+        self.every_step_fused = mesh is None and not self.flax_layers and len(self.layer_groups) == 1 and (
             self.int8_layers or max_num_batched_tokens <= cpu_kernels.max_kernel_rows())
         self.layer_stack = getattr(model, "layer_stack", None) if self.every_step_fused else None
         if self.layer_stack is None and _matrices_in_parts(model):
@@ -205,7 +208,7 @@ class CpuLayerExecutor(XlaExecutor):
         return KVCache(k=jnp.zeros(stacked, dtype), v=jnp.zeros(stacked, dtype))
 
     def layer_kernel_takes(self, num_tokens: int) -> bool:
-        return self.mesh is None and not self.moe and (
+        return self.mesh is None and not self.flax_layers and (
             self.int8_layers or num_tokens <= cpu_kernels.max_kernel_rows())
 
     def _forward(self, params: list, kv_cache: KVCache, batch: StepBatch) -> tuple[KVCache, jax.Array]:
@@ -314,10 +317,11 @@ def _layer_stack(stacks: LayerStacks, config: ModelConfig) -> cpu_kernels.LayerW
 
 
 def _load_packed_for_flax(model_dir: str | Path, config: ModelConfig, dtype: str, attention_backend: str,
-                          load_format: str, quantization: str | None, max_model_len: int | None) -> LoadedModel:
-    """A model the layer kernel does not take (a mixture of experts), for the Flax model with its matmuls on the C++
-    kernels: every projection, each expert's matrices (a stack of packed ones) and the LM head packed, which
-    Linear, the experts and the head then multiply by through cpu_kernels.matmul / expert_matmul."""
+                          load_format: str, quantization: str | None, max_model_len: int | None,
+                          lora: tuple[int, int] = (0, 0)) -> LoadedModel:
+    """A model the layer kernel does not take (a mixture of experts; LoRA adapters), for the Flax model with its
+    matmuls on the C++ kernels: every projection, each expert's matrices (a stack of packed ones) and the LM head
+    packed, which Linear, the experts and the head then multiply by through cpu_kernels.matmul / expert_matmul."""
     packed = _flax_packed_paths(config, jnp.dtype(dtype)) if cpu_kernels.packs_weights(dtype) else set()
     arena = HugePageArena()
 
@@ -339,7 +343,8 @@ def _load_packed_for_flax(model_dir: str | Path, config: ModelConfig, dtype: str
         return arena.place(packed_q), jax.device_put(scale)
 
     return load_model(model_dir, dtype, attention_backend, load_format=load_format, place=place,
-                      quantization=quantization, place_quantized=place_quantized, max_model_len=max_model_len)
+                      quantization=quantization, place_quantized=place_quantized, max_model_len=max_model_len,
+                      lora=lora)
 
 
 def _flax_packed_paths(config: ModelConfig, dtype: jnp.dtype) -> set[tuple]:

@@ -45,7 +45,9 @@ from jserve.executors.base import (
     pow2_buckets,
 )
 from jserve.loading import LoadedModel, load_model
+from jserve.lora import LoraAdapter
 from jserve.models.batch import KVCache, StepBatch
+from jserve.models.layers import LoraWeight
 from pallas_kernels.quantized import QuantizedPages, kv_bytes_per_token_head, zeros_pages
 from pallas_kernels.reference import kv_storage_dtype
 from sharding import KV_CACHE_AXES, logical_sharding, replicated
@@ -95,11 +97,12 @@ class XlaExecutor(Executor):
     @classmethod
     def load(cls, model_dir: str | Path, *, dtype: str, attention_backend: str, mesh: Mesh | None = None,
              load_format: str = "auto", quantization: str | None = None,
-             max_model_len: int | None = None) -> LoadedModel:
+             max_model_len: int | None = None, lora: tuple[int, int] = (0, 0)) -> LoadedModel:
         """The model's parameters on the devices (sharded over the mesh by the rules table); quantization: the
-        decoder layers' matrices quantized at load (jserve.models.quantization)."""
+        decoder layers' matrices quantized at load (jserve.models.quantization); lora: (max_loras, max_lora_rank)
+        adapter slots in every decoder projection (none where 0)."""
         return load_model(model_dir, dtype, attention_backend, mesh=mesh, load_format=load_format,
-                          quantization=quantization, max_model_len=max_model_len)
+                          quantization=quantization, max_model_len=max_model_len, lora=lora)
 
     def __init__(self, model: LoadedModel, *, dtype: str, num_blocks: int, block_size: int,
                  max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, mesh: Mesh | None = None,
@@ -117,7 +120,14 @@ class XlaExecutor(Executor):
         self.max_num_batched_tokens = max_num_batched_tokens
         # The step takes the parameters as a flat list: flattening an nnx.State runs Python code per leaf (0.36 ms
         # a step for the 135M model's 182 arrays), a list flattens in C++. The tree is rebuilt inside the trace.
-        self.params, self._params_tree = jax.tree.flatten(self._param_tree(model))
+        tree = self._param_tree(model)
+        self.params, self._params_tree = jax.tree.flatten(tree)
+        # Where each LoRA adapter stack sits in the list: (module path, "lora_a" | "lora_b") -> index
+        stacks = {id(var[...]): tuple(path) for path, var in nnx.to_flat_state(model.state)
+                  if isinstance(var, LoraWeight)} if tree is model.state else {}
+        self._lora_params = {(path[:-1], path[-1]): i for i, p in enumerate(self.params)
+                             if (path := stacks.get(id(p))) is not None}
+        self._lora_setters: dict[Any, Callable] = {}
         cfg = self.config
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         storage = kv_storage_dtype(dtype, jax.default_backend())
@@ -295,6 +305,20 @@ class XlaExecutor(Executor):
             self.kv_cache, tokens = compiled(self.params, self.kv_cache, packed)
         return tokens
 
+    def set_lora(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """Write an adapter into one slot of every projection's stacks (None: empty it). Each stack keeps its
+        placement; the update is one small jitted call per stack shape (compiled at warm-up)."""
+        for (module, which), index in self._lora_params.items():
+            current = self.params[index]
+            held = adapter.modules.get(module) if adapter is not None else None
+            value = np.zeros(current.shape[1:], np.float32) if held is None else held[which == "lora_b"]
+            setter = self._lora_setters.get(current.sharding)
+            if setter is None:
+                setter = self._lora_setters[current.sharding] = jax.jit(
+                    lambda stack, value, slot: stack.at[slot].set(value), donate_argnums=(0,),
+                    out_shardings=current.sharding)
+            self.params[index] = setter(current, value, np.int32(slot))
+
     def seq_rows_for(self, num_tokens_bucket: int) -> int:
         return min(num_tokens_bucket, pick_bucket(pow2_buckets(1, self.max_seq_rows), self.max_seq_rows))
 
@@ -322,6 +346,10 @@ class XlaExecutor(Executor):
         seq_lens = np.zeros(s_pad, np.int32)
         query_start = np.zeros(s_pad + 1, np.int32)
         logits_indices = np.zeros(s_pad, np.int32)
+        lora_slots = None
+        if self.config.max_loras:  # each row's adapter slot (-1: none)
+            lora_slots = np.full(s_pad, -1, np.int32)
+            lora_slots[:len(chunks)] = [c.seq.lora_slot for c in chunks]
         offset, block_size = 0, self.block_size
         for row, chunk in enumerate(chunks):
             seq, n = chunk.seq, chunk.num_new_tokens
@@ -362,7 +390,7 @@ class XlaExecutor(Executor):
             logits_indices[:len(rows)] = rows
         return StepBatch(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
                          token_seq=token_seq, page_table=page_table, seq_lens=seq_lens,
-                         query_start=query_start, logits_indices=logits_indices)
+                         query_start=query_start, logits_indices=logits_indices, lora_slots=lora_slots)
 
     def run(self, batch: StepBatch) -> jax.Array:
         """Run one step without sampling; returns float32 logits [S, V] (rows past the real sequences are padding)."""
@@ -392,6 +420,8 @@ class XlaExecutor(Executor):
         return [tuple(exe.out_info[1].shape) for _, exe in steps]
 
     def warmup(self, decode_burst: int, speculative: bool = False, draft_probs: bool = False) -> WarmupReport:
+        if self._lora_params:  # the adapter slots' writes, so a request's first adapter compiles nothing
+            self.set_lora(0, None)
         batches = list(self.warmup_batches())
         if speculative:  # steps whose drafts' logits rows outnumber the sequence rows take one row per token
             batches += list(self.speculative_batches())
@@ -476,4 +506,5 @@ class XlaExecutor(Executor):
                     token_ids=np.zeros(t_pad, np.int32), positions=np.zeros(t_pad, np.int32),
                     slot_mapping=np.full(t_pad, self.num_slots, np.int32), token_seq=np.zeros(t_pad, np.int32),
                     page_table=np.zeros((s_pad, p_pad), np.int32), seq_lens=np.zeros(s_pad, np.int32),
-                    query_start=np.zeros(s_pad + 1, np.int32), logits_indices=np.zeros(s_pad, np.int32))
+                    query_start=np.zeros(s_pad + 1, np.int32), logits_indices=np.zeros(s_pad, np.int32),
+                    lora_slots=np.full(s_pad, -1, np.int32) if self.config.max_loras else None)

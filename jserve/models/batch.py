@@ -24,6 +24,7 @@ class StepBatch:
     seq_lens: jax.Array  # i32[S] tokens in each sequence's KV after this step
     query_start: jax.Array  # i32[S + 1] offset of each sequence's first token in token_ids
     logits_indices: jax.Array  # i32[S] token whose output predicts each sequence's next token
+    lora_slots: jax.Array | None = None  # i32[S] adapter slot of each sequence row, -1 none (LoRA engines only)
 
 
 @jax.tree_util.register_dataclass

@@ -61,20 +61,42 @@ def split_fused(y: jax.Array, sizes: tuple[int, ...], blocks: int) -> list[jax.A
     return [p.reshape(*lead, size) for p, size in zip(parts, sizes, strict=True)]
 
 
+class LoraWeight(nnx.Variable):
+    """A LoRA adapter stack (jserve.lora): not read from the checkpoint; the executor writes adapters into its slots."""
+
+
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -> jax.Array:
+    """float32[T, out]: each token's adapter's (x A^T) B^T, a: [L, R, in], b: [L, out, R], slots: i32[T] the slot
+    of each token's adapter (-1, or any index outside [0, L): none). Every slot's x A^T is computed (R is small)
+    and all but the token's own masked out, so the step keeps one shape whatever adapters the batch holds."""
+    mask = jax.nn.one_hot(slots, a.shape[0], dtype=jnp.float32)  # [T, L]; all zeros outside [0, L)
+    xa = jnp.einsum("ti,lri->tlr", x.astype(jnp.float32), a, precision=jax.lax.Precision.HIGHEST)
+    return jnp.einsum("tlr,lor->to", xa * mask[:, :, None], b, precision=jax.lax.Precision.HIGHEST)
+
+
 class Linear(nnx.Module):
     quantizable = True  # jserve.models.quantization.quantize_model turns it into an int8 / fp8 matmul
 
     def __init__(self, in_features: int, out_features: int, *, dtype: jnp.dtype, axes: tuple[str, str],
-                 bias: bool = False):
+                 bias: bool = False, lora: tuple[int, int] | None = None):
+        """lora: (max_loras, rank width) where the model serves LoRA adapters on this projection."""
         self.weight = param((out_features, in_features), dtype, axes)
         self.bias = param((out_features,), jnp.float32, axes[:1]) if bias else None
+        if lora is None:
+            self.lora_a = self.lora_b = nnx.data(None)
+        else:
+            slots, width = lora
+            self.lora_a = LoraWeight(jnp.zeros((slots, width, in_features), jnp.float32),
+                                     logical_axes=(None, None, axes[1]))
+            self.lora_b = LoraWeight(jnp.zeros((slots, out_features, width), jnp.float32),
+                                     logical_axes=(None, axes[0], None))
         # Set by jserve.models.quantization on a quantized Linear: per-output-row float32 scales of an int8 / fp8
         # weight, and the float dtype the weight is converted to inside the dot.
         self.scale: nnx.Param | None = nnx.data(None)
         self.compute_dtype = jnp.dtype(dtype)
         self.out_features = out_features
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, lora_slots: jax.Array | None = None) -> jax.Array:
         w = self.weight[...]
         if cpu_kernels.is_packed(w):  # packed by the CPU layer executor (an int8 one holds its scales)
             y = cpu_kernels.matmul(x, w, self.out_features, self.compute_dtype)
@@ -82,6 +104,8 @@ class Linear(nnx.Module):
             y = quantized_matmul(x, w, self.scale[...], self.compute_dtype)
         else:
             y = matmul(x, w)
+        if self.lora_a is not None and lora_slots is not None:
+            y = y + lora_delta(x, self.lora_a[...], self.lora_b[...], lora_slots)
         return y if self.bias is None else y + self.bias[...]
 
 

@@ -45,9 +45,10 @@ class Attention(nnx.Module):
         self.sliding_window = config.layer_window(layer)  # static too, like the local rotary choice
         self.rotary = config.layer_rotary(layer)  # static: 0 rope_theta's, 1 the local base's, 2 none (NoPE)
         qkv_out = config.q_size + 2 * config.kv_size
-        self.qkv_proj = Linear(config.hidden_size, qkv_out, dtype=dtype, axes=("qkv", "embed"), bias=config.qkv_bias)
+        self.qkv_proj = Linear(config.hidden_size, qkv_out, dtype=dtype, axes=("qkv", "embed"), bias=config.qkv_bias,
+                               lora=config.lora_shape(3))
         self.o_proj = Linear(config.q_size, config.hidden_size, dtype=dtype, axes=("embed", "heads"),
-                             bias=config.o_bias)
+                             bias=config.o_bias, lora=config.lora_shape(1))
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -55,10 +56,11 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
 
     def __call__(self, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: StepBatch,
-                 inv_freq: tuple[np.ndarray, np.ndarray]) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 inv_freq: tuple[np.ndarray, np.ndarray], lora_slots: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
         cfg = self.config
         num_tokens = x.shape[0]
-        q, k, v = split_fused(self.qkv_proj(x), (cfg.q_size, cfg.kv_size, cfg.kv_size), cfg.fused_shards)
+        q, k, v = split_fused(self.qkv_proj(x, lora_slots), (cfg.q_size, cfg.kv_size, cfg.kv_size), cfg.fused_shards)
         q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
         k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -71,7 +73,7 @@ class Attention(nnx.Module):
         out = ragged_paged_attention(q, k_pages, v_pages, batch.page_table, batch.query_start, batch.seq_lens,
                                      scale=cfg.attention_scale, sliding_window=self.sliding_window,
                                      soft_cap=cfg.attn_logit_softcapping, backend=self.attention_backend)
-        return self.o_proj(out.reshape(num_tokens, cfg.q_size)), k_pages, v_pages
+        return self.o_proj(out.reshape(num_tokens, cfg.q_size), lora_slots), k_pages, v_pages
 
 
 class MLP(nnx.Module):
@@ -79,14 +81,17 @@ class MLP(nnx.Module):
         self.intermediate_size = intermediate_size or config.intermediate_size  # a shared expert's own width
         self.hidden_act = config.hidden_act
         self.fused_shards = config.fused_shards  # [gate | up] row blocks (see split_fused)
+        lora = intermediate_size is None  # adapters adapt the decoder's MLP, not a shared expert
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, dtype=dtype,
-                                   axes=("mlp", "embed"), bias=config.mlp_bias)
+                                   axes=("mlp", "embed"), bias=config.mlp_bias,
+                                   lora=config.lora_shape(2) if lora else None)
         self.down_proj = Linear(self.intermediate_size, config.hidden_size, dtype=dtype,
-                                axes=("embed", "mlp"), bias=config.mlp_bias)
+                                axes=("embed", "mlp"), bias=config.mlp_bias,
+                                lora=config.lora_shape(1) if lora else None)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = split_fused(self.gate_up_proj(x), (self.intermediate_size,) * 2, self.fused_shards)
-        return self.down_proj(mlp_activation(gate, self.hidden_act) * up)
+    def __call__(self, x: jax.Array, lora_slots: jax.Array | None = None) -> jax.Array:
+        gate, up = split_fused(self.gate_up_proj(x, lora_slots), (self.intermediate_size,) * 2, self.fused_shards)
+        return self.down_proj(mlp_activation(gate, self.hidden_act) * up, lora_slots)
 
 
 class DecoderLayer(nnx.Module):
@@ -104,13 +109,14 @@ class DecoderLayer(nnx.Module):
         else:
             self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
 
-    def __call__(self, x, k_pages, v_pages, batch, inv_freq):
-        attn_out, k_pages, v_pages = self.self_attn(self.input_layernorm(x), k_pages, v_pages, batch, inv_freq)
+    def __call__(self, x, k_pages, v_pages, batch, inv_freq, lora_slots=None):
+        attn_out, k_pages, v_pages = self.self_attn(self.input_layernorm(x), k_pages, v_pages, batch, inv_freq,
+                                                    lora_slots)
         if isinstance(self.mlp, SparseMoeBlock):  # padding tokens (after the batch's last) reach no expert
             real = jnp.arange(x.shape[0]) < batch.query_start[-1]
             mlp = lambda h: self.mlp(h, real)  # noqa: E731
         else:
-            mlp = self.mlp
+            mlp = lambda h: self.mlp(h, lora_slots)  # noqa: E731
         if self.pre_feedforward_layernorm is None:
             x = x + attn_out
             x = x + mlp(self.post_attention_layernorm(x))
@@ -144,8 +150,10 @@ class LlamaForCausalLM(nnx.Module):
         if self.embedding_multiplier != 1.0:  # Granite, Gemma
             x = x * self.embedding_multiplier
         k_cache, v_cache = list(kv_cache.k), list(kv_cache.v)
+        # each token's adapter slot (LoRA engines only: their batches carry each sequence row's)
+        lora_slots = None if batch.lora_slots is None else batch.lora_slots[batch.token_seq]
         for i, layer in enumerate(self.layers):
-            x, k_cache[i], v_cache[i] = layer(x, k_cache[i], v_cache[i], batch, inv_freq)
+            x, k_cache[i], v_cache[i] = layer(x, k_cache[i], v_cache[i], batch, inv_freq, lora_slots)
         return KVCache(k=k_cache, v=v_cache), self.logits(x[batch.logits_indices])
 
     def logits(self, hidden: jax.Array) -> jax.Array:

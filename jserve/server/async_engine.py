@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from jserve.engine.engine import EngineSnapshot, LLMEngine
+from jserve.lora import LoRARequest
 from jserve.outputs import RequestOutput
 from jserve.sampling_params import SamplingParams
 from jserve.server.metrics import ServerMetrics
@@ -71,6 +72,7 @@ class _Add:
     priority: int
     sink: asyncio.Queue
     done: concurrent.futures.Future
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -158,14 +160,15 @@ class AsyncEngine:
     # ----- requests -----
 
     def generate(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                 priority: int = 0) -> Generation:
-        """Admit a request of one or more prompts (each runs as its own engine request with params.n samples).
+                 priority: int = 0, lora_request: LoRARequest | None = None) -> Generation:
+        """Admit a request of one or more prompts (each runs as its own engine request with params.n samples, with
+        the LoRA adapter lora_request where one is given).
 
         Raises QueueFullError when the server is full and ValueError when the request could never fit.
         """
         num_seqs = self.check_admissible(len(prompts), params.n)
         self._in_flight += num_seqs
-        return Generation(self, request_id, prompts, params, priority, num_seqs)
+        return Generation(self, request_id, prompts, params, priority, num_seqs, lora_request)
 
     def check_admissible(self, num_prompts: int, n: int) -> int:
         """The request's sequence count, if it can be admitted now (else the error generate() would raise)."""
@@ -268,9 +271,11 @@ class AsyncEngine:
         if not command.done.set_running_or_notify_cancel():
             return  # the client went away before we got to it; from here on it cannot cancel any more
         added = []
+        lora = {"lora_request": command.lora_request} if command.lora_request is not None else {}
         try:
             for rid, prompt in zip(command.request_ids, command.prompts, strict=True):
-                self.engine.add_request(rid, {"prompt_token_ids": prompt}, command.params, priority=command.priority)
+                self.engine.add_request(rid, {"prompt_token_ids": prompt}, command.params, priority=command.priority,
+                                        **lora)
                 added.append(rid)
         except Exception as e:  # one bad prompt rejects the whole request
             for rid in added:
@@ -364,8 +369,9 @@ class Generation:
     (prompt_index, RequestOutput) pairs, and `close()` aborts what is unfinished and frees its place."""
 
     def __init__(self, engine: AsyncEngine, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                 priority: int, num_seqs: int):
+                 priority: int, num_seqs: int, lora_request: LoRARequest | None = None):
         self._engine = engine
+        self._lora_request = lora_request
         self.request_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         self._prompts = prompts
         self._params = params
@@ -378,7 +384,8 @@ class Generation:
 
     async def start(self) -> None:
         done: concurrent.futures.Future = concurrent.futures.Future()
-        command = _Add(self.request_ids, self._prompts, self._params, self._priority, self._sink, done)
+        command = _Add(self.request_ids, self._prompts, self._params, self._priority, self._sink, done,
+                       self._lora_request)
         if not self._engine._submit(command):
             raise EngineDeadError("the engine is not running")
         self._added = True  # from here on close() must abort, even if we are cancelled while waiting

@@ -19,6 +19,7 @@ from pathlib import Path
 from jserve.arg_types import integer, non_negative_float, positive_float
 from jserve.config import EngineConfig
 from jserve.engine_args import add_engine_args, engine_config_from_args
+from jserve.server.lora_modules import lora_module_arg
 from jserve.server.multi_model import ServedModel, check_names, default_name
 from jserve.server.settings import (
     DEFAULT_MAX_QUEUED_REQUESTS,
@@ -62,6 +63,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                        help='JSON or YAML {"models": [{"model": ..., "served_model_name": ..., any engine setting: '
                             '"max_model_len": 2048, ...}, ...]}: several models with their own settings (the engine '
                             "flags are the defaults); instead of --model")
+    group.add_argument("--lora-modules", type=lora_module_arg, nargs="+", action="extend", default=None,
+                       metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT directories) served by name: a request whose model is NAME runs on "
+                            "the base model with the adapter; also vLLM's JSON form "
+                            '\'{"name": ..., "path": ..., "base_model_name": ...}\' (base_model_name: which served '
+                            "model it adapts; default the first); needs --enable-lora")
     group.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
                        help="sequences that may wait beyond the max_num_seqs running ones; more get 429")
     group.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
@@ -176,7 +183,8 @@ def run_serve(args: argparse.Namespace) -> int:
                               max_queue_delay=args.max_queue_delay,
                               max_queued_requests=args.max_queued_requests, tool_call_parser=args.tool_call_parser,
                               max_request_bytes=args.max_request_bytes, max_step_failures=args.max_step_failures,
-                              step_failure_window_s=args.step_failure_window)
+                              step_failure_window_s=args.step_failure_window,
+                              lora_modules=tuple(args.lora_modules or ()))
     config = models if single else models[0].config
     logging.getLogger().setLevel(args.log_level.upper())
     if config.process_id > 0:  # multi-host follower: no HTTP server, only process 0's steps (jserve/distributed.py)

@@ -73,7 +73,8 @@ SCHEMAS = {
         logprobs=_CHAT_LOGPROBS, delta=_obj([], role=_STR, content=_STR)), usage_required=False),
     "ModelList": _obj(["object", "data"], object={"type": "string", "const": "list"}, data={
         "type": "array", "items": _obj(["id", "object", "created", "owned_by"], id=_STR, object=_STR,
-                                       created=_INT, owned_by=_STR, root=_STR, max_model_len=_INT)}),
+                                       created=_INT, owned_by=_STR, root=_STR, parent=_NULL_STR,
+                                       max_model_len=_INT)}),
     "TokenizeResponse": _obj(["count", "max_model_len", "tokens"], count=_INT, max_model_len=_INT,
                              tokens={"type": "array", "items": _INT}),
     "DetokenizeResponse": _obj(["prompt"], prompt=_STR),

@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jserve import __version__
+from jserve.lora import LoRARequest
 from jserve.sampling_params import InvalidParameterError, StructuredOutputsParams, with_defaults
 from jserve.server import responses as R
 from jserve.server.async_engine import AsyncEngine, EngineDeadError, Generation, QueueFullError
@@ -65,13 +66,14 @@ def _admission_errors() -> Iterator[None]:
 
 
 def _precheck(request: Request, state: ServerState, model: ModelState, num_prompts: int,
-              req: GenerationRequest) -> tuple[ModelState, Admission]:
+              req: GenerationRequest, lora: LoRARequest | None) -> tuple[ModelState, Admission]:
     """The model that serves the request and its admission: `model`, or the server's fallback model where
-    `model`'s queue is over its limit (full, or its estimated wait over --max-queue-delay)."""
+    `model`'s queue is over its limit (full, or its estimated wait over --max-queue-delay). A request for a LoRA
+    adapter has no fallback: the adapter is its base model's."""
     try:
         return model, _begin(request, model, num_prompts, req)
     except APIError as e:
-        fallback = state.fallback_for(model)
+        fallback = state.fallback_for(model) if lora is None else None
         if fallback is None or not (isinstance(e, _QueueFull) or e.code == "queue_delay_exceeded"):
             raise
         logger.info("%s is over its queue limit (%s): %s serves the request", model.name, e.code, fallback.name)
@@ -95,7 +97,7 @@ def _begin(request: Request, model: ModelState, num_prompts: int, req: Generatio
 
 
 async def _admit(engine: AsyncEngine, request_id: str, prompts: list[list[int]],
-                 req: GenerationRequest, admission: Admission) -> MeteredGeneration:
+                 req: GenerationRequest, admission: Admission, lora: LoRARequest | None = None) -> MeteredGeneration:
     """Admit and add the request: 429 when the server is full or the key is out of tokens, 400 when the engine
     rejects it."""
     if req.params.structured_outputs is not None:
@@ -103,7 +105,7 @@ async def _admit(engine: AsyncEngine, request_id: str, prompts: list[list[int]],
     admission.reserve_tokens([len(p) for p in prompts], req.params.max_tokens, req.params.n,
                              engine.engine.max_model_len)
     with _admission_errors():
-        gen = engine.generate(request_id, prompts, req.params, admission.priority)
+        gen = engine.generate(request_id, prompts, req.params, admission.priority, lora_request=lora)
     try:
         await gen.start()
     except ValueError as e:
@@ -193,26 +195,28 @@ async def _respond(request: Request, gen: Generation, stream: bool, make, args: 
 async def create_completion(request: Request, state: ServerState) -> Response:
     state.ready()
     req = parse_completion(await read_json(request, state.settings.max_request_bytes))
-    asked = state.route(req.model)
-    served, admission = _precheck(request, state, asked, len(req.prompts), req)
+    asked, lora = state.route(req.model), state.lora_request(req.model)
+    served, admission = _precheck(request, state, asked, len(req.prompts), req, lora)
 
     async def prompts(tokenizer: TokenizerWorker) -> list:
         return [await tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
 
     return await _generate(request, req, asked, served, admission, "cmpl", prompts, _completion_events,
-                           _completion_body)
+                           _completion_body, lora)
 
 
 async def _generate(request: Request, req, asked: str, served, admission, id_prefix: str, prompts_of, events,
-                    body) -> Response:
-    """Tokenize (prompts_of), admit into the served model's engine, and answer streamed (events) or whole (body);
-    the admission is given back if anything before the engine fails."""
+                    body, lora: LoRARequest | None) -> Response:
+    """Tokenize (prompts_of), admit into the served model's engine (with the LoRA adapter `lora` where the request
+    names one), and answer streamed (events) or whole (body); the admission is given back if anything before the
+    engine fails."""
     try:
         # The served model's recommended sampling fields (generation_config.json) for those the body left out
         req.params = with_defaults(req.params, req.given, served.engine.engine.sampling_defaults)
         prompts = await prompts_of(served.tokenizer)
-        header = R.ResponseHeader(R.new_id(id_prefix), served.name)
-        gen = await _admit(served.engine, header.id, prompts, req, admission)
+        # vLLM's `model` of an adapter's response is the adapter's name
+        header = R.ResponseHeader(R.new_id(id_prefix), lora.lora_name if lora is not None else served.name)
+        gen = await _admit(served.engine, header.id, prompts, req, admission, lora)
     except BaseException:
         admission.refuse()
         raise
@@ -252,20 +256,21 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     state.ready()
     body = await read_json(request, state.settings.max_request_bytes)
     req = parse_chat(body)
-    asked = state.route(req.model)
+    asked, lora = state.route(req.model), state.lora_request(req.model)
     req.tools = parse_tool_request(body, state.settings.tool_call_parser)
     if req.tools is not None and (constraint := req.tools.constraint()) is not None:
         if req.params.structured_outputs is not None:
             raise bad_request("a required or named tool_choice constrains the output itself: drop "
                               "response_format/structured_outputs", "tool_choice")
         req.params = req.params.clone(structured_outputs=constraint)
-    served, admission = _precheck(request, state, asked, 1, req)
+    served, admission = _precheck(request, state, asked, 1, req, lora)
 
     async def prompts(tokenizer: TokenizerWorker) -> list:
         return [await tokenizer.chat(req.messages, req.add_generation_prompt,
                                      req.tools.tools if req.tools is not None else None, req.template_kwargs)]
 
-    return await _generate(request, req, asked, served, admission, "chatcmpl", prompts, _chat_events, _chat_body)
+    return await _generate(request, req, asked, served, admission, "chatcmpl", prompts, _chat_events, _chat_body,
+                           lora)
 
 
 async def _chat_events(gen: Generation, req: ChatRequest, header: R.ResponseHeader,
@@ -323,8 +328,12 @@ def _tool_message(choice: dict, tools: ToolRequest) -> None:
 async def list_models(request: Request, state: ServerState) -> Response:
     state.ready()
     cards = [{"id": m.name, "object": "model", "created": int(m.engine.started_at), "owned_by": "jserve",
-              "root": str(m.engine.engine.model_dir), "max_model_len": m.engine.engine.max_model_len}
+              "root": str(m.engine.engine.model_dir), "parent": None, "max_model_len": m.engine.engine.max_model_len}
              for m in state.models.values()]
+    # Then the LoRA adapters, as vLLM lists them: root their directory, parent their base model
+    cards += [{"id": name, "object": "model", "created": int(m.engine.started_at), "owned_by": "jserve",
+               "root": m.loras[name].lora_path, "parent": m.name, "max_model_len": m.engine.engine.max_model_len}
+              for name, m in state.adapters.items()]
     return JSONResponse({"object": "list", "data": cards})
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jserve.server.lora_modules import LoraModule
+
 # Request bodies above this many bytes get a 413 (a 4 MiB body is a prompt of roughly a million tokens).
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 DEFAULT_MAX_QUEUED_REQUESTS = 256
@@ -30,6 +32,8 @@ class ServerSettings:
     step_failure_window_s: float = DEFAULT_STEP_FAILURE_WINDOW_S
     # On a several-model server: the model that serves a request whose own model's queue is over its limit.
     fallback_model: str | None = None
+    # LoRA adapters served by name (--lora-modules): lora_int_id 1, 2, ... in this order (server/lora_modules.py).
+    lora_modules: tuple[LoraModule, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_queued_requests < 0:

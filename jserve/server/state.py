@@ -10,9 +10,11 @@ from collections.abc import Callable, Sequence
 
 from checkpoints import DEFAULT_MODEL_NAME, default_model
 from jserve.config import EngineConfig
+from jserve.lora import LoRAError, LoRARequest
 from jserve.server.async_engine import AsyncEngine
 from jserve.server.auth import ApiKey
 from jserve.server.limits import Limits
+from jserve.server.lora_modules import assign_adapters
 from jserve.server.metrics import ServerMetrics
 from jserve.server.multi_model import ServedModel, check_names, plan_kv_budgets, render_merged
 from jserve.server.protocol import APIError
@@ -32,12 +34,15 @@ class ModelState:
         self.tokenizer: TokenizerWorker | None = None
         self.metrics = ServerMetrics(self.name, lambda: self.engine.snapshot if self.engine else None)
         self.limits: Limits | None = None  # set by ServerState.make_limits (build_app)
+        self.loras: dict[str, LoRARequest] = {}  # the adapters served on this model, by name (--lora-modules)
 
     async def load(self, settings: ServerSettings, on_fatal: Callable[[BaseException], None]) -> None:
         from jserve.engine.data_parallel import create_engine
         from jserve.tokenizer import load_tokenizer
 
         engine = await asyncio.to_thread(create_engine, self.config)
+        if self.loras:  # read (and check) every adapter now: a bad one fails start-up, not the first request
+            await asyncio.to_thread(_register_adapters, engine, list(self.loras.values()))
         tokenizer = await asyncio.to_thread(load_tokenizer, str(self.config.tokenizer or engine.model_dir))
         vocab = max(engine.model_config.vocab_size, engine.tokenizer.vocab_size)
         self.tokenizer = TokenizerWorker(tokenizer, vocab)
@@ -59,6 +64,15 @@ class ModelState:
         return "ready", None
 
 
+def _register_adapters(engine, loras: list[LoRARequest]) -> None:
+    for replica in getattr(engine, "replicas", [engine]):  # each data-parallel replica holds its own adapters
+        for lora in loras:
+            try:
+                replica.lora_slots.register(lora)
+            except LoRAError as e:
+                raise LoRAError(f"LoRA adapter {lora.lora_name!r}: {e}") from None
+
+
 class ServerState:
     """The server's models (the first also answers requests that name none) and their shared lifecycle. The
     single-model attributes (engine, tokenizer, metrics, model_name, config) are the first model's."""
@@ -74,6 +88,12 @@ class ServerState:
         self._served = list(models)
         self.models = {m.name: ModelState(m) for m in models}
         self.primary = self.models[models[0].name]
+        # Adapter name -> the model it runs on; each model's own adapters are in its `loras`.
+        self.adapters: dict[str, ModelState] = {}
+        enabled = {m.name: m.config.enable_lora for m in models}
+        for base, module, lora_int_id in assign_adapters(settings.lora_modules, enabled):
+            self.models[base].loras[module.name] = LoRARequest(module.name, lora_int_id, module.path)
+            self.adapters[module.name] = self.models[base]
         self.load_error: BaseException | None = None
         self._failed_model: str | None = None
         self._on_load_error = on_load_error
@@ -192,15 +212,20 @@ class ServerState:
                 raise APIError(503, "the engine is not running", code="engine_dead")
 
     def route(self, model: str | None) -> ModelState:
-        """The model a request names (the first where it names none), once every model is serving; 404 for a name
-        not served."""
+        """The model a request names (the first where it names none; an adapter's base model where it names a LoRA
+        adapter), once every model is serving; 404 for a name not served."""
         self.ready()
         if model is None:
             return self.primary
-        served = self.models.get(model)
+        served = self.models.get(model) or self.adapters.get(model)
         if served is None:
             raise APIError(404, f"The model `{model[:200]}` does not exist.", param="model", code="model_not_found")
         return served
+
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names (None: a base model)."""
+        base = self.adapters.get(model) if model is not None else None
+        return base.loras[model] if base is not None else None
 
     def fallback_for(self, model: ModelState) -> ModelState | None:
         """Where a request for `model` goes when that model's queue is over its limit."""
