@@ -26,7 +26,7 @@ from checkpoints.safetensors_loader import FUSED_PARTS, fused_row_map, iter_tens
 from checkpoints.tensor_views import llama_layout
 from jserve.config import ModelConfig
 
-# Where each checkpoint projection goes: (the model's module, part index in it, parts in it)
+# Where each checkpoint projection goes: (the decoder block, the model's projection holding it)
 _TARGETS = {"q_proj": ("self_attn", "qkv_proj"), "k_proj": ("self_attn", "qkv_proj"),
             "v_proj": ("self_attn", "qkv_proj"), "qkv_proj": ("self_attn", "qkv_proj"),
             "o_proj": ("self_attn", "o_proj"), "gate_proj": ("mlp", "gate_up_proj"),
