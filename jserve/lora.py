@@ -23,7 +23,7 @@ import numpy as np
 
 from checkpoints import CheckpointError
 from checkpoints.safetensors_loader import FUSED_PARTS, fused_row_map, iter_tensors
-from checkpoints.tensor_views import llama_layout
+from checkpoints.tensor_views import llama_layout, take
 from jserve.config import ModelConfig
 
 # Where each checkpoint projection goes: (the decoder block, the model's projection holding it)
@@ -168,7 +168,7 @@ def _place(modules: dict, module: str, a: np.ndarray, b: np.ndarray, config: Mod
         raise LoRAError(str(e)) from None
     names = FUSED_PARTS.get(dest, (dest,))
     for part, view in parts:
-        rows = np.asarray(view.read((), np.float32) if hasattr(view, "read") else view, np.float32)
+        rows = take(view, (), np.float32)
         index = names.index(part) if part in names else 0
         cols = slice(index * max_rank, index * max_rank + a.shape[0])
         a_full[cols] = a

@@ -8,11 +8,9 @@ import numpy as np
 import pytest
 import torch
 from hf_models import load_hf
-from test_parity import hf_greedy, hf_logits
+from test_parity import hf_greedy, hf_logits, jserve_logits
 
 import cpu_kernels
-from jserve.engine.sequence import ScheduledSeq, Sequence
-from jserve.executors import CpuLayerExecutor, XlaExecutor
 from jserve.lora import LoRAError, LoRARequest, load_adapter
 from jserve.sampling_params import SamplingParams
 
@@ -54,34 +52,6 @@ def adapters(hf_model_dir, tmp_path_factory):
     return make
 
 
-def lora_logits(model_dir, executor: str, adapter_dirs: list, prompts: list[list[int]], slots: list[int],
-                max_lora_rank: int = 8) -> list[np.ndarray]:
-    """All-position logits of every prompt in one ragged step, each prompt with the adapter of its slot (-1: none);
-    adapter_dirs[i] is written into slot i."""
-    cls = CpuLayerExecutor if executor == "cpu-layers" else XlaExecutor
-    backend = "cpu" if executor == "cpu-layers" else "reference"
-    model = cls.load(model_dir, dtype="float32", attention_backend=backend, max_model_len=256,
-                     lora=(len(adapter_dirs), max_lora_rank))
-    runner = cls(model, dtype="float32", num_blocks=32, block_size=16, max_num_batched_tokens=128, max_num_seqs=8,
-                 max_model_len=256)
-    for slot, path in enumerate(adapter_dirs):
-        runner.set_lora(slot, load_adapter(LoRARequest(f"a{slot}", slot + 1, str(path)), model.config,
-                                           max_lora_rank))
-    chunks, next_block = [], 0
-    for prompt, slot in zip(prompts, slots, strict=True):
-        seq = Sequence("lora", prompt, SamplingParams())
-        needed = -(-len(prompt) // 16)
-        seq.block_table = list(range(next_block, next_block + needed))
-        seq.lora_slot = slot
-        next_block += needed
-        chunks.append(ScheduledSeq(seq, len(prompt), True))
-    batch = runner.prepare(chunks)
-    batch.logits_indices = np.arange(len(batch.token_ids), dtype=np.int32)
-    logits = np.asarray(runner.run(batch), dtype=np.float32)
-    starts = np.cumsum([0, *map(len, prompts)])
-    return [logits[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
-
-
 PROMPTS = [[5, 17, 300, 42, 9, 77, 123], [3, 8, 250, 11], [99, 100, 101, 102, 103, 104, 7, 8, 9, 10, 11]]
 
 
@@ -100,7 +70,8 @@ def test_adapter_logits_match_peft_in_a_batch_mixing_adapters(hf_model_dir, adap
     model_dir = hf_model_dir(variant)
     first, first_ref = adapters(variant, **settings)
     second, second_ref = adapters(variant, **{**settings, "seed": 1})
-    ours = lora_logits(model_dir, executor, [first, second], PROMPTS, slots=[1, -1, 0])
+    ours = jserve_logits(model_dir, PROMPTS, "float32", "cpu" if executor == "cpu-layers" else "reference",
+                         adapters=(first, second), slots=[1, -1, 0])
     with second_ref.disable_adapter():
         base = hf_logits(second_ref, PROMPTS[1])
     np.testing.assert_allclose(ours[0], hf_logits(second_ref, PROMPTS[0]), atol=1e-4, rtol=0)

@@ -11,6 +11,7 @@ from hf_models import VARIANTS, load_hf
 import cpu_kernels
 from jserve.engine.sequence import ScheduledSeq, Sequence
 from jserve.executors import CpuLayerExecutor, XlaExecutor
+from jserve.lora import LoRARequest, load_adapter
 from jserve.sampling_params import SamplingParams
 
 PROMPT_LENS = (5, 37, 20, 1)
@@ -24,16 +25,22 @@ def _prompts(seed: int = 0) -> list[list[int]]:
     return [rng.integers(3, 390, n).tolist() for n in PROMPT_LENS]
 
 
-def jserve_logits(model_dir, prompts: list[list[int]], dtype: str,
-                  attention_backend: str = "reference") -> list[np.ndarray]:
-    """All-position logits of every prompt, computed in one ragged step over a paged cache."""
+def jserve_logits(model_dir, prompts: list[list[int]], dtype: str, attention_backend: str = "reference",
+                  adapters: tuple = (), slots: list[int] | None = None, max_lora_rank: int = 8) -> list[np.ndarray]:
+    """All-position logits of every prompt, computed in one ragged step over a paged cache. adapters: PEFT LoRA
+    directories written into slots 0, 1, ...; slots: each prompt's adapter slot (-1: none)."""
     executor = CpuLayerExecutor if attention_backend == "cpu" else XlaExecutor
-    model = executor.load(model_dir, dtype=dtype, attention_backend=attention_backend, max_model_len=256)
+    model = executor.load(model_dir, dtype=dtype, attention_backend=attention_backend, max_model_len=256,
+                          lora=(len(adapters), max_lora_rank) if adapters else (0, 0))
     runner = executor(model, dtype=dtype, num_blocks=32, block_size=16, max_num_batched_tokens=128, max_num_seqs=8,
                       max_model_len=256)
+    for slot, path in enumerate(adapters):
+        request = LoRARequest(f"a{slot}", slot + 1, str(path))
+        runner.set_lora(slot, load_adapter(request, model.config, max_lora_rank))
     chunks, next_block = [], 0
-    for p in prompts:
+    for i, p in enumerate(prompts):
         seq = Sequence("parity", p, SamplingParams())
+        seq.lora_slot = -1 if slots is None else slots[i]
         needed = -(-len(p) // 16)
         seq.block_table = list(range(next_block, next_block + needed))[::-1]  # pages out of order on purpose
         next_block += needed
