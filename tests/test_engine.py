@@ -746,9 +746,12 @@ def test_the_gpu_compiler_options_are_options_xla_knows():
 
     step, burst = step_compiler_options("gpu"), burst_compiler_options("gpu")
     assert step["xla_gpu_enable_triton_gemm"] is False and step.items() <= burst.items()
-    for options in (step, burst):
+    # quantized weights: the Triton GEMM at XLA's default autotuning, which fuses the weight's convert into the dot
+    q_step, q_burst = step_compiler_options("gpu", True), burst_compiler_options("gpu", True)
+    assert q_step == {"xla_gpu_enable_triton_gemm": True} and q_step.items() <= q_burst.items()
+    for options in (step, burst, q_step, q_burst):
         assert float(jax.jit(lambda a: a @ a, compiler_options=options)(jnp.ones((4, 4)))[0, 0]) == 4.0
-    assert step_compiler_options("cpu") is None and burst_compiler_options("cpu") is None
+    assert step_compiler_options("cpu") is None and burst_compiler_options("cpu", True) is None
 
 
 def test_the_models_generation_config_gives_the_default_sampling_params(hf_model_dir, llm_factory, tmp_path):

@@ -21,6 +21,7 @@ from safetensors.numpy import load_file
 from jserve.config import EngineConfig
 from jserve.engine.sequence import ScheduledSeq, Sequence
 from jserve.executors import XlaExecutor, choose_executor
+from jserve.executors.xla import holds_quantized_weights
 from jserve.loading import LoadedModel, load_model
 from jserve.models.quantization import (
     HEAD_PATHS,
@@ -251,6 +252,9 @@ def test_int8_greedy_tokens_mostly_agree_with_bfloat16(hf_model_dir, llm_factory
     prompts = [{"prompt_token_ids": list(range(5 + i, 25 + 3 * i, 2))} for i in range(4)]
     bf16 = llm_factory(model_dir, dtype="bfloat16", executor="xla")
     int8 = llm_factory(model_dir, dtype="bfloat16", executor="xla", quantization="int8")
+    # On a GPU the int8 engine's steps compile with the autotuned Triton GEMM (step_compiler_options)
+    assert holds_quantized_weights(int8.engine.executor.params)
+    assert not holds_quantized_weights(bf16.engine.executor.params)
     a = [o.outputs[0].token_ids for o in bf16.generate(prompts, params, use_tqdm=False)]
     b = [o.outputs[0].token_ids for o in int8.generate(prompts, params, use_tqdm=False)]
     # Agreement up to the first divergence of each stream (after it the two continue different texts).

@@ -63,8 +63,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="profile: keep CUDA graphs on under the profiler (XLA runs them op by op by default)")
     parser.add_argument("--quant-settings", default=None,
                         help="quant: these of quant.SETTINGS (comma-separated; bf16, the reference, always runs first; "
-                             "default bf16,kv_int8,kv_fp8,int8,int8_triton_gemm,fp8,fp8_triton_gemm; "
+                             "default bf16,kv_int8,kv_fp8,int8,fp8,int8_cublas; "
                              "f32 adds the float32 yardstick)")
+    parser.add_argument("--quantization", default=None, choices=("int8", "fp8"),
+                        help="speed, warmup, decode, profile: the engine's weights quantized so (LLM(quantization=))")
     opts = parser.parse_args(argv)
     gpu = opts.device == "gpu"
     args = {"device": opts.device, "model": opts.model or ("llama3-8b" if gpu else "demo"),
@@ -78,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             "decode_variants": opts.decode_variants.split(",") if opts.decode_variants else None,
             "profile_tokens": opts.profile_tokens, "keep_trace": opts.keep_trace,
             "profile_command_buffers": opts.profile_command_buffers,
-            "quant_settings": opts.quant_settings.split(",") if opts.quant_settings else None}
+            "quant_settings": opts.quant_settings.split(",") if opts.quant_settings else None,
+            "quantization": opts.quantization}
     opts.out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     merged: dict = {"args": args, "sections": {}}

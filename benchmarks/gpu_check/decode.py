@@ -38,7 +38,7 @@ def engine_settings(args: dict, load_format: str, on_gpu: bool, prompt: int, new
                 attention_backend="pallas" if on_gpu else args.get("cpu_backend", "auto"),
                 executor="xla", max_model_len=-(-(prompt + 2 * new_tokens + 64) // 16) * 16, max_num_seqs=8,
                 max_num_batched_tokens=256, kv_cache_memory_bytes=(4 << 30) if on_gpu else (64 << 20),
-                compilation_cache_dir="")
+                compilation_cache_dir="", quantization=args.get("quantization"))
 
 
 def main() -> None:

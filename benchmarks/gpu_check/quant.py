@@ -12,8 +12,9 @@ the yardstick of plain rounding) loads its own engine, runs the same prompts, th
   the bytes a decode token reads (every weight but an untied embedding table, scales included, plus its K/V) against
   the HBM bandwidth the env section measured.
 
-The *_triton_gemm settings load the same weights as int8 / fp8 but compile the steps with XLA's Triton GEMM
-(COMPILER_OPTIONS), which can fuse the weight's convert into the dot, where the engine's cuBLAS cannot.
+The *_cublas and *_untuned settings load the same weights as int8 / fp8 but compile the steps with other XLA options
+(COMPILER_OPTIONS) than the engine's autotuned Triton GEMM: cuBLAS, which cannot fuse the weight's convert into the
+dot, or the Triton GEMM's default tiles.
 
 fp8 (float8_e4m3fn) weights and KV, and the Triton GEMM settings, are refused off a GPU: there they are recorded as
 skipped. The KV settings run
@@ -42,16 +43,16 @@ from benchmarks.gpu_check.speed import param_bytes, run_requests, step_split
 SETTINGS = {"bf16": {}, "int8": {"quantization": "int8"}, "fp8": {"quantization": "fp8"},
             "kv_int8": {"kv_cache_dtype": "int8"}, "kv_fp8": {"kv_cache_dtype": "fp8"},
             "int8_kv_int8": {"quantization": "int8", "kv_cache_dtype": "int8"}, "f32": {"dtype": "float32"}}
-# Settings that compile the engine's steps with other XLA options than executors.xla.step_compiler_options. The
-# engine's (cuBLAS by its heuristics, no Triton GEMM) cannot take an int8 / fp8 weight's convert into the dot:
-# cuBLAS multiplies bf16 by bf16, so each step writes a bf16 copy of every weight and reads it back (on an H200,
-# 3x bf16's time a token). XLA's Triton GEMM fuses the convert into the dot and reads the 1-byte weight.
-TRITON_GEMM = {"xla_gpu_enable_triton_gemm": True, "xla_gpu_autotune_level": 0}
-COMPILER_OPTIONS = {"int8_triton_gemm": TRITON_GEMM, "fp8_triton_gemm": TRITON_GEMM,
-                    "int8_triton_gemm_autotuned": {"xla_gpu_enable_triton_gemm": True}}
+# Settings that compile the engine's steps with other XLA options than executors.xla.step_compiler_options gives
+# them (quantized weights: XLA's Triton GEMM, autotuned per shape). On cuBLAS, which multiplies bf16 by bf16, each
+# step writes a bf16 copy of every int8 / fp8 weight and reads it back; the Triton GEMM converts the 1-byte weight
+# in registers, and without autotuning its default tiles are slow for batch-1 shapes.
+CUBLAS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
+COMPILER_OPTIONS = {"int8_cublas": CUBLAS, "fp8_cublas": CUBLAS,
+                    "int8_triton_gemm_untuned": {"xla_gpu_enable_triton_gemm": True, "xla_gpu_autotune_level": 0}}
 SETTINGS.update({name: SETTINGS[name.split("_")[0]] for name in COMPILER_OPTIONS})
 GPU_ONLY = {"fp8", "kv_fp8", *COMPILER_OPTIONS}
-DEFAULT_SETTINGS = ["bf16", "kv_int8", "kv_fp8", "int8", "int8_triton_gemm", "fp8", "fp8_triton_gemm"]
+DEFAULT_SETTINGS = ["bf16", "kv_int8", "kv_fp8", "int8", "fp8", "int8_cublas"]
 REFERENCE = "bf16"
 SPEED_PROMPT = 128
 PROMPTS, PROMPT_LEN, GREEDY_TOKENS = 4, SPEED_PROMPT // 4, 32
@@ -104,8 +105,8 @@ def compiler_options(options: dict | None) -> Iterator[None]:
         yield
         return
     step, burst = xla.step_compiler_options, xla.burst_compiler_options
-    xla.step_compiler_options = lambda platform: options
-    xla.burst_compiler_options = lambda platform: {**(burst(platform) or {}), **options}
+    xla.step_compiler_options = lambda platform, quantized_weights=False: options
+    xla.burst_compiler_options = lambda platform, quantized_weights=False: {**(burst(platform) or {}), **options}
     try:
         yield
     finally:
@@ -148,7 +149,7 @@ def main() -> None:
         try:
             start = time.perf_counter()
             with compiler_options(COMPILER_OPTIONS.get(name)):
-                llm = LLM(str(path), warmup=False, **{**base, **SETTINGS[name]})
+                llm = LLM(str(path), warmup=False, **{**base, "quantization": None, **SETTINGS[name]})
             engine = llm.engine
             jax.block_until_ready(engine.executor.params)
             entry["load_seconds"] = time.perf_counter() - start

@@ -164,7 +164,8 @@ def engine_settings(args: dict, load_format: str, on_gpu: bool) -> dict:
                 max_model_len=-(-(max_in + max_out + 256) // 16) * 16,
                 max_num_seqs=max(int(c) for c in args["concurrency"]),
                 max_num_batched_tokens=int(args.get("max_num_batched_tokens", 2048)),
-                kv_cache_memory_bytes=int(args.get("kv_cache_bytes", 0)) or None, compilation_cache_dir="")
+                kv_cache_memory_bytes=int(args.get("kv_cache_bytes", 0)) or None, compilation_cache_dir="",
+                quantization=args.get("quantization"))
 
 
 if __name__ == "__main__":

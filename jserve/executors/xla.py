@@ -63,23 +63,36 @@ def reads_only_used_pages(backend: str, platform: str | None = None) -> bool:
     return backend in ("cpu", "reference", "pallas-interpret-gpu") or (backend == "pallas" and platform == "gpu")
 
 
-def step_compiler_options(platform: str) -> dict[str, bool | int] | None:
-    """XLA options for a step's executable. On a GPU, matmuls go to cuBLAS by its heuristics: XLA's default
+def step_compiler_options(platform: str, quantized_weights: bool = False) -> dict[str, bool | int] | None:
+    """XLA options for a step's executable. On a GPU, float matmuls go to cuBLAS by its heuristics: XLA's default
     autotunes a Triton GEMM for every matmul shape on the device, one compile at a time, which took an 8B model's
-    warm-up past 135 s on an H200 for 2% faster batch-1 decode (4.70 against 4.80 ms a token)."""
+    warm-up past 135 s on an H200 for 2% faster batch-1 decode (4.70 against 4.80 ms a token). Quantized weights
+    (int8 / fp8) keep XLA's default: cuBLAS multiplies bf16 by bf16, so each step would write a bf16 copy of every
+    weight and read it back (an 8B model's batch-1 decode 14.2 ms a token on an H200, 3x bf16's), where an
+    autotuned Triton GEMM converts the 1-byte weight in registers (2.97 ms, 1.58x bf16's tok/s; without autotuning
+    its default tiles take 10.4 ms)."""
     if platform != "gpu":
         return None
+    if quantized_weights:
+        return {"xla_gpu_enable_triton_gemm": True}
     return {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
 
 
-def burst_compiler_options(platform: str) -> dict[str, str | bool | int] | None:
+def burst_compiler_options(platform: str, quantized_weights: bool = False) -> dict[str, str | bool | int] | None:
     """XLA options for a decode burst's executable: a step's, and on a GPU, XLA's command buffers (CUDA graphs)
     take the burst's data-dependent while loop whole, as conditional nodes, where by default the host launches
     each step and reads its loop predicate back (on an H200, an 8B model's batch-1 decode 5.02 -> 4.85 ms)."""
     if platform != "gpu":
         return None
-    return {**step_compiler_options(platform),
+    return {**step_compiler_options(platform, quantized_weights),
             "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"}
+
+
+def holds_quantized_weights(params: list) -> bool:
+    """Whether any parameter is stored in a 1-byte dtype (int8 or fp8 weights: --quantization, a W8A16
+    checkpoint, a GGUF file's quantized tensors)."""
+    dtypes = {jnp.dtype(p.dtype) for p in params if hasattr(p, "dtype")}
+    return any(d.itemsize == 1 and d != jnp.bool_ for d in dtypes)
 
 
 def kv_bytes_per_block(config, block_size: int, dtype: str, kv_cache_dtype: str = "auto") -> int:
@@ -133,6 +146,7 @@ class XlaExecutor(Executor):
         storage = kv_storage_dtype(dtype, jax.default_backend())
         self._kv_shape, self._kv_storage = shape, storage
         self.dtype, self.kv_cache_dtype = dtype, kv_cache_dtype
+        platform, quantized = jax.default_backend(), holds_quantized_weights(self.params)
         if mesh is None:
             # Committed to the device: a step's outputs are then committed whichever way the weights were placed,
             # and jit keys its cache on that (the sampler compiled at warm-up must be the one steps call).
@@ -143,7 +157,7 @@ class XlaExecutor(Executor):
             # compile again for the first step after a burst.
             self.kv_cache = self._allocate_kv_cache()
             self._step = jax.jit(self._packed_forward, donate_argnums=(1,), static_argnums=(3,),
-                                 compiler_options=step_compiler_options(jax.default_backend()))
+                                 compiler_options=step_compiler_options(platform, quantized))
         else:
             self.kv_cache = self._allocate_kv_cache()
             # The cache keeps its layout across steps and logits come back whole (the sampler runs unsharded);
@@ -151,7 +165,7 @@ class XlaExecutor(Executor):
             cache_shardings = jax.tree.map(lambda a: a.sharding, self.kv_cache)
             self._step = jax.jit(self._packed_forward, donate_argnums=(1,), static_argnums=(3,),
                                  out_shardings=(cache_shardings, replicated(mesh)),
-                                 compiler_options=step_compiler_options(jax.default_backend()))
+                                 compiler_options=step_compiler_options(platform, quantized))
         smallest = self.smallest_token_bucket
         self.token_buckets = pow2_buckets(min(smallest, max_num_batched_tokens), max_num_batched_tokens)
         self.max_seq_rows = min(max_num_seqs, max_num_batched_tokens)
@@ -167,7 +181,7 @@ class XlaExecutor(Executor):
         # A decode burst runs several steps in one call, so it needs one page width for all of them.
         self.supports_burst = mesh is None and len(self.page_buckets) == 1
         self._burst = jax.jit(self._packed_burst, donate_argnums=(1,), static_argnums=(3, 4),
-                              compiler_options=burst_compiler_options(jax.default_backend()))
+                              compiler_options=burst_compiler_options(platform, quantized))
         self._compiled_bursts: dict[tuple[PackedLayout, int], Callable] = {}  # by (layout, max_steps)
 
     # ----- what a subclass may hold differently -----
