@@ -66,6 +66,9 @@ class LoraAdapter:
     request: LoRARequest
     rank: int
     modules: dict[tuple, tuple[np.ndarray, np.ndarray]]
+    # Set by the engine when it reads the adapter, unique among its reads: the prefix cache's salt, so K/V computed
+    # with an adapter that was removed are never reused by another read under the same id.
+    serial: int = 0
 
 
 def lora_width(module: str, max_lora_rank: int) -> int:

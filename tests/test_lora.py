@@ -108,6 +108,25 @@ def test_engine_serves_adapters_with_fewer_slots_than_adapters(hf_model_dir, ada
     assert alone[0].outputs[0].token_ids == outputs[1].outputs[0].token_ids
     assert llm.engine.lora_slots.loads >= 3  # the one slot took each adapter in turn
 
+    # vLLM's remove_lora: a request running with the adapter finishes with it, and the id may at once name another
+    # adapter, whose request gets its own tokens: it waits for the one slot, and the old adapter's K/V of the same
+    # prompt in the prefix cache are not its own
+    engine = llm.engine
+    assert engine.list_loras() == {1, 2, 3}
+    engine.add_request("running", {"prompt_token_ids": prompts[0]}, params, lora_request=requests[0])
+    finished = [o for o in engine.step() if o.finished]
+    assert engine.remove_lora(1) and not engine.remove_lora(1) and engine.list_loras() == {2, 3}
+    reused = TopLevelLoRARequest("adapter-1-again", 1, str(refs[1][0]))
+    engine.add_request("reused", {"prompt_token_ids": prompts[0]}, params, lora_request=reused)
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    tokens = {o.request_id: o.outputs[0].token_ids for o in finished}
+    assert tokens["running"] == outputs[0].outputs[0].token_ids
+    assert tokens["reused"] == hf_greedy(refs[1][1], prompts[0], 6) != tokens["running"]
+    with pytest.raises(LoRAError, match="lora_int_id 1 already names adapter 'adapter-1-again'"):
+        engine.add_lora(requests[0])
+    assert engine.add_lora(TopLevelLoRARequest("adapter-4", 4, str(refs[2][0]))) and engine.list_loras() == {1, 2, 3, 4}
+
 
 def test_adapter_errors_name_what_does_not_fit(hf_model_dir, adapters, tmp_path, llm_factory):
     model_dir = hf_model_dir("llama")

@@ -49,7 +49,8 @@ def adapters(model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir, adapters):
     modules = (LoraModule("adapter1", str(adapters[0][0])), LoraModule("adapter2", str(adapters[1][0])))
-    srv = ServerThread(EngineConfig(model=str(model_dir), **ENGINE_ARGS), ServerSettings(lora_modules=modules))
+    srv = ServerThread(EngineConfig(model=str(model_dir), **ENGINE_ARGS),
+                       ServerSettings(lora_modules=modules, allow_runtime_lora_updating=True))
     yield srv.start()
     srv.stop()
 
@@ -117,6 +118,45 @@ def test_models_lists_the_adapters_after_the_base_model(server, client, adapters
         client.completions.create(model="adapter3", prompt=PROMPT, max_tokens=1)
 
 
+def test_adapters_load_and_unload_at_run_time(server, client, adapters, tmp_path):
+    """vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (--allow-runtime-lora-updating): a loaded
+    adapter serves PEFT's tokens under its name until it is unloaded; the name can then load another adapter."""
+    def post(route: str, **body) -> httpx.Response:
+        return httpx.post(f"{server.url}/v1/{route}_lora_adapter", json=body, timeout=60)
+
+    def complete(name: str) -> list[str]:
+        response = client.completions.create(model=name, prompt=PROMPT, max_tokens=STEPS, temperature=0,
+                                             logprobs=1, extra_body={"ignore_eos": True})
+        assert response.model == name
+        return response.choices[0].logprobs.tokens
+
+    spec = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
+    assert {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"} <= set(spec["paths"])
+    r = post("load", lora_name="runtime", lora_path=str(adapters[1][0]))
+    assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'runtime' added successfully.")
+    assert complete("runtime") == token_strings(server, expected_tokens(adapters, 1, PROMPT, STEPS))
+    assert [m.id for m in client.models.list()][-1] == "runtime"
+    for body, status, message in [
+        (dict(lora_name="runtime", lora_path=str(adapters[0][0])), 400, "The lora adapter 'runtime' has already"),
+        (dict(lora_name="adapter1", lora_path=str(adapters[0][0])), 400, "'adapter1' has already been loaded"),
+        (dict(lora_name="bad", lora_path=str(tmp_path)), 400, "not a LoRA adapter directory"),
+        (dict(lora_name="bad"), 400, "'lora_path' is a required field"),
+        (dict(lora_name="bad", lora_path=str(adapters[0][0]), base_model_name="nope"), 404, "`nope` does not exist"),
+    ]:
+        r = post("load", **body)
+        assert r.status_code == status and message in r.json()["error"]["message"], (body, r.text)
+    assert "bad" not in [m.id for m in client.models.list()]
+    r = post("unload", lora_name="runtime")
+    assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'runtime' removed successfully.")
+    with pytest.raises(openai.NotFoundError, match="runtime"):
+        complete("runtime")
+    r = post("unload", lora_name="runtime")
+    assert r.status_code == 404 and "The lora adapter 'runtime' cannot be found." in r.json()["error"]["message"]
+    assert post("load", lora_name="runtime", lora_path=str(adapters[0][0])).status_code == 200  # another adapter
+    assert complete("runtime") == token_strings(server, expected_tokens(adapters, 0, PROMPT, STEPS))
+    assert post("unload", lora_name="runtime").status_code == 200
+
+
 def test_lora_module_forms():
     assert parse_lora_module("sql=/a/b=c") == LoraModule("sql", "/a/b=c")
     assert parse_lora_module('{"name": "x", "path": "/p", "base_model_name": "m"}') == LoraModule("x", "/p", "m")
@@ -165,6 +205,8 @@ def test_adapters_belong_to_the_first_model_unless_named():
 def test_cli_without_enable_lora_is_an_error(capsys):
     assert main(["serve", "--model", "/m", "--lora-modules", "a=/p"]) == 2
     assert "jserve: error: --lora-modules needs --enable-lora" in capsys.readouterr().err
+    assert main(["serve", "--model", "/m", "--allow-runtime-lora-updating"]) == 2
+    assert "jserve: error: --allow-runtime-lora-updating needs --enable-lora" in capsys.readouterr().err
 
 
 def test_cli_bad_adapter_fails_start_up(model_dir, tmp_path, caplog):

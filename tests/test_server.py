@@ -430,6 +430,10 @@ def test_openapi_describes_the_routes(server):
         assert path in spec["paths"]
     body = spec["components"]["schemas"]["CompletionRequest"]
     assert body["required"] == ["prompt"] and {"max_tokens", "logprobs", "top_k"} <= set(body["properties"])
+    # the run-time LoRA routes only with --allow-runtime-lora-updating (tests/test_lora_server.py)
+    assert "/v1/load_lora_adapter" not in spec["paths"]
+    r = httpx.post(f"{server.url}/v1/load_lora_adapter", headers=AUTH, json={"lora_name": "a", "lora_path": "/p"})
+    assert r.status_code == 404 and "--allow-runtime-lora-updating" in r.json()["error"]["message"]
 
 
 def test_request_id_and_json_404(server):

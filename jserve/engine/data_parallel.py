@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from jserve.config import EngineConfig
 from jserve.engine.engine import EngineSnapshot, EngineStats, LLMEngine
+from jserve.lora import LoraAdapter, LoRARequest
 from jserve.outputs import RequestOutput
 from sharding import make_mesh, replica_meshes
 
@@ -68,6 +69,17 @@ class DataParallelEngine:
 
     def has_unfinished_requests(self) -> bool:
         return any(e.has_unfinished_requests() for e in self.replicas)
+
+    def add_lora(self, lora_request: LoRARequest, adapter: LoraAdapter | None = None) -> bool:
+        """Each replica keeps the adapter in its own slots (read once)."""
+        adapter = adapter or self.replicas[0].read_lora(lora_request)
+        return all([e.add_lora(lora_request, adapter) for e in self.replicas])
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return any([e.remove_lora(lora_int_id) for e in self.replicas])
+
+    def list_loras(self) -> set[int]:
+        return self.replicas[0].list_loras()
 
     def step(self) -> list[RequestOutput]:
         busy = [e for e in self.replicas if e.has_unfinished_requests()]

@@ -41,7 +41,7 @@ from jserve.executors.base import STOP_IDS_WIDTH, no_stop_ids
 from jserve.executors.cpu_layers import MAX_BLOCK_SIZE as CPU_MAX_BLOCK_SIZE
 from jserve.executors.xla import kv_bytes_per_block
 from jserve.loading import resolve_model_path, stored_quantization
-from jserve.lora import LoRARequest
+from jserve.lora import LoraAdapter, LoRARequest
 from jserve.outputs import RequestOutput
 from jserve.sampling_params import SamplingParams, default_params
 from jserve.tokenizer import Tokenizer, load_tokenizer
@@ -268,11 +268,7 @@ class LLMEngine:
         params = params or default_params(self.sampling_defaults)
         if request_id in self.outputs.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        adapter = None
-        if lora_request is not None:
-            if self.lora_slots is None:
-                raise ValueError("a LoRA request needs an engine started with enable_lora")
-            adapter = self.lora_slots.register(lora_request)
+        adapter = None if lora_request is None else self._loras().register(lora_request)
         vocab = self.model_config.vocab_size
         prompt_text, prompt_ids = tokenize_prompt(self.tokenizer, vocab, self.max_model_len, prompt,
                                                   params.truncate_prompt_tokens)
@@ -317,6 +313,31 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.outputs.requests)
+
+    # ----- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) -----
+
+    def add_lora(self, lora_request: LoRARequest, adapter: LoraAdapter | None = None) -> bool:
+        """Read an adapter ahead of its requests (adapter: already read, by lora_slots.read); raises what
+        add_request would for it."""
+        slots = self._loras()
+        slots.register(lora_request) if adapter is None else slots.install(adapter)
+        return True
+
+    def read_lora(self, lora_request: LoRARequest) -> LoraAdapter:
+        """The request's adapter read for this model, not yet kept (any thread: the server reads off the engine's)."""
+        return self._loras().read(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; requests already added with it finish with it. False: no adapter has this id."""
+        return self._loras().remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return set(self._loras().adapters)
+
+    def _loras(self) -> LoraSlots:
+        if self.lora_slots is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora")
+        return self.lora_slots
 
     def request_started(self, request_id: str) -> bool:
         """Whether the request has left the queue (some of its tokens computed or running), or is gone."""

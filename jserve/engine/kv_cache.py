@@ -67,7 +67,7 @@ def salt_of(seq: Sequence) -> bytes:
     salt = b"" if salt is None else salt.encode("utf-8", "surrogatepass")
     if seq.lora is not None:  # an adapter's K/V differ from the base model's and from any other adapter's; 0xff
         # starts no UTF-8 salt, so no salt of a request without an adapter reads as this one
-        salt = b"\xff" + seq.lora.request.lora_int_id.to_bytes(8, "little") + salt
+        salt = b"\xff" + seq.lora.serial.to_bytes(8, "little") + salt
     return salt
 
 

@@ -68,7 +68,7 @@ def build_app(config: EngineConfig | Sequence[ServedModel] | None = None, settin
     key_list = load_api_keys(settings.api_keys_file) if settings.api_keys_file else []
     keys = KeyRing.from_settings(settings.api_key, key_list)
     limits = state.make_limits(key_list)  # one per model, sharing the keys' buckets
-    spec = openapi_spec()
+    spec = openapi_spec(lora_updating=settings.allow_runtime_lora_updating)
 
     async def openapi(request: Request, _: ServerState) -> Response:
         return JSONResponse(spec)
@@ -78,6 +78,8 @@ def build_app(config: EngineConfig | Sequence[ServedModel] | None = None, settin
              ("/v1/models", ["GET"], routes.list_models, True),
              ("/tokenize", ["POST"], routes.tokenize, True),
              ("/detokenize", ["POST"], routes.detokenize, True),
+             ("/v1/load_lora_adapter", ["POST"], routes.load_lora_adapter, True),
+             ("/v1/unload_lora_adapter", ["POST"], routes.unload_lora_adapter, True),
              ("/health", ["GET"], routes.health, False),
              ("/metrics", ["GET"], routes.metrics, False),
              ("/version", ["GET"], routes.version, False),

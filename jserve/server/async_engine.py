@@ -22,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from jserve.engine.engine import EngineSnapshot, LLMEngine
 from jserve.lora import LoRARequest
@@ -78,6 +79,13 @@ class _Add:
 @dataclass
 class _Abort:
     request_ids: list[str]
+
+
+@dataclass
+class _Call:
+    """fn(engine) run on the engine thread, between steps; its result or exception in `done`."""
+    fn: Callable[[Any], Any]
+    done: concurrent.futures.Future
 
 
 class _Stop:
@@ -186,6 +194,13 @@ class AsyncEngine:
     def _release(self, num_seqs: int) -> None:
         self._in_flight -= num_seqs
 
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """fn(engine) on the engine thread between steps (what touches the engine's state must run there)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        if not self._submit(_Call(fn, done)):
+            raise EngineDeadError("the engine is not running")
+        return await asyncio.wrap_future(done)
+
     def _submit(self, command: object) -> bool:
         with self._lock:
             if self._closed:
@@ -266,6 +281,11 @@ class AsyncEngine:
                     self.engine.abort_request(rid)
         elif isinstance(command, _Add):
             self._add(command)
+        elif isinstance(command, _Call) and command.done.set_running_or_notify_cancel():
+            try:
+                command.done.set_result(command.fn(self.engine))
+            except Exception as e:  # the caller's error to raise
+                command.done.set_exception(e)
 
     def _add(self, command: _Add) -> None:
         if not command.done.set_running_or_notify_cancel():
@@ -340,7 +360,7 @@ class AsyncEngine:
             self._closed = True
         commands = commands + self._drain(block=False)
         for command in commands:
-            if isinstance(command, _Add) and not command.done.done():
+            if isinstance(command, (_Add, _Call)) and not command.done.done():
                 command.done.set_exception(error)
         delivery = _Delivery([(t.sink, error) for t in self._tracked.values()])
         for rid in list(self._tracked):

@@ -69,6 +69,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                             "the base model with the adapter; also vLLM's JSON form "
                             '\'{"name": ..., "path": ..., "base_model_name": ...}\' (base_model_name: which served '
                             "model it adapts; default the first); needs --enable-lora")
+    group.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's): clients load "
+                            "adapters from server paths and unload them by name")
     group.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
                        help="sequences that may wait beyond the max_num_seqs running ones; more get 429")
     group.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
@@ -184,7 +187,8 @@ def run_serve(args: argparse.Namespace) -> int:
                               max_queued_requests=args.max_queued_requests, tool_call_parser=args.tool_call_parser,
                               max_request_bytes=args.max_request_bytes, max_step_failures=args.max_step_failures,
                               step_failure_window_s=args.step_failure_window,
-                              lora_modules=tuple(args.lora_modules or ()))
+                              lora_modules=tuple(args.lora_modules or ()),
+                              allow_runtime_lora_updating=args.allow_runtime_lora_updating)
     config = models if single else models[0].config
     logging.getLogger().setLevel(args.log_level.upper())
     if config.process_id > 0:  # multi-host follower: no HTTP server, only process 0's steps (jserve/distributed.py)

@@ -8,8 +8,10 @@ from jserve.server.protocol import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
     DETOKENIZE_FIELDS,
+    LOAD_LORA_FIELDS,
     REQUIRED,
     TOKENIZE_FIELDS,
+    UNLOAD_LORA_FIELDS,
     request_schema,
 )
 
@@ -60,6 +62,8 @@ SCHEMAS = {
     "ChatCompletionRequest": request_schema(CHAT_FIELDS, REQUIRED["chat"]),
     "TokenizeRequest": _tokenize_request(),
     "DetokenizeRequest": request_schema(DETOKENIZE_FIELDS, REQUIRED["detokenize"]),
+    "LoadLoraAdapterRequest": request_schema(LOAD_LORA_FIELDS, REQUIRED["load_lora"]),
+    "UnloadLoraAdapterRequest": request_schema(UNLOAD_LORA_FIELDS, REQUIRED["unload_lora"]),
     "Completion": _envelope("text_completion", _obj(
         ["index", "text", "finish_reason", "logprobs"], index=_INT, text=_STR, finish_reason=_FINISH,
         stop_reason=_STOP_REASON, logprobs=_COMPLETION_LOGPROBS), usage_required=False),
@@ -112,7 +116,15 @@ def _get(summary: str, response: dict | None = None, media: str = "application/j
     return {"get": {"summary": summary, "responses": {"200": ok}}}
 
 
-def openapi_spec() -> dict:
+def openapi_spec(lora_updating: bool = False) -> dict:
+    """The API's description; lora_updating: with the run-time LoRA routes (--allow-runtime-lora-updating)."""
+    lora = {path: {"post": {"summary": summary, "requestBody": {"required": True, "content": {
+        "application/json": {"schema": _ref(schema)}}}, "responses": {"200": {"description": "OK", "content": {
+            "text/plain": {"schema": _STR}}}, **_ERRORS}, "security": [{"bearer": []}]}}
+        for path, summary, schema in [("/v1/load_lora_adapter", "Load a LoRA adapter and serve it by name",
+                                       "LoadLoraAdapterRequest"),
+                                      ("/v1/unload_lora_adapter", "Stop serving a LoRA adapter",
+                                       "UnloadLoraAdapterRequest")]} if lora_updating else {}
     return {
         "openapi": "3.1.0",
         "info": {"title": "jserve", "version": __version__,
@@ -130,6 +142,7 @@ def openapi_spec() -> dict:
                                               "503": {"description": "Not ready"}}}},
             "/metrics": _get("Prometheus metrics", {"type": "string"}, "text/plain"),
             "/version": _get("The jserve version", _obj(["version"], version=_STR)),
+            **lora,
         },
         "components": {"schemas": SCHEMAS,
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},

@@ -305,7 +305,16 @@ DETOKENIZE_FIELDS: dict[str, dict] = {
                "description": "Token ids to turn back into text."},
 }
 
-REQUIRED = {"completion": ["prompt"], "chat": ["messages"], "tokenize": [], "detokenize": ["tokens"]}
+_NAME = {"type": "string", "minLength": 1, "maxLength": 256}
+LOAD_LORA_FIELDS: dict[str, dict] = {
+    "lora_name": {**_NAME, "description": "The name requests give as `model` to run with the adapter."},
+    "lora_path": {"type": "string", "minLength": 1, "description": "The adapter's PEFT directory on the server."},
+    "base_model_name": {**_NAME, "description": "The served model it adapts (default: the first)."},
+}
+UNLOAD_LORA_FIELDS: dict[str, dict] = {"lora_name": LOAD_LORA_FIELDS["lora_name"]}
+
+REQUIRED = {"completion": ["prompt"], "chat": ["messages"], "tokenize": [], "detokenize": ["tokens"],
+            "load_lora": ["lora_name", "lora_path"], "unload_lora": ["lora_name"]}
 
 
 def check_fields(body: dict, fields: dict[str, dict], required: list[str]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from jserve import __version__
 from jserve.lora import LoRARequest
@@ -22,8 +22,10 @@ from jserve.server.limits import TIMEOUT_HEADER, Admission, Limits, MeteredGener
 from jserve.server.multi_model import FALLBACK_HEADER
 from jserve.server.protocol import (
     DETOKENIZE_FIELDS,
+    LOAD_LORA_FIELDS,
     REQUIRED,
     TOKENIZE_FIELDS,
+    UNLOAD_LORA_FIELDS,
     APIError,
     ChatRequest,
     CompletionRequest,
@@ -335,6 +337,32 @@ async def list_models(request: Request, state: ServerState) -> Response:
                "root": m.loras[name].lora_path, "parent": m.name, "max_model_len": m.engine.engine.max_model_len}
               for name, m in state.adapters.items()]
     return JSONResponse({"object": "list", "data": cards})
+
+
+async def load_lora_adapter(request: Request, state: ServerState) -> Response:
+    """vLLM's POST /v1/load_lora_adapter {"lora_name", "lora_path"[, "base_model_name"]}: 200 with a plain-text
+    line once the adapter serves requests whose model is lora_name."""
+    _check_lora_updating(state)
+    values = check_fields(await read_json(request, state.settings.max_request_bytes), LOAD_LORA_FIELDS,
+                          REQUIRED["load_lora"])
+    await state.load_lora(values["lora_name"], values["lora_path"], values.get("base_model_name"))
+    return PlainTextResponse(f"Success: LoRA adapter '{values['lora_name']}' added successfully.")
+
+
+async def unload_lora_adapter(request: Request, state: ServerState) -> Response:
+    """vLLM's POST /v1/unload_lora_adapter {"lora_name"}: 200 with a plain-text line; requests already admitted
+    with the adapter finish with it, later ones get 404."""
+    _check_lora_updating(state)
+    values = check_fields(await read_json(request, state.settings.max_request_bytes), UNLOAD_LORA_FIELDS,
+                          REQUIRED["unload_lora"])
+    await state.unload_lora(values["lora_name"])
+    return PlainTextResponse(f"Success: LoRA adapter '{values['lora_name']}' removed successfully.")
+
+
+def _check_lora_updating(state: ServerState) -> None:
+    if not state.settings.allow_runtime_lora_updating:
+        raise APIError(404, "loading and unloading LoRA adapters at run time is off: start the server with "
+                            "--allow-runtime-lora-updating", code="not_found")
 
 
 async def tokenize(request: Request, state: ServerState) -> Response:

@@ -34,6 +34,9 @@ class ServerSettings:
     fallback_model: str | None = None
     # LoRA adapters served by name (--lora-modules): lora_int_id 1, 2, ... in this order (server/lora_modules.py).
     lora_modules: tuple[LoraModule, ...] = ()
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): off by
+    # default, since a load reads whatever server path a client names.
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if self.max_queued_requests < 0:

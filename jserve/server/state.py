@@ -5,6 +5,7 @@ can say 503 while it loads), front-end tokenizer, metrics and queue limits. A re
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 
@@ -91,9 +92,16 @@ class ServerState:
         # Adapter name -> the model it runs on; each model's own adapters are in its `loras`.
         self.adapters: dict[str, ModelState] = {}
         enabled = {m.name: m.config.enable_lora for m in models}
-        for base, module, lora_int_id in assign_adapters(settings.lora_modules, enabled):
+        assigned = assign_adapters(settings.lora_modules, enabled)
+        for base, module, lora_int_id in assigned:
             self.models[base].loras[module.name] = LoRARequest(module.name, lora_int_id, module.path)
             self.adapters[module.name] = self.models[base]
+        if settings.allow_runtime_lora_updating and not any(enabled.values()):
+            raise ValueError("--allow-runtime-lora-updating needs --enable-lora (no served model runs with LoRA)")
+        # Adapters loaded at run time take the ids after --lora-modules', never one already used: an unloaded
+        # adapter's requests may still run under its id.
+        self._lora_ids = itertools.count(len(assigned) + 1)
+        self._loading: set[str] = set()  # adapter names being read (POST /v1/load_lora_adapter)
         self.load_error: BaseException | None = None
         self._failed_model: str | None = None
         self._on_load_error = on_load_error
@@ -226,6 +234,42 @@ class ServerState:
         """The LoRA adapter a request's `model` names (None: a base model)."""
         base = self.adapters.get(model) if model is not None else None
         return base.loras[model] if base is not None else None
+
+    async def load_lora(self, name: str, path: str, base_model_name: str | None = None) -> None:
+        """Read the adapter at `path` and serve it as `name` on base_model_name (default: the first model)."""
+        self.ready()
+        if name in self.models or name in self.adapters or name in self._loading:
+            raise APIError(400, f"The lora adapter '{name[:200]}' has already been loaded.", param="lora_name")
+        base = self.models.get(base_model_name or self.primary.name)
+        if base is None:
+            raise APIError(404, f"The model `{base_model_name[:200]}` does not exist.", param="base_model_name",
+                           code="model_not_found")
+        if not base.config.enable_lora:
+            raise APIError(400, f"the model {base.name!r} is served without LoRA (--enable-lora)",
+                           param="base_model_name")
+        lora = LoRARequest(name, next(self._lora_ids), path)
+        self._loading.add(name)
+        try:
+            adapter = await asyncio.to_thread(base.engine.engine.read_lora, lora)
+            await base.engine.call(lambda engine: engine.add_lora(lora, adapter))
+        except LoRAError as e:
+            raise APIError(400, f"LoRA adapter {name[:200]!r}: {e}", param="lora_path") from None
+        finally:
+            self._loading.discard(name)
+        base.loras[name] = lora
+        self.adapters[name] = base
+        logger.info("loaded LoRA adapter %r (%s) on %s", name, path, base.name)
+
+    async def unload_lora(self, name: str) -> None:
+        """Stop serving the adapter `name`; its requests already admitted finish with it."""
+        self.ready()
+        base = self.adapters.pop(name, None)
+        if base is None:
+            raise APIError(404, f"The lora adapter '{name[:200]}' cannot be found.", param="lora_name",
+                           code="model_not_found")
+        lora = base.loras.pop(name)
+        await base.engine.call(lambda engine: engine.remove_lora(lora.lora_int_id))
+        logger.info("unloaded LoRA adapter %r", name)
 
     def fallback_for(self, model: ModelState) -> ModelState | None:
         """Where a request for `model` goes when that model's queue is over its limit."""
