@@ -69,6 +69,9 @@ def test_cpu_models_load_into_the_arena(hf_model_dir):
         assert any(leaf.dtype == jnp.dtype(dtype) for leaf in large)
         # The layer kernel's stacks are the layers' own memory: layer i's array is slice i of its kind's stack.
         stack, layers = model.layer_stack, model.state["layers"]
+        if dtype == "bfloat16" and not cpu_kernels.packs_weights(dtype):
+            assert stack is None  # unpacked bfloat16 (AMX: XLA's dot takes plain weights) has no zero-copy view
+            continue
         assert stack is not None and stack.input_norm.shape[0] == len(layers)
         for i, layer in layers.items():
             norm = layer["input_layernorm"]["weight"][...]

@@ -302,7 +302,12 @@ def test_cpu_layer_executor_on_int8_kv_matches_xla(hf_model_dir, llm_factory, dt
     prompts = [{"prompt_token_ids": list(range(5 + i, 25 + 3 * i, 2))} for i in range(3)]
     prompts.append({"prompt_token_ids": list(range(3, 303))})
     layers = llm_factory(model_dir, dtype=dtype, executor="cpu-layers", kv_cache_dtype="int8")
-    assert isinstance(layers.engine.executor.kv_cache.k, QuantizedPages)  # stacked: one QuantizedPages for K
+    # One QuantizedPages for K, stacked over the layers, where the layer kernel takes every step; else one a layer
+    # (on AMX machines, where longer steps go to XLA's dot)
+    executor = layers.engine.executor
+    k = executor.kv_cache.k
+    assert isinstance(k, QuantizedPages) == executor.every_step_fused
+    assert isinstance(k, QuantizedPages) or all(isinstance(layer, QuantizedPages) for layer in k)
     xla = llm_factory(model_dir, dtype=dtype, executor="xla", attention_backend="reference", kv_cache_dtype="int8")
     got, want = _engine_outputs(layers, prompts, params), _engine_outputs(xla, prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
