@@ -17,7 +17,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
-from tp_workload import ENGINE_ARGS, greedy_tokens  # noqa: E402
+from tp_workload import ENGINE_ARGS, greedy_tokens, workload  # noqa: E402
 
 from jserve import LLM  # noqa: E402
 from jserve.engine.packing import pack  # noqa: E402
@@ -75,6 +75,20 @@ def greedy_run(model_dir: str, tp: int, dp: int = 1, draft: str | None = None) -
         stats = llm.engine.stats
         assert 0 < stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens, stats
     return tokens
+
+
+def data_parallel_lora_run(model_dir: str, adapter: str) -> list[list[int]]:
+    """The workload on 2 data-parallel replicas with an adapter added up front (LLMEngine.add_lora: read once,
+    kept by each replica) on every other prompt; then removed."""
+    llm = LLM(model_dir, data_parallel_size=2, enable_lora=True, max_lora_rank=8, **ENGINE_ARGS)
+    lora = LoRARequest("dp", 1, adapter)
+    assert llm.engine.add_lora(lora) and llm.engine.list_loras() == {1}
+    prompts, params = workload()
+    outputs = llm.generate(prompts, params, lora_request=[lora if i % 2 == 0 else None for i in range(len(prompts))],
+                           use_tqdm=False)
+    assert all(e.stats.num_generated_tokens > 0 for e in llm.engine.replicas), "a replica sat idle"
+    assert llm.engine.remove_lora(1) and llm.engine.list_loras() == set()
+    return [o.outputs[0].token_ids for o in outputs]
 
 
 def sharding_report(model_dir: str, tp: int) -> dict:
@@ -148,6 +162,8 @@ def main(spec: dict) -> dict:
             runs["dp2xtp2"] = greedy_run(model_dir, 2, dp=2)
         if spec.get("draft"):
             runs["tp2-draft"] = greedy_run(model_dir, 2, draft=model_dir)
+        if spec.get("dp_lora"):
+            result["dp_lora"] = data_parallel_lora_run(model_dir, spec["dp_lora"])
         result["greedy"] = {label: tokens == base for label, tokens in runs.items()}
         result["greedy_lengths"] = [len(t) for t in base]
     for tp in spec.get("sharding_tp", []):

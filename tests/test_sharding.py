@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 from test_lora import make_adapter
-from tp_workload import ENGINE_ARGS, OUTPUT_LENGTHS, greedy_tokens
+from test_parity import hf_greedy
+from tp_workload import ENGINE_ARGS, OUTPUT_LENGTHS, greedy_tokens, workload
 
 from checkpoints.safetensors_loader import ParamSource, fused_row_map
 from jserve.config import ModelConfig
@@ -85,9 +86,11 @@ def test_fused_qkv_block_holds_its_own_heads(tp):
 @pytest.fixture(scope="module")
 def multi_device(hf_model_dir, tmp_path_factory):
     """Run every multi-device check once, in a subprocess with 8 CPU devices (XLA_FLAGS must precede JAX)."""
+    adapters = {}  # directory -> its PEFT model
+
     def adapter(model_dir, **settings) -> str:
         out = tmp_path_factory.mktemp("lora")
-        make_adapter(model_dir, out, **settings)
+        adapters[str(out)] = make_adapter(model_dir, out, **settings)
         return str(out)
 
     llama8 = str(hf_model_dir("llama", num_attention_heads=8))  # 8 heads, 2 KV heads: TP 8 replicates KV heads
@@ -102,6 +105,7 @@ def multi_device(hf_model_dir, tmp_path_factory):
             "greedy": llama8, "greedy_tp": [2, 8], "dp": True, "draft": True,
             "sharding_model": llama8, "sharding_tp": [2, 4, 8],
             # adapters on every projection (llama8: KV heads replicated at TP 8) and on phi3's fused ones
+            "dp_lora": adapter(llama8, seed=1),
             "lora": {"llama8": [llama8, adapter(llama8), [8]],
                      "phi3": [str(hf_model_dir("phi3")), adapter(hf_model_dir("phi3"), targets=[
                          "qkv_proj", "gate_up_proj", "o_proj", "down_proj"]), [4]]}}
@@ -111,6 +115,7 @@ def multi_device(hf_model_dir, tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["devices"] == 8
+    result["dp_lora_reference"] = adapters[spec["dp_lora"]]
     return result
 
 
@@ -142,6 +147,19 @@ def test_tp_step_with_mosaic_kernel_lowers_for_tpu(multi_device):
 def test_tp_and_dp_greedy_tokens_identical(multi_device, run):
     assert multi_device["greedy_lengths"] == OUTPUT_LENGTHS
     assert multi_device["greedy"][run]
+
+
+def test_data_parallel_replicas_serve_an_adapter_added_up_front(multi_device):
+    """LLMEngine.add_lora on 2 replicas: every other prompt of the workload with the adapter gives PEFT's greedy
+    tokens, the others the base model's (the worker checks both replicas served, and remove_lora)."""
+    peft = multi_device["dp_lora_reference"]
+    prompts, params = workload()
+    for i, (prompt, p, tokens) in enumerate(zip(prompts, params, multi_device["dp_lora"], strict=True)):
+        if i % 2 == 0:
+            assert tokens == hf_greedy(peft, prompt["prompt_token_ids"], p.max_tokens), i
+        else:
+            with peft.disable_adapter():
+                assert tokens == hf_greedy(peft, prompt["prompt_token_ids"], p.max_tokens), i
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])

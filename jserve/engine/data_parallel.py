@@ -72,8 +72,11 @@ class DataParallelEngine:
 
     def add_lora(self, lora_request: LoRARequest, adapter: LoraAdapter | None = None) -> bool:
         """Each replica keeps the adapter in its own slots (read once)."""
-        adapter = adapter or self.replicas[0].read_lora(lora_request)
+        adapter = adapter or self.read_lora(lora_request)
         return all([e.add_lora(lora_request, adapter) for e in self.replicas])
+
+    def read_lora(self, lora_request: LoRARequest) -> LoraAdapter:
+        return self.replicas[0].read_lora(lora_request)  # the replicas' models are alike
 
     def remove_lora(self, lora_int_id: int) -> bool:
         return any([e.remove_lora(lora_int_id) for e in self.replicas])

@@ -317,10 +317,12 @@ class LLMEngine:
     # ----- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) -----
 
     def add_lora(self, lora_request: LoRARequest, adapter: LoraAdapter | None = None) -> bool:
-        """Read an adapter ahead of its requests (adapter: already read, by lora_slots.read); raises what
-        add_request would for it."""
-        slots = self._loras()
-        slots.register(lora_request) if adapter is None else slots.install(adapter)
+        """Read an adapter ahead of its requests (adapter: already read, by read_lora); raises what add_request
+        would for it."""
+        if adapter is None:
+            self._loras().register(lora_request)
+        else:
+            self._loras().install(adapter)
         return True
 
     def read_lora(self, lora_request: LoRARequest) -> LoraAdapter:
@@ -336,7 +338,7 @@ class LLMEngine:
 
     def _loras(self) -> LoraSlots:
         if self.lora_slots is None:
-            raise ValueError("LoRA adapters need an engine started with enable_lora")
+            raise ValueError("a LoRA adapter needs an engine started with enable_lora")
         return self.lora_slots
 
     def request_started(self, request_id: str) -> bool:
