@@ -21,7 +21,7 @@ from jserve.sampling_params import SAMPLING_FIELDS, RequestOutputKind, SamplingP
 # A line may set any SamplingParams field but output_kind (the job writes finished results only); any other key is
 # a malformed line, so a typo (or another library's name, such as max_new_tokens) is not silently ignored.
 _SAMPLING_FIELDS = SAMPLING_FIELDS - {"output_kind"}
-_LINE_FIELDS = {"id", "prompt", "messages", "priority"}
+_LINE_FIELDS = {"id", "prompt", "messages", "priority", "model"}  # model: a --lora-modules adapter's name
 # max_tokens of a line that sets none, where neither --max-tokens nor the model's generation_config.json says.
 DEFAULT_MAX_TOKENS = 128
 
@@ -35,6 +35,7 @@ class BatchItem:
     priority: int = 0
     given: frozenset[str] = frozenset()  # the line's sampling fields: the model's defaults fill the rest
     model_max_tokens: bool = False  # no max_tokens on the line or the command line: the model's max_new_tokens
+    model: str | None = None  # the LoRA adapter it runs with, by its --lora-modules name (None: the base model)
 
 
 class MalformedLine(ValueError):
@@ -74,7 +75,11 @@ def parse_line(line: str, line_no: int, default_max_tokens: int | None = None) -
     priority = obj.get("priority", 0)
     if not isinstance(priority, int):
         raise MalformedLine(f"line {line_no}: priority must be an integer")
-    return BatchItem(item_id, obj.get("prompt"), obj.get("messages"), params, priority, given, model_max_tokens)
+    model = obj.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise MalformedLine(f"line {line_no}: model must be a LoRA adapter's name (a non-empty string)")
+    return BatchItem(item_id, obj.get("prompt"), obj.get("messages"), params, priority, given, model_max_tokens,
+                     model)
 
 
 def drop_torn_last_line(output: Path) -> None:
@@ -110,8 +115,9 @@ def _logprobs_json(entry: dict[int, float] | None) -> dict | None:
     return {"token_id": token, "logprob": logprob, "top_logprobs": top}
 
 
-def result_record(item_id: str, output: RequestOutput) -> dict:
-    """A finished request as a JSONL record; logprobs and prompt_logprobs appear when the line asked for them."""
+def result_record(item_id: str, output: RequestOutput, model: str | None = None) -> dict:
+    """A finished request as a JSONL record; logprobs and prompt_logprobs appear when the line asked for them, model
+    (the adapter's name) when the line named one."""
     choices = []
     for c in output.outputs:
         choice = {"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
@@ -125,15 +131,23 @@ def result_record(item_id: str, output: RequestOutput) -> dict:
                         "cached_tokens": output.num_cached_tokens}}
     if output.prompt_logprobs is not None:
         record["prompt_logprobs"] = [_logprobs_json(entry) for entry in output.prompt_logprobs]
+    if model is not None:
+        record["model"] = model
     return record
 
 
 def run_batch(config: EngineConfig, input_path: Path, output_path: Path, *, strict: bool = False,
-              default_max_tokens: int | None = None) -> int:
+              default_max_tokens: int | None = None, loras: dict[str, str] | None = None) -> int:
+    """loras: LoRA adapters by name (--lora-modules: name -> PEFT directory), which a line's `model` picks; each is
+    read when the engine starts, so a bad one stops the job before any request runs."""
     from jserve.engine.data_parallel import create_engine
+    from jserve.lora import LoRAError, LoRARequest
 
     if not input_path.is_file():
         raise ValueError(f"{input_path}: no such input file")
+    if loras and not config.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    adapters = {name: LoRARequest(name, i, path) for i, (name, path) in enumerate((loras or {}).items(), start=1)}
     drop_torn_last_line(output_path)
     done = read_done_ids(output_path)
     items, errors = [], 0
@@ -151,9 +165,17 @@ def run_batch(config: EngineConfig, input_path: Path, output_path: Path, *, stri
         if item.id not in done:
             items.append(item)
     engine = create_engine(config)
+    for lora in adapters.values():
+        try:
+            engine.add_lora(lora)
+        except LoRAError as e:
+            raise LoRAError(f"LoRA adapter {lora.lora_name!r}: {e}") from None
     pending: dict[str, BatchItem] = {}
     for item in items:
         try:
+            if item.model is not None and item.model not in adapters:
+                raise ValueError(f"model {item.model!r} is not a LoRA adapter of --lora-modules "
+                                 f"({', '.join(adapters) or 'none given'})")
             prompt = item.prompt
             if item.messages is not None:
                 prompt = {"prompt_token_ids": engine.tokenizer.apply_chat_template(item.messages)}
@@ -163,7 +185,8 @@ def run_batch(config: EngineConfig, input_path: Path, output_path: Path, *, stri
             params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)  # only results are written
             # A max_tokens the line did not ask for ends at the context; one it asked for past it is refused.
             engine.add_request(item.id, prompt, params, priority=item.priority,
-                               cap_max_tokens="max_tokens" not in item.given)
+                               cap_max_tokens="max_tokens" not in item.given,
+                               lora_request=adapters.get(item.model) if item.model is not None else None)
             pending[item.id] = item
         except ValueError as e:
             if strict:
@@ -176,7 +199,9 @@ def run_batch(config: EngineConfig, input_path: Path, output_path: Path, *, stri
         while pending:
             for output in engine.step():
                 if output.finished:
-                    out.write(json.dumps(result_record(output.request_id, output), ensure_ascii=False) + "\n")
+                    model = pending[output.request_id].model if output.request_id in pending else None
+                    record = result_record(output.request_id, output, model)
+                    out.write(json.dumps(record, ensure_ascii=False) + "\n")
                     out.flush()
                     pending.pop(output.request_id, None)
                     written += 1

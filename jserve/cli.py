@@ -18,6 +18,7 @@ from jserve.config import QUANTIZATIONS, SUPPORTED_DTYPES, ModelLoadError
 from jserve.engine_args import add_engine_args, engine_config_from_args
 from jserve.eval.cli import add_eval_parser
 from jserve.server.cli import add_serve_parser
+from jserve.server.lora_modules import lora_module_arg
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -32,6 +33,10 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--max-tokens", type=integer(1), default=None,
                      help="max_tokens for lines that set none (default: the model's generation_config.json "
                           "max_new_tokens where it has one, else 128)")
+    gen.add_argument("--lora-modules", type=lora_module_arg, nargs="+", action="extend", default=None,
+                     metavar="NAME=PATH",
+                     help="LoRA adapters (PEFT directories) a line runs with by naming one in its 'model' field; "
+                          "needs --enable-lora")
     add_engine_args(gen)
     gen.set_defaults(run=_run_generate)
 
@@ -39,8 +44,12 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
 def _run_generate(args: argparse.Namespace) -> int:
     from jserve.batch import run_batch
 
+    modules = args.lora_modules or []
+    names = [m.name for m in modules]
+    if len(set(names)) < len(names):
+        raise ValueError(f"--lora-modules: several adapters are named {next(n for n in names if names.count(n) > 1)!r}")
     return run_batch(engine_config_from_args(args), Path(args.input), Path(args.output),
-                     strict=args.strict, default_max_tokens=args.max_tokens)
+                     strict=args.strict, default_max_tokens=args.max_tokens, loras={m.name: m.path for m in modules})
 
 
 def add_convert_parser(sub: argparse._SubParsersAction) -> None:

@@ -209,6 +209,27 @@ def test_cli_without_enable_lora_is_an_error(capsys):
     assert "jserve: error: --allow-runtime-lora-updating needs --enable-lora" in capsys.readouterr().err
 
 
+def test_generate_runs_each_line_with_the_adapter_it_names(model_dir, adapters, tmp_path, capsys):
+    """`jserve generate --lora-modules`: a line's `model` picks its adapter (none: the base model); the results are
+    PEFT's greedy tokens and name the adapter; a line naming no such adapter is skipped with the reason."""
+    lines = [{"id": "one", "prompt": PROMPT, "model": "adapter1"}, {"id": "two", "prompt": PROMPT, "model": "adapter2"},
+             {"id": "base", "prompt": PROMPT}, {"id": "nope", "prompt": PROMPT, "model": "adapter3"}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({**line, "temperature": 0, "max_tokens": STEPS,
+                                                            "ignore_eos": True}) + "\n" for line in lines))
+    flags = ["--model", str(model_dir), "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"),
+             "--no-warmup", "--compilation-cache-dir", "", "--max-model-len", "256", "--kv-cache-memory-bytes",
+             str(4 << 20), "--lora-modules", f"adapter1={adapters[0][0]}", f"adapter2={adapters[1][0]}"]
+    assert main(["generate", *flags]) == 2
+    assert "--lora-modules needs --enable-lora" in capsys.readouterr().err
+    assert main(["generate", *flags, "--enable-lora", "--max-lora-rank", "8"]) == 0
+    assert "skipping request nope: model 'adapter3' is not a LoRA adapter of --lora-modules" in capsys.readouterr().err
+    results = {r["id"]: r for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    assert set(results) == {"one", "two", "base"}
+    for key, which in (("one", 0), ("two", 1), ("base", None)):
+        assert results[key]["choices"][0]["token_ids"] == expected_tokens(adapters, which, PROMPT, STEPS), key
+        assert results[key].get("model") == (None if which is None else f"adapter{which + 1}")
+
+
 def test_cli_bad_adapter_fails_start_up(model_dir, tmp_path, caplog):
     """An adapter that cannot load stops `jserve serve` at start-up (exit 2) with the LoRAError's message."""
     bad = tmp_path / "bad"
