@@ -1,6 +1,7 @@
 """jserve: LLM serving on JAX/XLA."""
 
 from jserve.config import EngineConfig, ModelConfig
+from jserve.lora_request import LoRARequest
 from jserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jserve.sampling_params import SamplingParams
 
@@ -13,10 +14,6 @@ def __getattr__(name: str):
         from jserve.llm import LLM
 
         return LLM
-    if name == "LoRARequest":
-        from jserve.lora import LoRARequest
-
-        return LoRARequest
     raise AttributeError(name)
 
 

@@ -25,6 +25,7 @@ from checkpoints import CheckpointError
 from checkpoints.safetensors_loader import FUSED_PARTS, fused_row_map, iter_tensors
 from checkpoints.tensor_views import llama_layout, take
 from jserve.config import ModelConfig
+from jserve.lora_request import LoRARequest  # noqa: F401 - re-exported: jserve.lora.LoRARequest
 
 # Where each checkpoint projection goes: (the decoder block, the model's projection holding it)
 _TARGETS = {"q_proj": ("self_attn", "qkv_proj"), "k_proj": ("self_attn", "qkv_proj"),
@@ -39,22 +40,6 @@ _NAME = re.compile(r"^(?:base_model\.model\.)?(?:model\.language_model\.|languag
 
 class LoRAError(ValueError):
     """An adapter that cannot serve on this model, with the reason."""
-
-
-@dataclass(frozen=True)
-class LoRARequest:
-    """Which adapter a request runs with (vLLM's LoRARequest): a name, an id unique to the adapter, and its PEFT
-    directory."""
-
-    lora_name: str
-    lora_int_id: int
-    lora_path: str
-
-    def __post_init__(self):
-        if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
-            raise ValueError(f"lora_int_id must be an integer >= 1, got {self.lora_int_id!r}")
-        if not self.lora_name:
-            raise ValueError("lora_name must not be empty")
 
 
 @dataclass

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from jserve.lora_request import LoRARequest
+
 
 class Logprob(float):
     """One token's logprob, as vLLM's Logprob (vllm.logprobs.Logprob): .logprob, .rank (the token's rank in the
@@ -70,9 +72,10 @@ class RequestOutput:
     # jserve's: arrival_time, first_token_time, finished_time (time.monotonic() seconds), set once finished. vLLM
     # reports a RequestStateStats object here instead.
     metrics: dict[str, float] = field(default_factory=dict)
+    lora_request: LoRARequest | None = None  # the LoRA adapter it ran with
 
     def __repr__(self) -> str:  # vLLM's format, less the fields jserve does not have
         return (f"RequestOutput(request_id={self.request_id}, prompt={self.prompt!r}, "
                 f"prompt_token_ids={self.prompt_token_ids}, prompt_logprobs={self.prompt_logprobs}, "
                 f"outputs={self.outputs}, finished={self.finished}, metrics={self.metrics}, "
-                f"num_cached_tokens={self.num_cached_tokens})")
+                f"lora_request={self.lora_request}, num_cached_tokens={self.num_cached_tokens})")

@@ -97,6 +97,7 @@ def test_engine_serves_adapters_with_fewer_slots_than_adapters(hf_model_dir, ada
     params = SamplingParams(temperature=0, max_tokens=6)
     outputs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
     for prompt, lora, out in zip(prompts, loras, outputs, strict=True):
+        assert out.lora_request == lora  # vLLM's RequestOutput.lora_request
         ref = refs[lora.lora_int_id - 1][1] if lora is not None else refs[0][1]
         if lora is None:
             with ref.disable_adapter():

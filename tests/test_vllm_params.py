@@ -274,7 +274,7 @@ def test_request_output_fields(llm):
 
 def test_output_reprs_are_vllms():
     """vLLM's CompletionOutput.__repr__ and RequestOutput.__repr__ (less the fields jserve lacks: routed_experts,
-    kv_transfer_params, encoder_prompt*, lora_request)."""
+    kv_transfer_params, encoder_prompt*)."""
     completion = CompletionOutput(index=0, text="hi", token_ids=[5], finish_reason="stop", stop_reason=2,
                                   cumulative_logprob=-1.5, logprobs=None)
     assert repr(completion) == ("CompletionOutput(index=0, text='hi', token_ids=[5], cumulative_logprob=-1.5, "
@@ -282,7 +282,8 @@ def test_output_reprs_are_vllms():
     request = RequestOutput(request_id="r1", prompt="p", prompt_token_ids=[1], outputs=[completion], finished=True,
                             num_cached_tokens=0)
     assert repr(request) == (f"RequestOutput(request_id=r1, prompt='p', prompt_token_ids=[1], prompt_logprobs=None, "
-                             f"outputs=[{completion!r}], finished=True, metrics={{}}, num_cached_tokens=0)")
+                             f"outputs=[{completion!r}], finished=True, metrics={{}}, lora_request=None, "
+                             "num_cached_tokens=0)")
 
 
 def _engine_outputs(engine, request_id: str, prompt: str, params: SamplingParams) -> list[RequestOutput]:

@@ -85,7 +85,8 @@ class RequestState:
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=self.prompt_token_ids, outputs=outputs, finished=self.finished,
                              num_cached_tokens=self.streams[0].seq.num_cached_tokens, metrics=dict(self.metrics),
-                             prompt_logprobs=None if prompt_logprobs is None else list(prompt_logprobs))
+                             prompt_logprobs=None if prompt_logprobs is None else list(prompt_logprobs),
+                             lora_request=None if (lora := self.streams[0].seq.lora) is None else lora.request)
 
 
 class _NoText:
