@@ -317,12 +317,10 @@ class LLMEngine:
     # ----- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) -----
 
     def add_lora(self, lora_request: LoRARequest, adapter: LoraAdapter | None = None) -> bool:
-        """Read an adapter ahead of its requests (adapter: already read, by read_lora); raises what add_request
-        would for it."""
-        if adapter is None:
-            self._loras().register(lora_request)
-        else:
-            self._loras().install(adapter)
+        """Read an adapter ahead of its requests (adapter: read by read_lora already); raises as add_request would."""
+        slots = self._loras()
+        if slots.known(lora_request) is None:
+            slots.install(adapter or slots.read(lora_request))
         return True
 
     def read_lora(self, lora_request: LoRARequest) -> LoraAdapter:
