@@ -7,6 +7,9 @@ from pathlib import Path
 
 # Tests run on the CPU; keep XLA from grabbing every core's worth of threads for tiny ops.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The tests' tiny models spend far longer in XLA's compiler than in the code it emits: LLVM's backend at -O0
+# compiles a quarter faster, and the HLO (what the tests check) is the same. Processes the tests start inherit it.
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -43,6 +43,9 @@ def test_check_runs_on_cpu_with_the_demo_model(tmp_path):
     assert profile["run"]["model_steps"] >= 16 and profile["run"]["compiles_in_traced_run"] == 0
     host = profile["profile"]["host_xla_ops"]
     assert host["top"] and 0 < host["busy_us_per_token"] and profile["per_token"]["source"] == "host_xla_ops"
+    # each heavy op named by the jax ops behind it, from XLA's optimized HLO: the model's matmuls among them
+    assert all(isinstance(r["ops"], list) for r in host["top"])
+    assert any("dot_general @ " in op for r in host["top"] for op in r["ops"]), [r["ops"] for r in host["top"]]
     assert not (tmp_path / "profile_trace").exists()
     # quant: bf16 (the reference, put first) and int8 weights each on their own engine; fp8 refused off a GPU
     rows = {r["setting"]: r for r in sections["quant"]["rows"]}
@@ -141,3 +144,52 @@ def test_profile_self_time_subtracts_nested_events():
     assert agg["self_us_per_token"] == 14e-3 and agg["busy_us_per_token"] == 13e-3
     assert {r["name"]: r["self_us"] for r in agg["top"]} == {"while.1": 3e-3, "dot.1": 3e-3, "fusion.1": 6e-3,
                                                              "copy": 2e-3}
+
+
+# An optimized module as XLA dumps it (--xla_dump_hlo_as_text): source tables, then computations whose metadata
+# points into them by stack_frame_id.
+HLO_DUMP = """HloModule jit_burst, is_scheduled=true
+
+FileNames
+1 "/src/jserve/models/llama.py"
+2 "/src/jserve/layers/norm.py"
+
+FunctionNames
+1 "rms_norm"
+
+FileLocations
+1 {file_name_id=2 function_name_id=1 line=31 end_line=31 column=4 end_column=20}
+2 {file_name_id=1 function_name_id=1 line=88 end_line=88 column=4 end_column=20}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+2 {file_location_id=2 parent_frame_id=1}
+
+
+%fused_convert (param_0: bf16[8]) -> f32[8] {
+  %param_0 = bf16[8]{0} parameter(0)
+  %convert.3 = f32[8]{0} convert(%param_0), metadata={op_name="jit(burst)/body/convert_element_type" stack_frame_id=1}
+  ROOT %multiply.2 = f32[8]{0} multiply(%convert.3, %param_0), metadata={op_name="jit(burst)/body/mul" stack_frame_id=1}
+}
+
+ENTRY %main.9 (Arg_0.1: bf16[8], Arg_1.2: bf16[8,8]) -> f32[8] {
+  %Arg_0.1 = bf16[8]{0} parameter(0)
+  %Arg_1.2 = bf16[8,8]{1,0} parameter(1)
+  %loop_convert_fusion.32 = f32[8]{0} fusion(%Arg_0.1), kind=kLoop, calls=%fused_convert
+  ROOT %dot.5 = f32[8]{0} dot(%loop_convert_fusion.32, %Arg_1.2), lhs_contracting_dims={0}, \
+rhs_contracting_dims={0}, metadata={op_name="jit(burst)/body/dot_general" source_file="/src/jserve/models/llama.py" \
+source_line=90}
+}
+"""
+
+
+def test_heavy_kernels_are_named_by_the_jax_ops_behind_them(tmp_path):
+    """A GPU kernel's name (loop_convert_fusion_32) is its HLO instruction's (loop_convert_fusion.32): the ops fused
+    into it, by frequency, with their source lines; an instruction's own metadata where it calls nothing."""
+    from benchmarks.gpu_check.hlo_ops import sources
+
+    (tmp_path / "module_0001.jit_burst.sm_9.0_gpu_after_optimizations.txt").write_text(HLO_DUMP)
+    (tmp_path / "module_0001.jit_burst.before_optimizations.txt").write_text(HLO_DUMP.replace("dot.5", "dot.6"))
+    found = sources(tmp_path, ["loop_convert_fusion_32", "dot.5", "dot.6", "nvjet_sm90_tss_64x8"])
+    assert found == {"loop_convert_fusion_32": ["body/convert_element_type @ norm.py:31", "body/mul @ norm.py:31"],
+                     "dot.5": ["body/dot_general @ llama.py:90"]}

@@ -491,7 +491,23 @@ def test_100_concurrent_streams(server, offline, model_name):
     assert metric_values(server.url)["jserve:kv_cache_usage_perc"] == 0
 
 
-def test_closed_streams_are_aborted(server, client, model_name):
+def recorded_aborts(engine, monkeypatch) -> list[str]:
+    """The ids the server's engine thread aborts from now on (it aborts only requests still running)."""
+    abort, aborted = engine.abort_request, []
+
+    def recording_abort(request_id):
+        aborted.append(request_id)
+        return abort(request_id)
+
+    monkeypatch.setattr(engine, "abort_request", recording_abort)
+    return aborted
+
+
+def test_closed_streams_are_aborted(server, client, model_name, monkeypatch):
+    # Each stream asks for 400 tokens and closes after 3 chunks: the engine must abort all 16 rather than finish them.
+    # The wait is generous because a loaded machine may be seconds into a step when the disconnects arrive.
+    aborted = recorded_aborts(server.state.engine.engine, monkeypatch)
+
     async def open_and_close(aclient):
         stream = await aclient.completions.create(model=model_name, prompt=PROMPTS[0], max_tokens=400,
                                                   temperature=0.7, stream=True, extra_body={"ignore_eos": True})
@@ -509,7 +525,8 @@ def test_closed_streams_are_aborted(server, client, model_name):
             return await asyncio.gather(*(open_and_close(aclient) for _ in range(16)))
 
     assert asyncio.run(main()) == [3] * 16
-    assert wait_until(lambda: drained(server), 2.0)
+    assert wait_until(lambda: drained(server), 30.0)
+    assert len(aborted) == 16
     after = client.completions.create(model=model_name, prompt="still there?", max_tokens=3, temperature=0)
     assert after.choices[0].finish_reason in ("stop", "length")
 
@@ -518,23 +535,18 @@ def test_non_streaming_client_timeout_aborts(server, model_name, monkeypatch):
     # Each engine step is held back 50 ms, so the answer cannot arrive before the client's 50 ms read timeout however
     # fast the machine decodes; the test then checks the engine aborted the request rather than finishing it.
     engine = server.state.engine.engine
-    step, abort = engine.step, engine.abort_request
-    aborted = []
+    assert wait_until(lambda: drained(server), 30.0)  # nothing left over to abort
+    step, aborted = engine.step, recorded_aborts(engine, monkeypatch)
 
     def slow_step():
         time.sleep(0.05)
         return step()
 
-    def recording_abort(request_id):
-        aborted.append(request_id)
-        return abort(request_id)
-
     monkeypatch.setattr(engine, "step", slow_step)
-    monkeypatch.setattr(engine, "abort_request", recording_abort)
     body = {"model": model_name, "prompt": PROMPTS[1], "max_tokens": 450, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", headers=AUTH, json=body, timeout=httpx.Timeout(5, read=0.05))
-    assert wait_until(lambda: drained(server), 5.0)
+    assert wait_until(lambda: drained(server), 30.0)
     assert len(aborted) == 1
 
 

@@ -1,4 +1,4 @@
-"""A soak against a live demo-model server: 1,000 requests from 64 concurrent clients with random parameters, ~20%
+"""A soak against a live demo-model server: 600 requests from 64 concurrent clients with random parameters, ~20%
 of the clients leaving at random points and ~5% of the requests invalid. Afterwards nothing may be left behind:
 no running or waiting sequence, every KV block free (blocks that hold a cached prefix count: they are reclaimable),
 no thread or asyncio task more than before, and RSS flat between the second and the last quarter.
@@ -25,7 +25,7 @@ from jserve.server.settings import ServerSettings
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/ is a directory, not an installed package
 from benchmarks.soak import EXPECTED, rss_of, run_soak  # noqa: E402
 
-REQUESTS, CONCURRENCY = 1000, 64
+REQUESTS, CONCURRENCY = 600, 64
 
 
 @pytest.fixture(scope="module")

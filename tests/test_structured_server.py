@@ -65,17 +65,22 @@ def test_json_object_outputs_parse_streamed_and_not(client, server):
     """Every json_object reply that ends parses as an object. A free-form key is a free string, which the 4M demo
     model can run on past max_tokens (about 3 in 4 replies here): those end with "length", a JSON prefix."""
     model = server.state.model_name
+    kwargs = dict(model=model, messages=MESSAGES, temperature=0.8, max_tokens=200,
+                  response_format={"type": "json_object"})
+
+    def streamed(seed: int) -> str:
+        stream = client.chat.completions.create(**kwargs, seed=seed, stream=True)
+        return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+
+    # All 16 at once, so the server decodes them as one batch (seeded sampling does not depend on the batch).
+    with ThreadPoolExecutor(16) as pool:
+        replies = list(pool.map(lambda seed: client.chat.completions.create(**kwargs, seed=seed), range(16)))
+        texts = list(pool.map(streamed, range(16)))
     stopped = 0
-    for seed in range(16):
-        reply = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0.8, seed=seed,
-                                               max_tokens=200, response_format={"type": "json_object"})
+    for reply, text in zip(replies, texts, strict=True):
         if reply.choices[0].finish_reason == "stop":
             assert isinstance(json.loads(reply.choices[0].message.content), dict)
             stopped += 1
-        stream = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0.8, seed=seed,
-                                                max_tokens=200, response_format={"type": "json_object"},
-                                                stream=True)
-        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
         assert text == reply.choices[0].message.content  # the same seed streams the same constrained text
     assert stopped >= 2
 

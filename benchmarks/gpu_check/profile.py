@@ -23,7 +23,9 @@ time shows what the GPU idles. args["profile_command_buffers"] (--profile-comman
 and sets XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true, to time the gaps as they are (kernels inside
 graphs then go untraced). A trace whose busy time is under half the wall time is flagged in trace["warning"].
 
-The trace directory is deleted after parsing unless args["keep_trace"] (then it is OUT/profile_trace).
+Each of the heaviest events is named by the jax ops and source lines behind it (row["ops"]; hlo_ops.py), from
+the optimized HLO XLA dumps for the run: the persistent compilation cache is off, so every module compiles (and is
+dumped). The trace directory is deleted after parsing unless args["keep_trace"] (then it is OUT/profile_trace).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.gpu_check import hlo_ops
 from benchmarks.gpu_check.common import model_dir, section_args, work_dir
 from benchmarks.gpu_check.decode import VARIANTS, engine_settings, set_variant
 from benchmarks.gpu_check.speed import run_requests, step_split
@@ -214,10 +217,14 @@ def summarize(paths: list[str], steps: int) -> dict:
 
 def main() -> None:
     args, results = section_args()
-    if args.get("profile_command_buffers"):  # read when the backend starts: before jax is imported
-        os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"),
-                                                         "--xla_enable_command_buffers_during_profiling=true"]))
+    flags = hlo_ops.dump_flags(hlo_dir := tempfile.mkdtemp(prefix="gpu_check_hlo_"))
+    if args.get("profile_command_buffers"):
+        flags.append("--xla_enable_command_buffers_during_profiling=true")
+    # read when the backend starts: before jax is imported
+    os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), *flags]))
     import jax
+
+    jax.config.update("jax_enable_compilation_cache", False)  # a cache hit compiles nothing, so dumps nothing
     from jax._src import dispatch
 
     from jserve import LLM
@@ -287,6 +294,10 @@ def main() -> None:
         if on_gpu and not any(p.startswith("/device:") for p in summary["trace"]["planes"]):
             summary["trace"]["warning"] = "no /device: plane: the GPU tracer (CUPTI) recorded nothing"
         results.record("trace", summary["trace"])
+        for agg in summary["kinds"].values():  # the jax ops behind each heavy event, from the optimized HLO
+            ops = hlo_ops.sources(hlo_dir, [row["name"] for row in agg["top"]])
+            for row in agg["top"]:
+                row["ops"] = ops.get(row["name"], [])
         results.record("profile", summary["kinds"])
         main_kind = next((k for k in ("kernels", "host_xla_ops", "host_events") if k in summary["kinds"]), None)
         if main_kind:
@@ -305,6 +316,7 @@ def main() -> None:
                                          "busy_share_of_wall": busy_ms / run["traced_wall_ms_per_step"],
                                          "busy_share_of_untraced_decode": busy_ms / untraced_ms})
     finally:
+        shutil.rmtree(hlo_dir, ignore_errors=True)
         if not keep:
             shutil.rmtree(trace_dir, ignore_errors=True)
 

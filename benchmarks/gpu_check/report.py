@@ -180,9 +180,10 @@ def _profile(profile: dict) -> list[str]:
         busy = k.get("busy_us_per_token") or None
         out += [f"Heaviest {len(k.get('top', []))} of {k.get('distinct_names')} {kind} by self time "
                 f"({len(k.get('lines', []))} lines)", ""]
-        out += _table(["name", "category", "count per step", "µs per step", "share of busy"],
+        out += _table(["name", "category", "count per step", "µs per step", "share of busy", "jax ops (source)"],
                       [[_name(r["name"]), r.get("category"), r.get("count_per_step"), _us(r.get("us_per_token")),
-                        _share(r["us_per_token"] / busy) if busy and r.get("us_per_token") is not None else None]
+                        _share(r["us_per_token"] / busy) if busy and r.get("us_per_token") is not None else None,
+                        "; ".join(r.get("ops") or []) or None]
                        for r in k.get("top", [])])
         modules = k.get("modules_us_per_token") or {}
         if modules and kind != "xla_modules":
