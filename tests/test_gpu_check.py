@@ -169,7 +169,7 @@ StackFrames
 %fused_convert (param_0: bf16[8]) -> f32[8] {
   %param_0 = bf16[8]{0} parameter(0)
   %convert.3 = f32[8]{0} convert(%param_0), metadata={op_name="jit(burst)/body/convert_element_type" stack_frame_id=1}
-  ROOT %multiply.2 = f32[8]{0} multiply(%convert.3, %param_0), metadata={op_name="jit(burst)/body/mul" stack_frame_id=1}
+  ROOT %mul.2 = f32[8]{0} multiply(%convert.3, %convert.3), metadata={op_name="jit(burst)/body/mul" stack_frame_id=1}
 }
 
 ENTRY %main.9 (Arg_0.1: bf16[8], Arg_1.2: bf16[8,8]) -> f32[8] {
