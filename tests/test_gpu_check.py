@@ -17,7 +17,8 @@ def test_check_runs_on_cpu_with_the_demo_model(tmp_path):
     # parity is the tests' own comparison (test_parity.py) run by another code path; kernels runs one case and shape.
     cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--out", str(tmp_path), "--device", "cpu",
            "--sections", "env,kernels,speed,hf,warmup,profile,quant", "--kernel-cases", "8/8/128/16/bfloat16",
-           "--concurrency", "2,4", "--io", "16/8", "--profile-tokens", "16", "--quant-settings", "int8,kv_fp8"]
+           "--concurrency", "2,4", "--io", "16/8", "--max-num-batched-tokens", "64", "--profile-tokens", "16",
+           "--quant-settings", "int8,kv_fp8"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_check.json").read_text())

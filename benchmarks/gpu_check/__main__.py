@@ -1,7 +1,7 @@
 """Run the check's sections one process each, under one overall deadline; merge their results; write the report.
 
-    PYTHONPATH=. python -m benchmarks.gpu_check --out DIR [--device gpu|cpu] [--model llama3-8b|demo|PATH]
-                                                [--sections env,kernels,parity,speed,hf] [--deadline 560]
+    PYTHONPATH=. python -m benchmarks.gpu_check --out DIR [--device gpu|cpu] [--sections env,kernels,parity,speed,hf]
+                                                [--model llama3-8b|qwen3-30b-a3b|demo|PATH] [--deadline 560]
     PYTHONPATH=. python -m benchmarks.gpu_check --out DIR --sections env,profile [--profile-tokens 64] [--keep-trace]
                                                 [--profile-command-buffers]
     PYTHONPATH=. python -m benchmarks.gpu_check --out DIR --sections env,quant [--quant-settings bf16,int8,kv_int8,f32]
@@ -43,12 +43,16 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
-    parser.add_argument("--model", default=None, help="llama3-8b (default on gpu), demo (default on cpu) or a path")
+    parser.add_argument("--model", default=None,
+                        help="llama3-8b (default on gpu), qwen3-30b-a3b (a mixture of experts; both shapes with dummy "
+                        "weights), demo (default on cpu) or a path")
     parser.add_argument("--sections", default=",".join(SECTIONS[:6]),
                         help=f"of {','.join(SECTIONS)} (the decode, gemm, profile and quant sections only when named)")
     parser.add_argument("--deadline", type=float, default=480.0, help="seconds for the whole check")
     parser.add_argument("--concurrency", default=None, help="comma-separated request counts (gpu: 64,256)")
     parser.add_argument("--io", default=None, help="comma-separated input/output lengths (gpu: 128/128,1024/128)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="speed and warmup: the tokens a step may hold (gpu: 2048, cpu: 256)")
     parser.add_argument("--kernel-cases", default=None,
                         help="only these correctness cases, as heads/kv_heads/head_dim/page/dtype (comma-separated)")
     parser.add_argument("--no-kernel-timing", action="store_true", help="kernels: correctness only")
@@ -74,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
             "io": (opts.io or ("128/128,1024/128" if gpu else "32/16,128/16")).split(","),
             "ttft_prompt": 2048 if gpu else 256, "decode_tokens": 256 if gpu else 32,
             "hf_batches": [1, 64] if gpu else [1, 4], "hf_io": "128/128" if gpu else "32/16",
-            "kv_cache_bytes": (40 << 30) if gpu else (64 << 20), "max_num_batched_tokens": 2048 if gpu else 256,
+            "kv_cache_bytes": (40 << 30) if gpu else (64 << 20),
+            "max_num_batched_tokens": opts.max_num_batched_tokens or (2048 if gpu else 256),
             "kernel_cases": opts.kernel_cases.split(",") if opts.kernel_cases else None,
             "kernel_timing": not opts.no_kernel_timing, "kernel_variants": opts.kernel_variants,
             "decode_variants": opts.decode_variants.split(",") if opts.decode_variants else None,

@@ -21,6 +21,19 @@ LLAMA3_8B = {
     "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": False,
     "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "torch_dtype": "bfloat16",
 }
+# Qwen3-30B-A3B's config.json (Qwen/Qwen3-30B-A3B): a mixture of experts, 128 experts of which a token reaches 8,
+# 30.5B parameters of which a token reads 3.3B (its model card's figures).
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "attention_bias": False,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+    "use_sliding_window": False, "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+}
+# --model names whose config.json the check writes itself (with dummy weights)
+SHAPES = {"llama3-8b": LLAMA3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B}
 
 
 class Results:
@@ -49,16 +62,16 @@ def section_args() -> tuple[dict, Results]:
 
 
 def model_dir(spec: str, work: Path) -> tuple[Path, str]:
-    """(checkpoint directory, load_format) for --model: "demo" (the bundled checkpoint), "llama3-8b" (its
+    """(checkpoint directory, load_format) for --model: "demo" (the bundled checkpoint), a name of SHAPES (its
     config.json beside the demo tokenizer, dummy weights), or a directory (dummy weights unless it has safetensors)."""
     from checkpoints import DEMO_MODEL_DIR
 
     if spec == "demo":
         return DEMO_MODEL_DIR, "auto"
-    if spec == "llama3-8b":
-        out = work / "llama3-8b"
+    if spec in SHAPES:
+        out = work / spec
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(LLAMA3_8B))
+        (out / "config.json").write_text(json.dumps(SHAPES[spec]))
         for name in ("tokenizer.json", "tokenizer_config.json"):  # ids past its vocabulary decode to nothing
             shutil.copy(DEMO_MODEL_DIR / name, out / name)
         return out, "dummy"

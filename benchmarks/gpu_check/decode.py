@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from benchmarks.gpu_check.common import model_dir, section_args, work_dir
-from benchmarks.gpu_check.speed import kv_bytes_per_token, param_bytes, run_requests, step_split
+from benchmarks.gpu_check.speed import run_requests, step_bytes, step_split
 
 # (decode_burst, smallest token bucket) per variant; burst32_rows8 is the engine's default on a GPU. A lone decode
 # run at 1 row took 19.9 ms a token on an H200 against 5.0 at 8 rows, so the rows1 variants are not run by default.
@@ -54,8 +54,7 @@ def main() -> None:
     results.record("settings", {**settings, "model": args["model"], "xla_flags": os.environ.get("XLA_FLAGS", "")})
     llm = LLM(str(path), warmup=False, **settings)
     engine = llm.engine
-    total_bytes, embed_bytes = param_bytes(engine)
-    bytes_per_token = total_bytes - embed_bytes + (prompt + new_tokens / 2) * kv_bytes_per_token(engine)
+    bytes_per_token = step_bytes(engine, prompt + new_tokens / 2)
     bandwidth = args.get("hbm_gb_per_s")
     rng = np.random.default_rng(0)
     vocab = min(engine.model_config.vocab_size, 32000)

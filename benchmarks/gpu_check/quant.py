@@ -37,7 +37,7 @@ import numpy as np
 
 from benchmarks.gpu_check.common import model_dir, section_args, work_dir
 from benchmarks.gpu_check.decode import engine_settings
-from benchmarks.gpu_check.speed import param_bytes, run_requests, step_split
+from benchmarks.gpu_check.speed import param_bytes, run_requests, step_bytes, step_split
 
 # name: LLM settings on top of the decode section's (dtype bfloat16)
 SETTINGS = {"bf16": {}, "int8": {"quantization": "int8"}, "fp8": {"quantization": "fp8"},
@@ -191,9 +191,7 @@ def main() -> None:
             split = step_split(before, engine.stats)
             total_bytes, embed_bytes = param_bytes(engine)
             kv_token = kv_bytes_per_block(cfg, 1, engine.config.dtype, engine.config.kv_cache_dtype)
-            # A decode token reads one row of the embedding table, but all of a tied one (it is the LM head too).
-            read_bytes = total_bytes - (0 if cfg.tie_word_embeddings else embed_bytes)
-            bytes_per_token = read_bytes + (SPEED_PROMPT + new_tokens / 2) * kv_token
+            bytes_per_token = step_bytes(engine, SPEED_PROMPT + new_tokens / 2)
             entry.update(weight_bytes=total_bytes, embed_bytes=embed_bytes, kv_bytes_per_token=kv_token,
                          bytes_per_token=bytes_per_token, tok_s=tok_s, ms_per_token=1e3 / tok_s,
                          engine_calls=split["engine_calls"], model_steps=split["model_steps"],

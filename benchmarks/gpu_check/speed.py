@@ -4,9 +4,11 @@ concurrencies and lengths, each measured on its second run (the first compiles w
 compile nothing). With args["full_warmup"] (the warmup section) it instead times the engine's own warm-up, which
 compiles every step shape up front as `jserve serve` does.
 
-Roofline of a decode token at batch 1: the bytes it must read (every weight but the embedding table, whose one
-row is negligible, plus its K/V) over the bandwidth env measured. Throughput's roofline per output token is the
-larger of the step's bytes over the bandwidth and its FLOPs over the matmul rate env measured.
+Roofline of a decode token at batch 1: the bytes it must read (jserve.bench.roofline: every weight but the embedding
+table, of which it reads one row, and of a mixture of experts only the experts it chose; plus its K/V) over the
+bandwidth env measured. Throughput's roofline per output token is the larger of the step's bytes (of a mixture of
+experts, the experts its tokens are expected to reach) over the bandwidth and its FLOPs over the matmul rate env
+measured.
 """
 
 from __future__ import annotations
@@ -30,6 +32,17 @@ def param_bytes(engine) -> tuple[int, int]:
     return total, embed
 
 
+def step_bytes(engine, context: float, sequences: int = 1) -> float:
+    """Bytes a decode step of `sequences` sequences, each attending over `context` tokens, reads: the weights it
+    reaches and the K/V (jserve.bench.roofline, as `jserve bench latency` counts them)."""
+    from jserve.bench.roofline import kv_bytes_per_token as kv_read
+    from jserve.bench.roofline import weight_bytes_read_per_token
+
+    cfg, config = engine.model_config, engine.config
+    return (weight_bytes_read_per_token(cfg, config.dtype, config.quantization, sequences)
+            + sequences * kv_read(cfg, config.dtype, context, config.kv_cache_dtype))
+
+
 def kv_bytes_per_token(engine) -> int:
     cfg = engine.model_config
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (2 if engine.config.dtype == "bfloat16" else 4)
@@ -49,6 +62,7 @@ def main() -> None:
     from jax._src import dispatch
 
     from jserve import LLM
+    from jserve.bench.roofline import weight_params_read_per_token
 
     args, results = section_args()
     on_gpu = jax.default_backend() == "gpu"
@@ -103,7 +117,7 @@ def main() -> None:
     outputs, _, cold = measured(1, 128, decode_len)
     m = outputs[0].metrics
     tok_s = (decode_len - 1) / (m["finished_time"] - m["first_token_time"])
-    bytes_per_token = total_bytes - embed_bytes + (128 + decode_len / 2) * kv_token
+    bytes_per_token = step_bytes(engine, 128 + decode_len / 2)
     entry = {"prompt": 128, "new_tokens": decode_len, "tok_s": tok_s, "ms_per_token": 1e3 / tok_s,
              "bytes_per_token": bytes_per_token, "cold_seconds": cold, **last_steps[0]}
     if bandwidth:
@@ -116,7 +130,7 @@ def main() -> None:
     results.record("ttft", {"prompt": ttft_prompt, "seconds": seconds, "prefill_tok_s": ttft_prompt / seconds,
                             "cold_seconds": cold, **last_steps[0]})
     # Offline throughput: n requests at once of in/out tokens each.
-    flops_token = 2 * (total_bytes - embed_bytes) / (2 if settings["dtype"] == "bfloat16" else 4)
+    flops_token = 2 * weight_params_read_per_token(cfg)  # a multiply and an add per weight the token reaches
     for n in (int(c) for c in args["concurrency"]):
         for in_len, out_len in (tuple(map(int, s.split("/"))) for s in args["io"]):
             try:
@@ -130,8 +144,8 @@ def main() -> None:
                     # K/V bytes over the bandwidth and its FLOPs over the matmul rate.
                     floor = n * in_len * flops_token / (flops_rate * 1e12)
                     for step in range(out_len - 1):
-                        step_bytes = total_bytes - embed_bytes + n * (in_len + step) * kv_token
-                        floor += max(step_bytes / (bandwidth * 1e9), n * flops_token / (flops_rate * 1e12))
+                        read = step_bytes(engine, in_len + step, n)
+                        floor += max(read / (bandwidth * 1e9), n * flops_token / (flops_rate * 1e12))
                     entry.update(roofline_seconds=floor, share_of_roofline=floor / seconds)
                 results.append("throughput", entry)
             except Exception as e:

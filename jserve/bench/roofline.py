@@ -20,34 +20,45 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 SCALE_BYTES = 4  # a float32 scale of a quantized weight row or KV row
 
 
-def _layer_reads(cfg: ModelConfig, layer: int) -> tuple[int, int, int]:
-    """(parameters of the projection matrices, their rows, other parameters) a decode token reads in a layer: a
-    mixture of experts' layer reads the router, the k experts the token chose and any shared expert."""
+def experts_reached(cfg: ModelConfig, tokens: int = 1) -> float:
+    """Experts of a mixture-of-experts layer that a step of `tokens` tokens reads: each token's k, or, for several
+    tokens choosing k of E each as if at random, the expected number of distinct ones, E * (1 - (1 - k/E)^tokens)."""
+    k, experts = cfg.num_experts_per_tok, cfg.num_experts
+    return k if tokens == 1 else experts * (1 - (1 - k / experts) ** tokens)
+
+
+def _layer_reads(cfg: ModelConfig, layer: int, tokens: int = 1) -> tuple[float, float, int]:
+    """(parameters of the projection matrices, their rows, other parameters) a decode step of `tokens` tokens reads
+    in a layer: a mixture of experts' layer reads the router, the experts its tokens chose and any shared expert."""
     hidden, inter, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
     params, rows = hidden * (q + 2 * kv) + q * hidden, (q + 2 * kv) + hidden
     other = 2 * hidden + (q + 2 * kv) * cfg.qkv_bias + hidden * cfg.o_bias + 2 * cfg.head_dim * cfg.qk_norm
     if not cfg.layer_moe(layer):
         return params + 3 * hidden * inter, rows + 2 * inter + hidden, other + (2 * inter + hidden) * cfg.mlp_bias
     width, shared = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-    params += 3 * hidden * (cfg.num_experts_per_tok * width + shared)
-    rows += cfg.num_experts_per_tok * (2 * width + hidden) + (2 * shared + hidden if shared else 0)
+    reached = experts_reached(cfg, tokens)
+    params += 3 * hidden * (reached * width + shared)
+    rows += reached * (2 * width + hidden) + (2 * shared + hidden if shared else 0)
     return params, rows, other + hidden * (cfg.num_experts + (1 if shared else 0))  # the router (and shared gate)
 
 
-def weight_params_read_per_token(cfg: ModelConfig) -> int:
-    """Parameters a decode step reads: every layer, the final norm, the LM head, and one embedding row."""
-    layers = sum(params + other for params, _, other in (_layer_reads(cfg, i) for i in range(cfg.num_layers)))
+def weight_params_read_per_token(cfg: ModelConfig, tokens: int = 1) -> float:
+    """Parameters a decode step reads: every layer, the final norm, the LM head, and one embedding row; with
+    `tokens` tokens in the step, the experts they are expected to reach (one token's: an int, its exact count)."""
+    layers = sum(params + other for params, _, other in (_layer_reads(cfg, i, tokens) for i in range(cfg.num_layers)))
     return layers + cfg.hidden_size + cfg.vocab_size * cfg.hidden_size + cfg.hidden_size
 
 
-def weight_bytes_read_per_token(cfg: ModelConfig, dtype: str, quantization: str | None = None) -> int:
+def weight_bytes_read_per_token(cfg: ModelConfig, dtype: str, quantization: str | None = None,
+                                tokens: int = 1) -> float:
     """Bytes of the parameters a decode step reads: in dtype, or with the decoder layers' matrices (and for int8 the
-    LM head) in one byte a weight plus a float32 scale a row (int8 / fp8, jserve.models.quantization)."""
-    total = weight_params_read_per_token(cfg) * DTYPE_BYTES[dtype]
+    LM head) in one byte a weight plus a float32 scale a row (int8 / fp8, jserve.models.quantization). `tokens`:
+    as weight_params_read_per_token's (the embedding rows of a step's other tokens are not counted)."""
+    total = weight_params_read_per_token(cfg, tokens) * DTYPE_BYTES[dtype]
     if quantization is None:
         return total
     for layer in range(cfg.num_layers):
-        matrix_params, matrix_rows, _ = _layer_reads(cfg, layer)
+        matrix_params, matrix_rows, _ = _layer_reads(cfg, layer, tokens)
         total -= matrix_params * (DTYPE_BYTES[dtype] - 1) - matrix_rows * SCALE_BYTES
     if quantizes_head(quantization):
         total -= cfg.vocab_size * (cfg.hidden_size * (DTYPE_BYTES[dtype] - 1) - SCALE_BYTES)
