@@ -63,10 +63,16 @@ def batched_tokens(hf_model_dir, llm_factory, workload, executor) -> list[list[i
     return tokens
 
 
-def test_batched_requests_match_transformers(hf_model_dir, workload, batched_tokens):
+@pytest.fixture(scope="module")
+def hf_workload_tokens(hf_model_dir, workload) -> list[list[int]]:
+    """transformers' greedy tokens for the workload, once for both executors."""
     hf = load_hf(hf_model_dir("llama"))
-    for (prompt, max_tokens), tokens in zip(workload, batched_tokens, strict=True):
-        assert tokens == hf_greedy(hf, prompt, max_tokens)
+    return [hf_greedy(hf, prompt, max_tokens) for prompt, max_tokens in workload]
+
+
+def test_batched_requests_match_transformers(batched_tokens, hf_workload_tokens):
+    for i, (tokens, expected) in enumerate(zip(batched_tokens, hf_workload_tokens, strict=True)):
+        assert tokens == expected, i
 
 
 def test_batched_requests_match_each_request_alone(hf_model_dir, llm_factory, workload, batched_tokens, executor):
