@@ -16,7 +16,7 @@ def test_check_runs_on_cpu_with_the_demo_model(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     # parity is the tests' own comparison (test_parity.py) run by another code path; kernels runs one case and shape.
     cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--out", str(tmp_path), "--device", "cpu",
-           "--sections", "env,kernels,speed,hf,warmup,profile,quant", "--kernel-cases", "8/8/128/16/bfloat16",
+           "--sections", "env,kernels,speed,hf,warmup,profile,quant,lora", "--kernel-cases", "8/8/128/16/bfloat16",
            "--concurrency", "2,4", "--io", "16/8", "--max-num-batched-tokens", "64", "--profile-tokens", "16",
            "--quant-settings", "int8,kv_fp8"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
@@ -55,9 +55,17 @@ def test_check_runs_on_cpu_with_the_demo_model(tmp_path):
     assert bf16["status"] == int8["status"] == "ok", (bf16, int8)
     assert 0 < int8["max_abs_logit_diff"] < 1 and 0 <= int8["tokens_before_first_divergence"] <= 1
     assert int8["weight_bytes"] < bf16["weight_bytes"] and int8["tok_s"] > 0 and 0 < int8["share_of_roofline"]
+    # lora: one engine serving the base model and a random adapter written in PEFT's layout; the adapter's tokens
+    # are the same alone and in a batch mixed with base-model requests, and not the base model's
+    lora = sections["lora"]
+    assert [(r["concurrent"], r["adapter"]) for r in lora["batch1_decode"] + lora["throughput"]] == \
+        [(1, False), (1, True), (2, False), (2, True), (4, False), (4, True)]
+    assert all(r.get("tok_s", r.get("output_tok_s", 0)) > 0 for r in lora["batch1_decode"] + lora["throughput"])
+    assert lora["check"]["alone_equals_mixed"] and lora["check"]["differs_from_base"], lora["check"]
     report = (tmp_path / "gpu_check.md").read_text()
     assert "batch-1 decode tok/s" in report and "transformers `generate`" in report
     assert "Where batch-1 decode time goes" in report and "Quantization against bf16" in report
+    assert "## LoRA (demo, a random rank-16 adapter on every projection" in report
 
 
 def test_committed_gpu_results_render():

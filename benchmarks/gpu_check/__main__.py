@@ -5,6 +5,7 @@
     PYTHONPATH=. python -m benchmarks.gpu_check --out DIR --sections env,profile [--profile-tokens 64] [--keep-trace]
                                                 [--profile-command-buffers]
     PYTHONPATH=. python -m benchmarks.gpu_check --out DIR --sections env,quant [--quant-settings bf16,int8,kv_int8,f32]
+    PYTHONPATH=. python -m benchmarks.gpu_check --out DIR --sections env,lora
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ from pathlib import Path
 from benchmarks.gpu_check.common import REPO
 from benchmarks.gpu_check.report import markdown
 
-SECTIONS = ("env", "kernels", "parity", "speed", "hf", "warmup", "decode", "gemm", "profile", "quant")
+SECTIONS = ("env", "kernels", "parity", "speed", "hf", "warmup", "decode", "gemm", "profile", "quant", "lora")
 MODULES = {"env": "env", "kernels": "kernels", "parity": "parity", "speed": "speed", "hf": "hf_peer",
            "warmup": "speed", "decode": "decode", "gemm": "gemm", "profile": "profile",
-           "quant": "quant"}
+           "quant": "quant", "lora": "lora"}
 # Seconds each section may take at most on a GPU (the deadline may leave less); a CPU run gets 10x.
 CAPS = {"env": 30, "kernels": 180, "parity": 240, "speed": 180, "hf": 60, "warmup": 200, "decode": 120,
-        "gemm": 150, "profile": 180, "quant": 420}
+        "gemm": 150, "profile": 180, "quant": 420, "lora": 240}
 
 
 def section_env(device: str, section: str) -> dict:
@@ -47,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="llama3-8b (default on gpu), qwen3-30b-a3b (a mixture of experts; both shapes with dummy "
                         "weights), demo (default on cpu) or a path")
     parser.add_argument("--sections", default=",".join(SECTIONS[:6]),
-                        help=f"of {','.join(SECTIONS)} (the decode, gemm, profile and quant sections only when named)")
+                        help=f"of {','.join(SECTIONS)} (the decode, gemm, profile, quant and lora sections only when "
+                        "named)")
     parser.add_argument("--deadline", type=float, default=480.0, help="seconds for the whole check")
     parser.add_argument("--concurrency", default=None, help="comma-separated request counts (gpu: 64,256)")
     parser.add_argument("--io", default=None, help="comma-separated input/output lengths (gpu: 128/128,1024/128)")

@@ -125,6 +125,7 @@ def markdown(merged: dict) -> str:
                        for name, v in gemm["decode_step_gemms"].items()])
     out += _profile(sections.get("profile", {}))
     out += _quant(sections.get("quant", {}))
+    out += _lora(sections.get("lora", {}))
     out += ["## Sections", ""]
     out += _table(["section", "status", "seconds"],
                   [[name, s.get("status"), s.get("seconds")] for name, s in sections.items()])
@@ -221,4 +222,29 @@ def _quant(quant: dict) -> list[str]:
                     r["bytes_per_token"] / 1e9 if r.get("bytes_per_token") else None, cell(r, "ms_per_token"),
                     r["tok_s"] / base["tok_s"] if base and r.get("tok_s") else None, cell(r, "roofline_ms"),
                     cell(r, "share_of_roofline"), cell(r, "load_seconds"), cell(r, "cold_seconds")] for r in rows])
+    return out
+
+
+def _lora(lora: dict) -> list[str]:
+    """The lora section: the base model's and the adapter's batch-1 decode and throughput on one engine."""
+    if not lora.get("batch1_decode"):
+        return []
+    settings, check = lora.get("settings", {}), lora.get("check", {})
+    out = [f"## LoRA ({settings.get('model')}, a random rank-{settings.get('rank')} adapter on every projection, "
+           f"attention {settings.get('attention_backend')})", ""]
+    base = {(r["concurrent"], r.get("input")): r for r in lora["batch1_decode"] + lora.get("throughput", [])
+            if not r["adapter"]}
+
+    def rate(r: dict):
+        return r.get("tok_s", r.get("output_tok_s"))
+
+    out += _table(["requests", "in/out", "on", "tok/s", "x base", "s", "first run s", "host ms per call"],
+                  [[r["concurrent"], f"{r['input']}/{r['output']}", "adapter" if r["adapter"] else "base", rate(r),
+                    rate(r) / rate(base[(r["concurrent"], r["input"])])
+                    if r["adapter"] and (r["concurrent"], r["input"]) in base else None,
+                    r["seconds"], r["cold_seconds"], r.get("host_ms_per_call")]
+                   for r in lora["batch1_decode"] + lora.get("throughput", [])])
+    if check:
+        out += ["", f"Adapter tokens alone = in a batch mixed with base requests: {check.get('alone_equals_mixed')}; "
+                    f"differ from the base model's: {check.get('differs_from_base')}.", ""]
     return out
