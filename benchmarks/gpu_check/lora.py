@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.gpu_check.common import model_dir, section_args, work_dir
-from benchmarks.gpu_check.speed import engine_settings, step_split
+from benchmarks.gpu_check.speed import engine_settings, run_requests, step_split
 
 RANK, ALPHA = 16, 32
 # (module path in the decoder block, name): the projections a PEFT adapter of every target holds
@@ -55,7 +55,7 @@ def write_adapter(cfg, out: Path, rank: int = RANK, alpha: float = ALPHA, seed: 
 def main() -> None:
     import jax
 
-    from jserve import LLM, SamplingParams
+    from jserve import LLM
     from jserve.lora_request import LoRARequest
 
     args, results = section_args()
@@ -72,16 +72,10 @@ def main() -> None:
     rng = np.random.default_rng(0)
     vocab = min(engine.model_config.vocab_size, 32000)
 
-    def generate(prompts: list[list[int]], max_tokens: int, lora: list[LoRARequest | None]):
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        began = time.perf_counter()
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=lora)
-        return outputs, time.perf_counter() - began
-
     def measured(n: int, in_len: int, out_len: int, lora: LoRARequest | None) -> dict:
-        _, cold = generate(rng.integers(10, vocab, (n, in_len)).tolist(), out_len, [lora] * n)
+        _, cold = run_requests(llm, rng.integers(10, vocab, (n, in_len)).tolist(), out_len, [lora] * n)
         before = dataclasses.replace(engine.stats)
-        outputs, seconds = generate(rng.integers(10, vocab, (n, in_len)).tolist(), out_len, [lora] * n)
+        outputs, seconds = run_requests(llm, rng.integers(10, vocab, (n, in_len)).tolist(), out_len, [lora] * n)
         entry = {"concurrent": n, "input": in_len, "output": out_len, "adapter": lora is not None,
                  "seconds": seconds, "cold_seconds": cold, **step_split(before, engine.stats)}
         if n == 1:
@@ -100,9 +94,9 @@ def main() -> None:
             results.append("throughput", measured(n, in_len, out_len, lora))
     # The check: one request on the adapter, alone and among base-model requests, and on the base model.
     prompts = rng.integers(10, vocab, (4, 32)).tolist()
-    alone, _ = generate(prompts[:1], 16, [adapter])
-    mixed, _ = generate(prompts, 16, [adapter, None, adapter, None])
-    base, _ = generate(prompts[:1], 16, [None])
+    alone, _ = run_requests(llm, prompts[:1], 16, [adapter])
+    mixed, _ = run_requests(llm, prompts, 16, [adapter, None, adapter, None])
+    base, _ = run_requests(llm, prompts[:1], 16, [None])
     tokens = [list(o.outputs[0].token_ids) for o in (alone[0], mixed[0], base[0])]
     results.record("check", {"alone_equals_mixed": tokens[0] == tokens[1], "differs_from_base": tokens[0] != tokens[2],
                              "tokens": tokens})

@@ -48,12 +48,14 @@ def kv_bytes_per_token(engine) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (2 if engine.config.dtype == "bfloat16" else 4)
 
 
-def run_requests(llm, prompts: list[list[int]], max_tokens: int):
+def run_requests(llm, prompts: list[list[int]], max_tokens: int, lora_request=None):
+    """Greedy requests of max_tokens each (lora_request: as LLM.generate's, one for all or one a prompt)."""
     from jserve import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                           lora_request=lora_request)
     return outputs, time.perf_counter() - start
 
 
