@@ -167,7 +167,7 @@ class ModelConfig:
 
     @property
     def rope_attention_factor(self) -> float:
-        return self.rope_scaling.attention_factor if self.rope_scaling.kind == "longrope" else 1.0
+        return self.rope_scaling.attention_factor if self.rope_scaling.kind in ("longrope", "yarn") else 1.0
 
     def for_context(self, max_model_len: int | None) -> ModelConfig:
         """This config for a deployment of max_model_len tokens (None: max_position_embeddings): longrope takes
@@ -200,6 +200,10 @@ class ModelConfig:
         attention_bias = bool(cfg.get("attention_bias", False))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        scaling = rope_scaling(cfg, source)
+        max_positions = positive_int(cfg, "max_position_embeddings", source, 2048)
+        if scaling.kind == "yarn":  # vLLM's rule: YaRN serves its original context times its factor
+            max_positions = max(max_positions, int(scaling.original_max_position_embeddings * scaling.factor))
         return cls(
             model_type=model_type,
             vocab_size=positive_int(cfg, "vocab_size", source),
@@ -211,8 +215,8 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=positive_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
             rope_theta=positive_float(rope_param(cfg, "rope_theta", 10000.0), "rope_theta", source),
-            rope_scaling=rope_scaling(cfg, source),
-            max_position_embeddings=positive_int(cfg, "max_position_embeddings", source, 2048),
+            rope_scaling=scaling,
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type in ("qwen2", "qwen2_moe") or attention_bias,
             o_bias=model_type not in ("qwen2", "qwen2_moe", "glm4_moe") and attention_bias,

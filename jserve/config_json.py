@@ -18,9 +18,10 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 @dataclass(frozen=True)
 class RopeScaling:
     """Rotary-embedding frequency scaling. kind is "default", "linear", "llama3", "freq_factors" (each frequency
-    divided by its own factor: how a GGUF file stores Llama 3's scaling, as llama.cpp's rope_freqs tensor) or
+    divided by its own factor: how a GGUF file stores Llama 3's scaling, as llama.cpp's rope_freqs tensor),
     "longrope" (Phi-3's: each frequency divided by a short or a long factor, and q and k scaled by
-    attention_factor)."""
+    attention_factor) or "yarn" (each frequency between its own and its interpolated value by where its wavelength
+    falls between beta_fast and beta_slow turns over the original context, and q and k scaled by attention_factor)."""
 
     kind: str = "default"
     factor: float = 1.0
@@ -35,6 +36,12 @@ class RopeScaling:
     long_factors: tuple[float, ...] = ()
     use_long_factors: bool = False
     attention_factor: float = 1.0  # multiplies the rotated dimensions of q and k (folded into their weights at load)
+    # kind "yarn": frequencies turning more than beta_fast times over the original context keep their value, those
+    # turning fewer than beta_slow times are divided by factor, a linear ramp between; truncate rounds the ramp's
+    # ends to whole dimensions (transformers' default; gpt-oss turns it off).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
 
 _REQUIRED = object()
@@ -70,6 +77,8 @@ def rope_param(cfg: dict, key: str, default):
 def rope_scaling(cfg: dict, source: str) -> RopeScaling:
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    if cfg.get("model_type") == "phi3" and kind in ("su", "yarn"):
+        kind = "longrope"  # Phi-3's early configs' names for it (transformers' Phi3Config reads them so)
     if kind == "default":
         return RopeScaling()
     if kind == "linear":
@@ -84,8 +93,43 @@ def rope_scaling(cfg: dict, source: str) -> RopeScaling:
         )
     if kind == "longrope":
         return _longrope(cfg, scaling, source)
+    if kind == "yarn":
+        return _yarn(cfg, scaling, source)
     raise ModelLoadError(f"{source}: rope scaling type {kind!r} is not supported (default, linear, llama3, "
-                         "longrope)")
+                         "longrope, yarn)")
+
+
+def _yarn(cfg: dict, scaling: dict, source: str) -> RopeScaling:
+    """YaRN with transformers' defaults (_compute_yarn_parameters, standardize_rope_params):
+    original_max_position_embeddings from the config's top level (Phi-3 keeps it there, and transformers prefers
+    it), else the scaling dict, else max_position_embeddings; factor, where not given, max_position_embeddings over it;
+    attention_factor, where not given, 0.1 ln(factor) + 1, or DeepSeek's ratio of that with mscale to that with
+    mscale_all_dim where both are set; beta_fast 32 and beta_slow 1 where unset or zero."""
+    original = cfg.get("original_max_position_embeddings", scaling.get("original_max_position_embeddings"))
+    if original is None:
+        original = positive_int(cfg, "max_position_embeddings", source, 2048)
+    original = positive_int({"original_max_position_embeddings": original}, "original_max_position_embeddings",
+                            source)
+    factor = scaling.get("factor")
+    if factor is None:
+        factor = positive_int(cfg, "max_position_embeddings", source, 2048) / original
+    factor = positive_float(factor, "rope factor", source)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    truncate = scaling.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ModelLoadError(f"{source}: rope truncate must be true or false, got {truncate!r}")
+    return RopeScaling(kind="yarn", factor=factor, original_max_position_embeddings=original,
+                       attention_factor=positive_float(attention_factor, "rope attention_factor", source),
+                       beta_fast=positive_float(scaling.get("beta_fast") or 32.0, "rope beta_fast", source),
+                       beta_slow=positive_float(scaling.get("beta_slow") or 1.0, "rope beta_slow", source),
+                       truncate=truncate)
 
 
 def _longrope(cfg: dict, scaling: dict, source: str) -> RopeScaling:

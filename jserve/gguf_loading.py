@@ -434,8 +434,32 @@ def _rope_scaling(file: GGUFFile, arch: str, rotary: int) -> dict | None:
         return {"rope_type": "linear", "factor": float(factor)} if factor and factor != 1 else None
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(file.get(f"{arch}.rope.scaling.factor", 1.0))}
+    if kind == "yarn":
+        return _yarn_scaling(file, arch)
     raise ModelLoadError(f"{file.path}: rope scaling {kind!r} ({arch}.rope.scaling.type) is not supported "
-                         "(none, linear, or Llama 3's rope_freqs)")
+                         "(none, linear, yarn, or Llama 3's rope_freqs)")
+
+
+def _yarn_scaling(file: GGUFFile, arch: str) -> dict:
+    """YaRN as convert_hf_to_gguf.py writes it (factor, original context, beta_fast / beta_slow where the model sets
+    them), in transformers' rope_parameters. llama.cpp's own extras (an extrapolation factor, an attention factor
+    multiplying the computed one, DeepSeek's log multiplier) have no transformers meaning: a file that sets them is
+    refused rather than served with other logits than llama.cpp's."""
+    prefix = f"{arch}.rope.scaling."
+    extras = [key for key in ("yarn_ext_factor", "yarn_attn_factor", "yarn_log_multiplier")
+              if file.get(prefix + key) is not None]
+    if extras:
+        raise ModelLoadError(f"{file.path}: YaRN with {', '.join(prefix + k for k in extras)} is not supported "
+                             "(only the factor, the original context length and beta_fast / beta_slow)")
+    original = file.get(prefix + "original_context_length")
+    if original is None:
+        raise ModelLoadError(f"{file.path}: YaRN rope scaling without {prefix}original_context_length")
+    scaling = {"rope_type": "yarn", "factor": float(file.get(prefix + "factor", 1.0)),
+               "original_max_position_embeddings": int(original)}
+    for key in ("beta_fast", "beta_slow"):
+        if (value := file.get(f"{prefix}yarn_{key}")) is not None:
+            scaling[key] = float(value)
+    return scaling
 
 
 def _freq_factors(file: GGUFFile, config: ModelConfig) -> RopeScaling:

@@ -48,7 +48,7 @@ def hf_model_dir(tmp_path_factory, tiny_tokenizer_dir):
     cache: dict[tuple, Path] = {}
 
     def make(variant: str = "llama", **overrides) -> Path:
-        key = (variant, tuple(sorted(overrides.items())))
+        key = (variant, repr(sorted(overrides.items())))  # repr: an override may be a dict (rope_scaling)
         if key not in cache:
             out = tmp_path_factory.mktemp(variant)
             build_model(variant, out, **overrides)

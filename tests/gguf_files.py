@@ -123,6 +123,16 @@ def write_gguf(model_dir: Path, out: Path, matrix_type: str | Callable[[str], st
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "yarn":  # TextModel.set_gguf_parameters
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if rope.get("attention_factor") is not None:
+            w.add_rope_scaling_yarn_attn_factor(rope["attention_factor"])
+        if rope.get("beta_fast") is not None:
+            w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        if rope.get("beta_slow") is not None:
+            w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     # TextModel.set_gguf_parameters (num_local_experts / num_experts, num_experts_per_tok); Qwen2MoeModel's widths
     if (experts := config.get("num_local_experts", config.get("num_experts"))) is not None:
         w.add_expert_count(experts)

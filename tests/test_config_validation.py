@@ -99,7 +99,8 @@ def _drop(config: dict, key: str) -> None:
      r"original_max_position_embeddings must be a positive integer, got None"),
     (lambda c: c.update(partial_rotary_factor=0.3125) or c["rope_parameters"].update(partial_rotary_factor=0.3125),
      r"partial_rotary_factor 0.3125 rotates 5 of 16 head dimensions"),
-    (lambda c: c["rope_parameters"].update(rope_type="yarn"), r"rope scaling type 'yarn' is not supported"),
+    (lambda c: c["rope_parameters"].update(rope_type="dynamic"), r"rope scaling type 'dynamic' is not supported"),
+
 ])
 def test_a_phi3_config_jserve_cannot_run_names_the_field(hf_model_dir, tmp_path, bend, message):
     config = json.loads((hf_model_dir("phi3") / "config.json").read_text())
@@ -119,6 +120,16 @@ def test_a_config_json_number_of_the_wrong_type_or_sign_names_the_file_and_field
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=rf"config\.json: {field} must be a positive (integer|number), got "):
         ModelConfig.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["su", "yarn"])
+def test_phi3_early_rope_names_read_as_longrope(hf_model_dir, tmp_path, name):
+    """Phi-3's early configs call longrope "su" or "yarn"; transformers' Phi3Config reads both as longrope."""
+    config = json.loads((hf_model_dir("phi3") / "config.json").read_text())
+    config["rope_parameters"]["rope_type"] = name
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert ModelConfig.from_pretrained(tmp_path).rope_scaling == ModelConfig.from_pretrained(
+        hf_model_dir("phi3")).rope_scaling
 
 
 def test_a_window_as_long_as_the_context_is_none():
@@ -151,6 +162,10 @@ def test_a_granite_multiplier_that_is_not_a_positive_number_is_named(hf_model_di
     ("gemma3", lambda c: c["rope_parameters"]["sliding_attention"].update(rope_type="linear", factor=2.0),
      r"rope scaling 'linear' of the sliding-window layers is not supported"),
     ("llama", lambda c: c.update(hidden_act="gelu"), r"hidden activation 'gelu' is not supported"),
+    ("llama", lambda c: c["rope_parameters"].update(rope_type="yarn", factor=4.0, truncate="no"),
+     r"rope truncate must be true or false, got 'no'"),
+    ("llama", lambda c: c["rope_parameters"].update(rope_type="yarn", factor=-2.0),
+     r"rope factor must be a positive number"),
     ("smollm3", lambda c: c.update(no_rope_layers=[1]), r"no_rope_layers must list 2 flags"),
     ("smollm3", lambda c: c.update(no_rope_layers=[1, 2]), r"no_rope_layers must list 2 flags"),
 ])

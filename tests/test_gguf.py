@@ -55,7 +55,7 @@ def gguf_file(hf_model_dir, tmp_path_factory):
     cache: dict[tuple, Path] = {}
 
     def make(variant: str = "llama", matrix_type: str = "F32", **overrides) -> Path:
-        key = (variant, matrix_type, tuple(sorted(overrides.items())))
+        key = (variant, matrix_type, repr(sorted(overrides.items())))
         if key not in cache:
             kind = _mixed if matrix_type == "mixed" else matrix_type
             out = tmp_path_factory.mktemp(f"gguf-{variant}") / f"{variant}-{matrix_type}.gguf"
@@ -295,6 +295,20 @@ def test_float32_file_logits_match_the_original_checkpoint(hf_model_dir, gguf_fi
         np.testing.assert_allclose(ours, hf_logits(hf, prompt), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("executor", list(EXECUTORS))
+def test_yarn_file_logits_match_the_original_checkpoint(hf_model_dir, gguf_file, executor):
+    """A Qwen3 file with YaRN as convert_hf_to_gguf.py writes it (scaling type, factor, original context length,
+    the betas the model sets), which transformers' GGUF loading does not read, against the checkpoint it came from."""
+    overrides = dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                                   "beta_fast": 24.0, "beta_slow": 2.0})
+    path = gguf_file("qwen3", **overrides)
+    assert model_config(path).rope_scaling.beta_fast == 24.0
+    hf = load_hf(hf_model_dir("qwen3", **overrides))
+    prompts = _prompts()
+    for prompt, ours in zip(prompts, jserve_logits(path, prompts, "float32", EXECUTORS[executor]), strict=True):
+        np.testing.assert_allclose(ours, hf_logits(hf, prompt), atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("executor", list(LLM_BACKENDS))
 @pytest.mark.parametrize("variant", ["llama", "qwen2"])
 def test_greedy_tokens_match_transformers(gguf_file, llm_factory, variant, executor):
@@ -385,12 +399,19 @@ def test_unsupported_tensor_type_is_named(hf_model_dir, tmp_path):
     (dict(extra_tensors={"blk.2.attn_norm.weight": np.ones(64, np.float32)}),
      r"\(blk.2.attn_norm.weight\): unexpected tensor model.layers.2.input_layernorm.weight \(no parameter "
      r"layers.2.input_layernorm.weight in a 2-layer llama model\)"),
+    (dict(metadata={"llama.rope.scaling.type": ("dynamic", gguf.GGUFValueType.STRING)}),
+     r"rope scaling 'dynamic' \(llama.rope.scaling.type\) is not supported"),
     (dict(metadata={"llama.rope.scaling.type": ("yarn", gguf.GGUFValueType.STRING)}),
-     r"rope scaling 'yarn' \(llama.rope.scaling.type\) is not supported"),
+     r"YaRN rope scaling without llama.rope.scaling.original_context_length"),
+    (dict(metadata={"llama.rope.scaling.type": ("yarn", gguf.GGUFValueType.STRING),
+                    "llama.rope.scaling.original_context_length": (512, gguf.GGUFValueType.UINT32),
+                    "llama.rope.scaling.yarn_ext_factor": (0.5, gguf.GGUFValueType.FLOAT32)}),
+     r"YaRN with llama.rope.scaling.yarn_ext_factor is not supported"),
     (dict(metadata={"split.count": (3, gguf.GGUFValueType.UINT16)}), r"part of a GGUF split into 3 files"),
     (dict(metadata={"llama.expert_count": (8, gguf.GGUFValueType.UINT32)}),
      r"GGUF metadata has no llama.expert_used_count \(a mixture of experts needs it\)"),
-], ids=["fused-qkv", "missing", "extra-layer", "yarn", "split", "experts"])
+], ids=["fused-qkv", "missing", "extra-layer", "dynamic-rope", "yarn-no-context", "yarn-ext-factor", "split",
+        "experts"])
 def test_files_jserve_cannot_serve_are_named(hf_model_dir, tmp_path, bend, message):
     path = write_gguf(hf_model_dir("llama"), tmp_path / "bent.gguf", **bend)
     with pytest.raises(ModelLoadError, match=message):

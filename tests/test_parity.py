@@ -9,6 +9,7 @@ import torch
 from hf_models import VARIANTS, load_hf
 
 import cpu_kernels
+from jserve.config import ModelConfig
 from jserve.engine.sequence import ScheduledSeq, Sequence
 from jserve.executors import CpuLayerExecutor, XlaExecutor
 from jserve.lora import LoRARequest, load_adapter
@@ -113,6 +114,39 @@ def test_longrope_long_factors_past_the_original_context(hf_model_dir, attention
     np.testing.assert_allclose(ours, hf_logits(hf, prompt), atol=1e-4, rtol=0)
     # the short factors give other logits: the test tells the two sets apart
     assert np.abs(hf_logits(hf, prompt[:32]) - ours[:32]).max() > 1e-3
+
+
+# YaRN: Qwen3's attention factor folds into its q/k norms (they follow the projections); the Llama takes DeepSeek's
+# mscale ratio, its own betas and a ramp whose ends are not rounded (truncate false, as gpt-oss sets it).
+YARN_CASES = {
+    "qwen3": dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}),
+    "llama": dict(rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512,
+                                "beta_fast": 16.0, "beta_slow": 2.0, "mscale": 1.0, "mscale_all_dim": 0.5,
+                                "truncate": False}),
+}
+
+
+@pytest.mark.parametrize("attention_backend", ["reference", "cpu"], ids=["xla", "cpu-kernels"])
+@pytest.mark.parametrize("variant", list(YARN_CASES))
+def test_yarn_logits_match_transformers(hf_model_dir, variant, attention_backend):
+    """YaRN's frequencies and attention factor as transformers computes them, on both executors; the same weights
+    without the scaling give other logits, so the test tells the two apart."""
+    model_dir = hf_model_dir(variant, **YARN_CASES[variant])
+    hf = load_hf(model_dir)
+    prompts = _prompts()
+    ours = jserve_logits(model_dir, prompts, "float32", attention_backend)
+    for prompt, logits in zip(prompts, ours, strict=True):
+        np.testing.assert_allclose(logits, hf_logits(hf, prompt), atol=1e-4, rtol=0)
+    unscaled = load_hf(hf_model_dir(variant, **{**YARN_CASES[variant], "rope_scaling": {"rope_type": "default"}}))
+    assert np.abs(hf_logits(unscaled, prompts[1]) - ours[1]).max() > 1e-3
+
+
+def test_yarn_serves_its_original_context_times_its_factor(hf_model_dir):
+    """vLLM's rule: a YaRN model's context is original_max_position_embeddings x factor where that passes
+    max_position_embeddings (Qwen's long-context recipe adds rope_scaling and nothing else)."""
+    config = ModelConfig.from_pretrained(hf_model_dir("qwen3", **YARN_CASES["qwen3"]))
+    assert (config.rope_scaling.kind, config.max_position_embeddings) == ("yarn", 4096)
+    assert ModelConfig.from_pretrained(hf_model_dir("qwen3")).max_position_embeddings == 2048
 
 
 def test_sliding_window_is_exercised(hf_model_dir):

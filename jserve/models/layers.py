@@ -167,6 +167,8 @@ def _rotary_inv_freq(config: ModelConfig) -> np.ndarray:
         return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
     if scaling.kind == "freq_factors":
         return (inv_freq / np.asarray(scaling.freq_factors, np.float32)).astype(np.float32)
+    if scaling.kind == "yarn":
+        return _yarn_inv_freq(np.float32(config.rope_theta) ** exponents, dim, config.rope_theta, scaling)
     if scaling.kind == "llama3":
         old_len = scaling.original_max_position_embeddings
         low_wavelen = old_len / scaling.low_freq_factor
@@ -178,6 +180,28 @@ def _rotary_inv_freq(config: ModelConfig) -> np.ndarray:
         is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return np.where(is_medium, smoothed, scaled).astype(np.float32)
     return inv_freq
+
+
+def _yarn_inv_freq(pos_freqs: np.ndarray, dim: int, base: float, scaling) -> np.ndarray:
+    """YaRN's frequencies (transformers' _compute_yarn_parameters, in float32 as it computes them): the rotary
+    dimensions whose pairs turn more than beta_fast times over the original context keep their frequency, those
+    turning fewer than beta_slow times take it divided by factor, and a linear ramp over the dimensions between
+    mixes the two."""
+    def dimension(rotations: float) -> float:  # the dimension whose pair turns `rotations` times over the context
+        turns = scaling.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return dim * math.log(turns) / (2 * math.log(base))
+
+    low, high = dimension(scaling.beta_fast), dimension(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = (1 - ramp).astype(np.float32)  # the share of each frequency's own (extrapolated) value
+    own = (1.0 / pos_freqs).astype(np.float32)
+    interpolated = (1.0 / (np.float32(scaling.factor) * pos_freqs)).astype(np.float32)
+    return (interpolated * (1 - keep) + own * keep).astype(np.float32)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
