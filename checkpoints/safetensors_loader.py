@@ -72,7 +72,8 @@ class CheckpointShape(Protocol):
     @property
     def kv_head_replicas(self) -> int: ...
     # Optional (checkpoints.tensor_views): rotary_dims (partial rotary embedding; head_dim without it),
-    # rope_attention_factor (longrope; 1.0), qk_norm (False), residual_multiplier and logits_scaling (Granite; 1.0),
+    # rope_attention_factor (longrope, YaRN; 1.0), qk_norm and qk_norm_across_heads (False), residual_multiplier and
+    # logits_scaling (Granite; 1.0),
     # norm_weight_offset (Gemma; 0.0).
 
 

@@ -73,7 +73,7 @@ def llama_layout(tensors: Iterable[tuple[str, object, str]], config) -> Iterator
     head_dim = config.head_dim
     rotary_dim = getattr(config, "rotary_dims", head_dim)
     factor = float(getattr(config, "rope_attention_factor", 1.0))
-    qk_norm = bool(getattr(config, "qk_norm", False))
+    qk_norm = bool(getattr(config, "qk_norm", False) or getattr(config, "qk_norm_across_heads", False))
     order = rotary_order(head_dim, rotary_dim)
     rotated = order < rotary_dim
     sizes = {"self_attn.qkv_proj": (("q_proj", config.q_size), ("k_proj", config.kv_size // config.kv_head_replicas),

@@ -29,7 +29,7 @@ from jserve.config_json import (
 )
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3_text",
-                         "smollm3", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
+                         "smollm3", "olmo2", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmoe")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights of config.json's shape (checkpoints/dummy.py)
 # See pallas_kernels/interface.py (ENGINE_BACKENDS).
@@ -93,9 +93,16 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     sandwich_norms: bool = False
     norm_weight_offset: float = 0.0
-    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5; 0 experts: every layer a dense MLP): each token's
-    # MLP is the sum of its num_experts_per_tok experts of num_experts (moe_intermediate_size columns each), weighted
-    # by the router's scores (renormalized over the chosen ones with norm_topk_prob), plus a shared expert
+    # OLMo 2 / OLMoE: q and k are normalized over all their heads at once (q_norm / k_norm as wide as the
+    # projection, before the heads are split; qk_norm is the per-head kind); post_norms (OLMo 2): a block's input is
+    # not normalized, its attention and MLP outputs are (post_attention_layernorm, post_feedforward_layernorm);
+    # clip_qkv (OLMoE; None: off): q (normalized), k (normalized) and v are clipped to [-clip_qkv, clip_qkv].
+    qk_norm_across_heads: bool = False
+    post_norms: bool = False
+    clip_qkv: float | None = None
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, OLMoE; 0 experts: every layer a dense MLP): each
+    # token's MLP is the sum of its num_experts_per_tok experts of num_experts (moe_intermediate_size columns each),
+    # weighted by the router's scores (renormalized over the chosen ones with norm_topk_prob), plus a shared expert
     # (shared_expert_intermediate_size; 0: none), gated by a sigmoid where shared_expert_gated (Qwen2-MoE).
     # moe_routing "softmax" scores by the router logits' softmax; "sigmoid_groups" (GLM-4.5, DeepSeek-V3's scheme)
     # by their sigmoid, choosing among the topk_expert_groups best of num_expert_groups groups by the scores plus a
@@ -222,6 +229,9 @@ class ModelConfig:
             o_bias=model_type not in ("qwen2", "qwen2_moe", "glm4_moe") and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text") or bool(cfg.get("use_qk_norm", False)),
+            qk_norm_across_heads=model_type in ("olmo2", "olmoe"),
+            post_norms=model_type == "olmo2",
+            clip_qkv=None if cfg.get("clip_qkv") is None else positive_float(cfg["clip_qkv"], "clip_qkv", source),
             sliding_window=sliding_window(cfg, source),
             rotary_dim=rotary_dim(cfg, head_dim, source),
             hidden_act=hidden_act,

@@ -345,7 +345,7 @@ def windowed_layers(cfg: dict, source: str) -> dict:
     return {"sliding_layers": _sliding_layers(layer_types, num_layers, source)}
 
 
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmoe")
 
 
 def moe_fields(cfg: dict, source: str) -> dict:
@@ -361,12 +361,16 @@ def moe_fields(cfg: dict, source: str) -> dict:
         return _glm4_moe_fields(cfg, source)
     num_layers = positive_int(cfg, "num_hidden_layers", source)
     key = "num_local_experts" if "num_local_experts" in cfg or model_type == "mixtral" else "num_experts"
-    experts = positive_int(cfg, key, source, 8 if model_type == "mixtral" else 60)
-    per_token = positive_int(cfg, "num_experts_per_tok", source, 2 if model_type == "mixtral" else 4)
+    experts = positive_int(cfg, key, source, {"mixtral": 8, "olmoe": 64}.get(model_type, 60))
+    per_token = positive_int(cfg, "num_experts_per_tok", source, {"mixtral": 2, "olmoe": 8}.get(model_type, 4))
     if per_token > experts:
         raise ModelLoadError(f"{source}: num_experts_per_tok ({per_token}) exceeds the {experts} experts")
     if model_type == "mixtral":
         return {"num_experts": experts, "num_experts_per_tok": per_token, "norm_topk_prob": True,
+                "moe_intermediate_size": positive_int(cfg, "intermediate_size", source)}
+    if model_type == "olmoe":  # every layer, experts as wide as intermediate_size
+        return {"num_experts": experts, "num_experts_per_tok": per_token,
+                "norm_topk_prob": _flag(cfg, "norm_topk_prob", False, source),
                 "moe_intermediate_size": positive_int(cfg, "intermediate_size", source)}
     step = positive_int(cfg, "decoder_sparse_step", source, 1)
     dense = cfg.get("mlp_only_layers") or []
@@ -374,13 +378,18 @@ def moe_fields(cfg: dict, source: str) -> dict:
                                               for i in dense):
         raise ModelLoadError(f"{source}: mlp_only_layers must list layer indices below {num_layers}, got {dense!r}")
     layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
-    norm = cfg.get("norm_topk_prob", False)
-    if not isinstance(norm, bool):
-        raise ModelLoadError(f"{source}: norm_topk_prob must be true or false, got {norm!r}")
+    norm = _flag(cfg, "norm_topk_prob", False, source)
     shared = positive_int(cfg, "shared_expert_intermediate_size", source, 5632) if model_type == "qwen2_moe" else 0
     return {"num_experts": experts, "num_experts_per_tok": per_token, "norm_topk_prob": norm,
             "moe_intermediate_size": positive_int(cfg, "moe_intermediate_size", source, 1408 if shared else 768),
             "shared_expert_intermediate_size": shared, "moe_layers": None if all(layers) else layers}
+
+
+def _flag(cfg: dict, key: str, default: bool, source: str) -> bool:
+    value = cfg.get(key, default)
+    if not isinstance(value, bool):
+        raise ModelLoadError(f"{source}: {key} must be true or false, got {value!r}")
+    return value
 
 
 def _glm4_moe_fields(cfg: dict, source: str) -> dict:
@@ -400,9 +409,7 @@ def _glm4_moe_fields(cfg: dict, source: str) -> dict:
     dense = cfg.get("first_k_dense_replace", 1)
     if isinstance(dense, bool) or not isinstance(dense, int) or dense < 0:
         raise ModelLoadError(f"{source}: first_k_dense_replace must be a non-negative integer, got {dense!r}")
-    norm = cfg.get("norm_topk_prob", True)
-    if not isinstance(norm, bool):
-        raise ModelLoadError(f"{source}: norm_topk_prob must be true or false, got {norm!r}")
+    norm = _flag(cfg, "norm_topk_prob", True, source)
     shared = cfg.get("n_shared_experts", 1) or 0
     if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
         raise ModelLoadError(f"{source}: n_shared_experts must be a non-negative integer, got {shared!r}")

@@ -39,7 +39,11 @@ What is llama.cpp's own convention, and undone here:
   (a [hidden] vector, read as [1, hidden]). Whether the chosen weights are renormalized is the architecture's, as
   llama.cpp builds it (llm_build_* norm_w; no `expert_weights_norm` is read): yes for Mixtral and Qwen3-MoE, no for
   Qwen2-MoE; and every layer is a mixture of experts (llama.cpp has no dense layers in these architectures, so no
-  mlp_only_layers or decoder_sparse_step).
+  mlp_only_layers or decoder_sparse_step). An `olmoe` file is one too, its experts `feed_forward_length` wide and
+  their weights not renormalized;
+- an OLMo 2 file (convert_hf_to_gguf.py's Olmo2Model) is stored in Hugging Face's q/k order, its q/k norms as wide
+  as the projections (`attn_q_norm`, `attn_k_norm`) and its block-output norms `post_attention_norm` and
+  `post_ffw_norm`, with no input norms.
 """
 
 from __future__ import annotations
@@ -60,13 +64,14 @@ from jserve.config_json import RopeScaling
 # GGUF general.architecture -> jserve model_type. A Mistral GGUF says "llama" (llama.cpp converts Mistral as one).
 SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
                            "granite": "granite", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text",
-                           "smollm3": "smollm3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+                           "smollm3": "smollm3", "olmo2": "olmo2", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
+                           "olmoe": "olmoe"}
 GGUF_ARCHITECTURE_OF = {model_type: arch for arch, model_type in SUPPORTED_ARCHITECTURES.items()}
 GGUF_ARCHITECTURE_OF["mixtral"] = "llama"  # a llama file with experts (general.architecture says nothing more)
 # Architectures a mixture of experts may be stored as (a llama one is Mixtral where expert_count > 0); the others
 # must have none. Qwen3-MoE and Mixtral renormalize the chosen experts' weights, Qwen2-MoE does not (llama.cpp's
-# build_moe_ffn norm_w in llm_build_llama / llm_build_qwen3moe / llm_build_qwen2moe).
-_MOE_ARCHITECTURES = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+# build_moe_ffn norm_w in llm_build_llama / llm_build_qwen3moe / llm_build_qwen2moe / llm_build_olmoe).
+_MOE_ARCHITECTURES = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
 # Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel.undo_permute; GraniteModel and
 # SmolLM3Model inherit it). A SmolLM3 file stores no NoPE layers: llama.cpp takes every fourth (n_no_rope_layer_step),
 # as transformers' default no_rope_layer_interval does.
@@ -103,6 +108,9 @@ _SHARED_EXPERT_NAMES = {"ffn_gate_inp_shexp": "mlp.shared_expert_gate", "ffn_gat
                         "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj"}
 _DENSE_MLP = ("ffn_gate", "ffn_up", "ffn_down")
 _QWEN_MOE_LAYER_NAMES = {k: v for k, v in _LAYER_NAMES.items() if k not in _DENSE_MLP} | _MOE_LAYER_NAMES
+# OLMo 2's norms of each block's outputs (and no input norms): gguf-py's ATTN_POST_NORM and FFN_POST_NORM.
+_OLMO2_LAYER_NAMES = {k: v for k, v in _LAYER_NAMES.items() if k not in ("attn_norm", "ffn_norm")} | {
+    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 # llama.cpp's per-frequency rotary divisors: read into the config, not a parameter.
@@ -133,7 +141,8 @@ def find_gguf(path: str | Path) -> Path | None:
 def _layer_names(arch: str) -> dict[str, str]:
     return {"phi3": _PHI3_LAYER_NAMES, "gemma2": _GEMMA2_LAYER_NAMES, "gemma3": _GEMMA2_LAYER_NAMES,
             "llama": _LAYER_NAMES | _MOE_LAYER_NAMES, "qwen3moe": _QWEN_MOE_LAYER_NAMES,
-            "qwen2moe": _QWEN_MOE_LAYER_NAMES | _SHARED_EXPERT_NAMES}.get(arch, _LAYER_NAMES)
+            "olmoe": _QWEN_MOE_LAYER_NAMES, "qwen2moe": _QWEN_MOE_LAYER_NAMES | _SHARED_EXPERT_NAMES,
+            "olmo2": _OLMO2_LAYER_NAMES}.get(arch, _LAYER_NAMES)
 
 
 def hf_tensor_name(name: str, arch: str = "llama") -> str | None:
@@ -263,7 +272,7 @@ def load_gguf_state(path: str | Path, config: ModelConfig, shapes: dict[tuple, t
             hf_name = hf_tensor_name(name, file.architecture)
             if hf_name is None:
                 m = _GGUF_LAYER_RE.match(name)
-                dense = m is not None and m[2] in _DENSE_MLP and file.architecture in ("qwen2moe", "qwen3moe")
+                dense = m is not None and m[2] in _DENSE_MLP and file.architecture in ("qwen2moe", "qwen3moe", "olmoe")
                 raise ModelLoadError(f"{file.path}: unexpected tensor {name} ({tensor.type_name}) for a GGUF "
                                      f"{file.architecture} model" + (" (llama.cpp's has experts in every layer, no "
                                                                      "dense MLP)" if dense else ""))
@@ -287,8 +296,8 @@ def _open_checked(path: str | Path) -> GGUFFile:
     experts = int(file.get(f"{arch}.expert_count", 0) or 0)
     if experts > 0 and arch not in _MOE_ARCHITECTURES:
         raise ModelLoadError(f"{file.path}: a mixture-of-experts {arch} model ({arch}.expert_count {experts}) is not "
-                             "supported (llama, qwen2moe and qwen3moe ones are)")
-    if experts == 0 and arch in ("qwen2moe", "qwen3moe"):  # llama.cpp: "n_expert must be > 0 for QWEN2MOE"
+                             "supported (llama, qwen2moe, qwen3moe and olmoe ones are)")
+    if experts == 0 and arch in ("qwen2moe", "qwen3moe", "olmoe"):  # llama.cpp: "n_expert must be > 0 for QWEN2MOE"
         raise ModelLoadError(f"{file.path}: a GGUF {arch} model needs {arch}.expert_count > 0")
     if int(file.get("split.count", 1)) > 1:
         raise ModelLoadError(f"{file.path}: part of a GGUF split into {file.get('split.count')} files; merge them "
@@ -351,6 +360,8 @@ def _moe_config(file: GGUFFile, arch: str, cfg: dict) -> dict:
     experts, used = int(key("expert_count")), int(key("expert_used_count"))
     if arch == "llama":  # Mixtral: its experts are feed_forward_length wide, their weights renormalized
         return {"model_type": "mixtral", "num_local_experts": experts, "num_experts_per_tok": used}
+    if arch == "olmoe":  # feed_forward_length wide too, the weights not renormalized
+        return {"num_experts": experts, "num_experts_per_tok": used, "norm_topk_prob": False}
     width = cfg["intermediate_size"]
     out = {"num_experts": experts, "num_experts_per_tok": used, "norm_topk_prob": _MOE_ARCHITECTURES[arch],
            "decoder_sparse_step": 1, "mlp_only_layers": [],

@@ -31,7 +31,8 @@ from safetensors.numpy import load_file
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
              "granite": "granite", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3",
-             "smollm3": "smollm3", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+             "smollm3": "smollm3", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
+             "olmo2": "olmo2", "olmoe": "olmoe"}
 GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 T = gguf.GGMLQuantizationType
 
@@ -91,7 +92,7 @@ def write_gguf(model_dir: Path, out: Path, matrix_type: str | Callable[[str], st
         w.add_rope_freq_base(theta)
     if "rope_theta" in params.get("sliding_attention", {}):  # Gemma 3's windowed layers
         w.add_rope_freq_base_swa(params["sliding_attention"]["rope_theta"])
-    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_layer_norm_rms_eps(1e-5 if arch == "olmoe" else config["rms_norm_eps"])  # OlmoeModel writes 1e-5
     w.add_vocab_size(config["vocab_size"])
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     if arch not in GEMMA_ARCHS:

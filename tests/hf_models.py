@@ -19,7 +19,9 @@ VOCAB = 512
 # top-2 of 4 experts (not renormalized) beside a gated shared expert; qwen3_moe: top-3 of 8 experts renormalized,
 # its middle layer dense (mlp_only_layers); glm4_moe (GLM-4.5): a dense first layer, then top-3 of 8 experts by
 # sigmoid scores within the 2 best of 4 groups (a random correction bias), scaled by 2.5, beside 2 shared experts'
-# worth of ungated columns; q/k/v biases, q/k norm and half the head rotated.
+# worth of ungated columns; q/k/v biases, q/k norm and half the head rotated; olmo2: q/k norms over all heads, each
+# block's output normalized and not its input; olmoe: those q/k norms, q, k and v clipped, top-2 of 4 experts (not
+# renormalized).
 VARIANTS: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", dict(num_key_value_heads=2)),
     "llama3_rope": ("LlamaConfig", dict(num_key_value_heads=2, rope_scaling={
@@ -58,6 +60,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                                        num_experts_per_tok=3, moe_intermediate_size=48, n_shared_experts=2,
                                        first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
                                        norm_topk_prob=True)),
+    "olmo2": ("Olmo2Config", dict(num_key_value_heads=2)),
+    "olmoe": ("OlmoeConfig", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, clip_qkv=1.5)),
 }
 
 _MODEL_CLASSES = {"LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
@@ -66,7 +70,8 @@ _MODEL_CLASSES = {"LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralFo
                   "GemmaConfig": "GemmaForCausalLM", "Gemma2Config": "Gemma2ForCausalLM",
                   "Gemma3TextConfig": "Gemma3ForCausalLM", "SmolLM3Config": "SmolLM3ForCausalLM",
                   "MixtralConfig": "MixtralForCausalLM", "Qwen2MoeConfig": "Qwen2MoeForCausalLM",
-                  "Qwen3MoeConfig": "Qwen3MoeForCausalLM", "Glm4MoeConfig": "Glm4MoeForCausalLM"}
+                  "Qwen3MoeConfig": "Qwen3MoeForCausalLM", "Glm4MoeConfig": "Glm4MoeForCausalLM",
+                  "Olmo2Config": "Olmo2ForCausalLM", "OlmoeConfig": "OlmoeForCausalLM"}
 
 
 def make_config(variant: str, **overrides) -> transformers.PretrainedConfig:

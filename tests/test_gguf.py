@@ -44,9 +44,10 @@ MIXED_TYPES = ("F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 # layer's tensors), so the Qwen MoE files are written from checkpoints without mlp_only_layers / decoder_sparse_step.
 LLAMA_CPP_ALIKE = {"gemma2": {"query_pre_attn_scalar": 16}, "gemma3": {"query_pre_attn_scalar": 16},
                    "smollm3": {"no_rope_layer_interval": 4, "num_hidden_layers": 4},
-                   "qwen2_moe": {"decoder_sparse_step": 1}, "qwen3_moe": {"mlp_only_layers": None}}
+                   "qwen2_moe": {"decoder_sparse_step": 1}, "qwen3_moe": {"mlp_only_layers": None},
+                   "olmoe": {"rms_norm_eps": 1e-5, "clip_qkv": None}}  # OlmoeModel writes no clip_qkv
 GEMMAS = ["gemma", "gemma2", "gemma3"]
-MOES = ["mixtral", "qwen2_moe", "qwen3_moe"]
+MOES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,8 @@ def _flat(state) -> dict:
 # ----- loading: the state, the config, the tokenizer -----
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3", "phi3", "granite", *GEMMAS, "smollm3", *MOES])
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3", "phi3", "granite", *GEMMAS, "smollm3", "olmo2",
+                                     *MOES])
 def test_float32_file_loads_the_checkpoints_exact_state(hf_model_dir, gguf_file, variant, dtype):
     """Names, the q/k un-permutation, fused q|k|v and gate|up and biases land exactly where the safetensors loader
     puts the checkpoint the file was written from; Gemma's norms, stored as (1 + weight), are not shifted again,
@@ -137,16 +139,16 @@ def test_gemma_config_equals_the_config_json_one(hf_model_dir, gguf_file, varian
 
 @pytest.mark.parametrize("variant", MOES)
 def test_moe_config_equals_the_config_json_one(hf_model_dir, gguf_file, variant):
-    """Every ModelConfig field of a Mixtral (a llama file with expert_count), Qwen2-MoE or Qwen3-MoE file is the one
-    its config.json gives: experts, top-k, expert and shared expert widths, renormalization (rms_norm_eps as the
-    float32 GGUF stores it)."""
+    """Every ModelConfig field of a Mixtral (a llama file with expert_count), Qwen2-MoE, Qwen3-MoE or OLMoE file is
+    the one its config.json gives: experts, top-k, expert and shared expert widths, renormalization (rms_norm_eps as
+    the float32 GGUF stores it)."""
     overrides = LLAMA_CPP_ALIKE.get(variant, {})
     ours, theirs = gguf_model_config(gguf_file(variant, **overrides)), model_config(hf_model_dir(variant, **overrides))
     assert np.float32(ours.rms_norm_eps) == np.float32(theirs.rms_norm_eps)
     assert dataclasses.replace(ours, rms_norm_eps=theirs.rms_norm_eps) == theirs
     assert (ours.model_type, ours.num_experts, ours.num_experts_per_tok, ours.moe_layers) == \
         {"mixtral": ("mixtral", 4, 2, None), "qwen2_moe": ("qwen2_moe", 4, 2, None),
-         "qwen3_moe": ("qwen3_moe", 8, 3, None)}[variant]
+         "qwen3_moe": ("qwen3_moe", 8, 3, None), "olmoe": ("olmoe", 4, 2, None)}[variant]
 
 
 def test_moe_files_take_llama_cpps_readings(hf_model_dir, gguf_file, tmp_path):
@@ -279,14 +281,15 @@ def test_logits_match_transformers_on_the_same_file(gguf_file, variant, matrix_t
 
 @pytest.mark.parametrize("executor", list(EXECUTORS))
 @pytest.mark.parametrize("variant", ["llama3_rope", "llama_linear_rope", "qwen3", "mistral", "phi3", "granite",
-                                     *GEMMAS, "smollm3", *MOES])
+                                     *GEMMAS, "smollm3", "olmo2", *MOES])
 def test_float32_file_logits_match_the_original_checkpoint(hf_model_dir, gguf_file, variant, executor):
     """What transformers' GGUF loading leaves out or cannot load here (Llama 3's rope_freqs, linear rope scaling,
     Qwen3's head_dim, a Mistral: a llama file, with no sliding window, as llama.cpp converts one; Phi-3's fused
     tensors, partial rotary embedding, longrope factors and sliding window; Granite's multipliers; Gemma's shifted
     norms, Gemma 2's sandwich norms, soft caps and alternating window, Gemma 3's q/k norms, windowed layers and their
-    own rotary base; SmolLM3's NoPE layers; Mixtral's, Qwen2-MoE's and Qwen3-MoE's experts, top-k and
-    renormalization, Qwen2-MoE's gated shared expert) checked against the checkpoint the file was written from."""
+    own rotary base; SmolLM3's NoPE layers; OLMo 2's q/k norms over all heads and block-output norms; Mixtral's,
+    Qwen2-MoE's, Qwen3-MoE's and OLMoE's experts, top-k and renormalization, Qwen2-MoE's gated shared expert)
+    checked against the checkpoint the file was written from."""
     overrides = {"sliding_window": None} if variant == "mistral" else LLAMA_CPP_ALIKE.get(variant, {})
     path = gguf_file(variant, **overrides)
     hf = load_hf(hf_model_dir(variant, **overrides))

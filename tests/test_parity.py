@@ -76,12 +76,13 @@ def test_float32_logits_match_transformers(hf_model_dir, variant):
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="the C++ kernels do not build here")
-@pytest.mark.parametrize("variant", ["gemma", "gemma2", "gemma3", "smollm3", "mixtral", "qwen2_moe", "glm4_moe"])
+@pytest.mark.parametrize("variant", ["gemma", "gemma2", "gemma3", "smollm3", "mixtral", "qwen2_moe", "glm4_moe",
+                                     "olmo2", "olmoe"])
 def test_float32_logits_of_the_layer_kernel_match_transformers(hf_model_dir, variant):
     """The C++ layer kernel's GELU, sandwich norms and score soft cap, and its one call per run of alike layers
-    (Gemma 2's alternating windows, Gemma 3's local rotary base, SmolLM3's NoPE layers); for a mixture of experts,
-    which the layer kernel does not take, the Flax model on that executor's packed matmuls (experts read in place
-    from their stacks, a shared expert, a dense layer)."""
+    (Gemma 2's alternating windows, Gemma 3's local rotary base, SmolLM3's NoPE layers); for a mixture of experts
+    and OLMo's blocks, which the layer kernel does not take, the Flax model on that executor's packed matmuls
+    (experts read in place from their stacks, a shared expert, a dense layer)."""
     model_dir = hf_model_dir(variant)
     hf = load_hf(model_dir)
     prompts = _prompts()

@@ -96,11 +96,12 @@ def multi_device(hf_model_dir, tmp_path_factory):
     llama8 = str(hf_model_dir("llama", num_attention_heads=8))  # 8 heads, 2 KV heads: TP 8 replicates KV heads
     # phi3 at TP 4: its fused checkpoint tensors split and laid out per device, its 2 KV heads replicated; gemma3 at
     # TP 2: layers with their own windows and rotary bases, sandwich norms; qwen2_moe at TP 2: every expert's columns
-    # and the shared expert's fused gate|up split between the devices
+    # and the shared expert's fused gate|up split between the devices; olmo2 at TP 2: q/k norms over heads that
+    # live on two devices
     spec = {"logits": {"llama8": llama8, "qwen2": str(hf_model_dir("qwen2")),
                        "phi3": str(hf_model_dir("phi3")), "gemma3": str(hf_model_dir("gemma3")),
-                       "qwen2_moe": str(hf_model_dir("qwen2_moe"))},
-            "tp": {"llama8": [2, 8], "qwen2": [4], "phi3": [4], "gemma3": [2], "qwen2_moe": [2]},
+                       "qwen2_moe": str(hf_model_dir("qwen2_moe")), "olmo2": str(hf_model_dir("olmo2"))},
+            "tp": {"llama8": [2, 8], "qwen2": [4], "phi3": [4], "gemma3": [2], "qwen2_moe": [2], "olmo2": [2]},
             "kernel_model": llama8, "kernel_tp": [2, 8],
             "greedy": llama8, "greedy_tp": [2, 8], "dp": True, "draft": True,
             "sharding_model": llama8, "sharding_tp": [2, 4, 8],
@@ -121,9 +122,17 @@ def multi_device(hf_model_dir, tmp_path_factory):
 
 # TP 2 splits whole KV heads; TP 4 and 8 replicate them (qwen2: with its q/k/v biases)
 @pytest.mark.parametrize("model, tp", [("llama8", 2), ("llama8", 8), ("qwen2", 4), ("phi3", 4),
-                                       ("gemma3", 2), ("qwen2_moe", 2)])
+                                       ("gemma3", 2), ("qwen2_moe", 2), ("olmo2", 2)])
 def test_tp_logits_match_single_device(multi_device, model, tp):
     assert multi_device[f"logits/{model}"][str(tp)] < 1e-4
+
+
+def test_tp_past_the_kv_heads_of_a_model_normalizing_k_across_them_is_refused(hf_model_dir):
+    """OLMo's k norm spans the checkpoint's KV heads: replicating them (TP 4 over 2) would change it."""
+    config = ModelConfig.from_pretrained(hf_model_dir("olmo2"))
+    assert shard_model_config(config, 2).fused_shards == 2
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 4 exceeds the model's 2 KV heads, which its k norm"):
+        shard_model_config(config, 4)
 
 
 @pytest.mark.parametrize("model, tp", [("llama8", 8), ("phi3", 4)])

@@ -128,7 +128,7 @@ class CpuLayerExecutor(XlaExecutor):
             return load_model(model_dir, dtype, attention_backend, mesh=mesh, load_format=load_format,
                               quantization=quantization, max_model_len=max_model_len, lora=lora)
         config = model_config(model_dir, max_model_len)
-        if config.num_experts or lora[0]:  # the layer kernel runs dense MLPs without adapters only
+        if not layer_kernel_takes(config) or lora[0]:
             return _load_packed_for_flax(model_dir, config, dtype, attention_backend, load_format, quantization,
                                          max_model_len, lora)
         param_dtype = jnp.dtype(dtype)
@@ -180,8 +180,9 @@ class CpuLayerExecutor(XlaExecutor):
         # One kernel call a run of alike layers (every layer at once where they are all alike: then stacked).
         self.layer_groups = layer_groups(model.config)
         self.weight_paths = kernel_weight_paths(model.config)
-        # the layer kernel runs dense MLPs without adapters only: the rest is the Flax model on packed weights
-        self.flax_layers = model.config.num_experts > 0 or model.config.max_loras > 0
+        # the rest of the models the layer kernel does not take, and any with adapters, are the Flax model on
+        # packed weights
+        self.flax_layers = not layer_kernel_takes(model.config) or model.config.max_loras > 0
         self.every_step_fused = mesh is None and not self.flax_layers and len(self.layer_groups) == 1 and (
             self.int8_layers or max_num_batched_tokens <= cpu_kernels.max_kernel_rows())
         self.layer_stack = getattr(model, "layer_stack", None) if self.every_step_fused else None
@@ -316,10 +317,16 @@ def _layer_stack(stacks: LayerStacks, config: ModelConfig) -> cpu_kernels.LayerW
     return weights if whole and weights.input_norm is not None and weights.post_norm is not None else None
 
 
+def layer_kernel_takes(config: ModelConfig) -> bool:
+    """Whether the C++ layer kernel runs this model's layers: dense MLPs, pre-norm or sandwich-norm blocks, q/k
+    normalized per head if at all. A mixture of experts and OLMo's blocks run as the Flax model on packed matmuls."""
+    return not (config.num_experts or config.qk_norm_across_heads or config.post_norms or config.clip_qkv)
+
+
 def _load_packed_for_flax(model_dir: str | Path, config: ModelConfig, dtype: str, attention_backend: str,
                           load_format: str, quantization: str | None, max_model_len: int | None,
                           lora: tuple[int, int] = (0, 0)) -> LoadedModel:
-    """A model the layer kernel does not take (a mixture of experts; LoRA adapters), for the Flax model with its
+    """A model the layer kernel does not take (layer_kernel_takes; LoRA adapters), for the Flax model with its
     matmuls on the C++ kernels: every projection, each expert's matrices (a stack of packed ones) and the LM head
     packed, which Linear, the experts and the head then multiply by through cpu_kernels.matmul / expert_matmul."""
     packed = _flax_packed_paths(config, jnp.dtype(dtype)) if cpu_kernels.packs_weights(dtype) else set()

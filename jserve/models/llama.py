@@ -1,10 +1,11 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, Granite, Gemma 1/2/3, SmolLM3, and the mixtures of
-experts Mixtral, Qwen2-MoE, Qwen3-MoE and GLM-4.5): one decoder whose differences are config flags.
+"""The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, Granite, Gemma 1/2/3, SmolLM3, OLMo 2, and the
+mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5 and OLMoE): one decoder whose differences are config flags.
 
 Qwen2 adds q/k/v biases, Qwen3 normalizes q and k per head before rotary, Mistral may use a sliding window; Gemma
 scales its embeddings, uses GELU, windows some layers and not others (Gemma 3 rotating them with their own base),
 soft-caps scores and logits (Gemma 2) and normalizes each block's output too (Gemma 2/3); SmolLM3 leaves rotary
-embedding out of every fourth layer; the MoE families' MLP is a mixture of experts (jserve.models.moe). Everything
+embedding out of every fourth layer; OLMo 2 and OLMoE normalize q and k over all heads at once, OLMo 2 normalizes
+each block's output instead of its input; the MoE families' MLP is a mixture of experts (jserve.models.moe). Everything
 else is shared, so one module serves them all (Phi-3's and Granite's differences are folded into the weights at
 load). q/k/v and gate/up projections are fused into one matmul each (the checkpoint loader concatenates them)
 because small dots pay a fixed cost on XLA CPU.
@@ -49,9 +50,11 @@ class Attention(nnx.Module):
                                lora=config.lora_shape(3))
         self.o_proj = Linear(config.q_size, config.hidden_size, dtype=dtype, axes=("embed", "heads"),
                              bias=config.o_bias, lora=config.lora_shape(1))
-        if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        if config.qk_norm or config.qk_norm_across_heads:  # per head, or over all heads at once (OLMo)
+            across = config.qk_norm_across_heads
+            q_width, k_width = (config.q_size, config.kv_size) if across else (config.head_dim, config.head_dim)
+            self.q_norm = RMSNorm(q_width, config.rms_norm_eps)
+            self.k_norm = RMSNorm(k_width, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
@@ -61,10 +64,14 @@ class Attention(nnx.Module):
         cfg = self.config
         num_tokens = x.shape[0]
         q, k, v = split_fused(self.qkv_proj(x, lora_slots), (cfg.q_size, cfg.kv_size, cfg.kv_size), cfg.fused_shards)
+        if cfg.qk_norm_across_heads:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cfg.clip_qkv is not None:
+            q, k, v = (jnp.clip(t, -cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
         q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
         k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        if self.q_norm is not None:
+        if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary < 2:  # (global, local) frequencies; a NoPE layer sees no positions
             q = apply_rope(q, batch.positions, inv_freq[self.rotary])
@@ -96,33 +103,34 @@ class MLP(nnx.Module):
 
 class DecoderLayer(nnx.Module):
     def __init__(self, config: ModelConfig, dtype: jnp.dtype, attention_backend: str = "reference", layer: int = 0):
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps)  # noqa: E731
+        # OLMo 2 normalizes each block's output only; the other families normalize its input.
+        self.input_layernorm = None if config.post_norms else norm()
         self.self_attn = Attention(config, dtype, attention_backend, layer)
-        # Llama's post_attention_layernorm is the MLP's input norm; with Gemma 2/3's sandwich norms it normalizes the
-        # attention output, and pre_ / post_feedforward_layernorm surround the MLP.
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Llama's post_attention_layernorm is the MLP's input norm; with Gemma 2/3's sandwich norms and OLMo 2's post
+        # norms it normalizes the attention output, and post_feedforward_layernorm the MLP's (Gemma's
+        # pre_feedforward_layernorm its input).
+        self.post_attention_layernorm = norm()
         # Mixtral / Qwen-MoE: a mixture of experts (Mixtral's block_sparse_moe is read under this name too)
         self.mlp = SparseMoeBlock(config, dtype, MLP) if config.layer_moe(layer) else MLP(config, dtype)
-        if config.sandwich_norms:
-            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        else:
-            self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
+        self.pre_feedforward_layernorm = norm() if config.sandwich_norms else None
+        self.post_feedforward_layernorm = norm() if config.sandwich_norms or config.post_norms else None
 
     def __call__(self, x, k_pages, v_pages, batch, inv_freq, lora_slots=None):
-        attn_out, k_pages, v_pages = self.self_attn(self.input_layernorm(x), k_pages, v_pages, batch, inv_freq,
-                                                    lora_slots)
+        h = x if self.input_layernorm is None else self.input_layernorm(x)
+        attn_out, k_pages, v_pages = self.self_attn(h, k_pages, v_pages, batch, inv_freq, lora_slots)
         if isinstance(self.mlp, SparseMoeBlock):  # padding tokens (after the batch's last) reach no expert
             real = jnp.arange(x.shape[0]) < batch.query_start[-1]
             mlp = lambda h: self.mlp(h, real)  # noqa: E731
         else:
             mlp = lambda h: self.mlp(h, lora_slots)  # noqa: E731
-        if self.pre_feedforward_layernorm is None:
+        if self.post_feedforward_layernorm is None:
             x = x + attn_out
             x = x + mlp(self.post_attention_layernorm(x))
         else:
             x = x + self.post_attention_layernorm(attn_out)
-            x = x + self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(x)))
+            h = x if self.pre_feedforward_layernorm is None else self.pre_feedforward_layernorm(x)
+            x = x + self.post_feedforward_layernorm(mlp(h))
         return x, k_pages, v_pages
 
 

@@ -25,5 +25,8 @@ def shard_model_config(config: ModelConfig, tensor_parallel_size: int) -> ModelC
         if getattr(config, field) % tp:  # each device takes an equal slice of every expert's columns
             raise ValueError(f"tensor_parallel_size {tp} does not divide {field}={getattr(config, field)}")
     replicas = kv_head_replicas(config.num_heads, config.num_kv_heads, config.intermediate_size, tp)
+    if replicas > 1 and config.qk_norm_across_heads:  # its k_norm spans the checkpoint's KV heads, not their copies
+        raise ValueError(f"tensor_parallel_size {tp} exceeds the model's {config.num_kv_heads} KV heads, which its "
+                         "k norm spans together (OLMo): use a tensor_parallel_size of at most the KV heads")
     return dataclasses.replace(config, num_kv_heads=config.num_kv_heads * replicas, kv_head_replicas=replicas,
                                fused_shards=tp)
