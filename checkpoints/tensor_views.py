@@ -9,8 +9,9 @@
   passed-through dimensions, the second rotated half, the second passed-through half. The passed-through pairs then
   meet frequency 0 (rope_inv_freq pads with zeros), which leaves them as they are, and q . k is unchanged because
   q and k are reordered alike (v and the attention output are not touched).
-- Longrope's attention factor multiplies the rotated dimensions of q and k (transformers scales cos and sin): it is
-  folded into their rows (into q_norm and k_norm instead where the model normalizes q and k, which would undo it).
+- Longrope's and YaRN's attention factor multiplies the rotated dimensions of q and k (transformers scales cos and
+  sin): it is folded into their rows (into q_norm and k_norm instead where the model normalizes q and k, which
+  would undo it), in the layers that rotate by the scaled frequencies.
 - Granite multiplies each layer's attention and MLP outputs by residual_multiplier and divides the logits by
   logits_scaling: folded into the o_proj and down_proj rows and into the final norm's weight.
 - Gemma's RMSNorms multiply by (1 + weight): the 1 (norm_weight_offset) is added to every norm weight.
@@ -26,7 +27,7 @@ import numpy as np
 from checkpoints import CheckpointError
 
 _FUSED = re.compile(r"(model\.layers\.\d+)\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")
-_ROTATED = re.compile(r"model\.layers\.\d+\.self_attn\.(q_proj|k_proj|q_norm|k_norm)\.(weight|bias)$")
+_ROTATED = re.compile(r"model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|q_norm|k_norm)\.(weight|bias)$")
 _RESIDUAL = re.compile(r"model\.layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.(weight|bias)$")
 _NORM = re.compile(r"model\.(norm|layers\.\d+\.(\w+_layernorm|self_attn\.[qk]_norm))\.weight$")
 
@@ -97,8 +98,11 @@ def llama_layout(tensors: Iterable[tuple[str, object, str]], config) -> Iterator
         m = _ROTATED.match(name)
         if m is None or (rotary_dim == head_dim and factor == 1.0):
             return name, tensor, origin
-        is_norm = m[1].endswith("norm")
-        fold = factor != 1.0 and is_norm == qk_norm
+        is_norm = m[2].endswith("norm")
+        # the factor scales the global rotary embedding alone: not a layer that rotates by a local base, unscaled
+        # (OLMo 3's windowed layers), or not at all
+        scaled = getattr(config, "layer_rotary", lambda layer: 0)(int(m[1])) == 0
+        fold = factor != 1.0 and is_norm == qk_norm and scaled
         if tensor.shape[0] % head_dim:
             raise CheckpointError(f"{origin}: tensor {name} has {tensor.shape[0]} rows, not whole heads of "
                                   f"{head_dim}")

@@ -12,12 +12,13 @@ from checkpoints import CheckpointError
 from jserve.config_json import (
     RopeScaling,
     activation,
-    gemma3_rope,
     gemma3_text_config,
     gemma_fields,
     granite_multipliers,
+    layer_type_rope,
     mistral3_text_config,
     moe_fields,
+    olmo_fields,
     positive_float,
     positive_int,
     rope_param,
@@ -29,7 +30,7 @@ from jserve.config_json import (
 )
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3_text",
-                         "smollm3", "olmo2", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmoe")
+                         "smollm3", "olmo2", "olmo3", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmoe")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights of config.json's shape (checkpoints/dummy.py)
 # See pallas_kernels/interface.py (ENGINE_BACKENDS).
@@ -93,8 +94,8 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     sandwich_norms: bool = False
     norm_weight_offset: float = 0.0
-    # OLMo 2 / OLMoE: q and k are normalized over all their heads at once (q_norm / k_norm as wide as the
-    # projection, before the heads are split; qk_norm is the per-head kind); post_norms (OLMo 2): a block's input is
+    # OLMo 2 / 3 / OLMoE: q and k are normalized over all their heads at once (q_norm / k_norm as wide as the
+    # projection, before the heads are split; qk_norm is the per-head kind); post_norms (OLMo 2 / 3): a block's input is
     # not normalized, its attention and MLP outputs are (post_attention_layernorm, post_feedforward_layernorm);
     # clip_qkv (OLMoE; None: off): q (normalized), k (normalized) and v are clipped to [-clip_qkv, clip_qkv].
     qk_norm_across_heads: bool = False
@@ -194,7 +195,9 @@ class ModelConfig:
             cfg = mistral3_text_config(cfg)
         model_type = cfg.get("model_type")
         if model_type == "gemma3_text":
-            cfg = gemma3_rope(cfg, source)
+            cfg = layer_type_rope(cfg, source, theta=1_000_000.0, local_theta=10_000.0)
+        if model_type == "olmo3":
+            cfg = layer_type_rope(cfg, source, theta=500_000.0, local_theta=None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             archs = cfg.get("architectures") or []
             raise ModelLoadError(
@@ -229,9 +232,6 @@ class ModelConfig:
             o_bias=model_type not in ("qwen2", "qwen2_moe", "glm4_moe") and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text") or bool(cfg.get("use_qk_norm", False)),
-            qk_norm_across_heads=model_type in ("olmo2", "olmoe"),
-            post_norms=model_type == "olmo2",
-            clip_qkv=None if cfg.get("clip_qkv") is None else positive_float(cfg["clip_qkv"], "clip_qkv", source),
             sliding_window=sliding_window(cfg, source),
             rotary_dim=rotary_dim(cfg, head_dim, source),
             hidden_act=hidden_act,
@@ -240,6 +240,7 @@ class ModelConfig:
             **windowed_layers(cfg, source),
             **smollm3_rope_layers(cfg, source),
             **moe_fields(cfg, source),
+            **olmo_fields(cfg, source),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

@@ -214,25 +214,52 @@ def mistral3_text_config(cfg: dict) -> dict:
     return {"model_type": "mistral", **top, **cfg["text_config"], **tie}
 
 
-def gemma3_rope(cfg: dict, source: str) -> dict:
-    """Gemma 3's two rotary settings as the fields the other families use: rope_theta and rope_scaling for its
-    global layers, rope_local_base_freq (no scaling) for its windowed ones. transformers >= 5 writes them as
-    rope_parameters per layer type; older configs keep rope_theta / rope_scaling / rope_local_base_freq at the top
-    level (defaults 1e6 and 1e4, transformers')."""
+def layer_type_rope(cfg: dict, source: str, theta: float, local_theta: float | None) -> dict:
+    """Two rotary settings, one per layer type (Gemma 3, OLMo 3), as the fields the other families use: rope_theta
+    and rope_scaling for the full-attention layers, rope_local_base_freq (no scaling) for the windowed ones.
+    transformers >= 5 writes them as rope_parameters per layer type; older configs keep rope_theta / rope_scaling
+    (and Gemma 3's rope_local_base_freq) at the top level. theta, local_theta: the family's defaults (None: the
+    windowed layers rotate by rope_theta)."""
     cfg = dict(cfg)
     params = cfg.get("rope_parameters")
+    local = {}
     if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
         full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
         if local.get("rope_type", "default") != "default":
             raise ModelLoadError(f"{source}: rope scaling {local.get('rope_type')!r} of the sliding-window layers is "
                                  "not supported (only 'default')")
         cfg["rope_parameters"] = full
-        cfg["rope_theta"] = full.get("rope_theta", 1_000_000.0)
-        cfg["rope_local_base_freq"] = local.get("rope_theta", 10_000.0)
+        cfg["rope_theta"] = full.get("rope_theta", theta)
     else:
-        cfg.setdefault("rope_theta", 1_000_000.0)
-    cfg.setdefault("rope_local_base_freq", 10_000.0)
+        cfg.setdefault("rope_theta", theta)
+    local_default = cfg["rope_theta"] if local_theta is None else local_theta
+    cfg["rope_local_base_freq"] = local.get("rope_theta", cfg.get("rope_local_base_freq", local_default))
     return cfg
+
+
+OLMO_TYPES = ("olmo2", "olmo3", "olmoe")
+
+
+def olmo_fields(cfg: dict, source: str) -> dict:
+    """OLMo 2 / OLMo 3 / OLMoE's differences as ModelConfig fields; none for another family. All three normalize q
+    and k over all their heads; OLMo 2 and 3 normalize each block's output and not its input; OLMoE may clip q, k
+    and v (clip_qkv). OLMo 3 windows the layers its layer_types mark "sliding_attention" (by default three of each
+    four: every fourth attends to all positions); those rotate by rope_theta unscaled, as transformers' Olmo3Config
+    applies rope scaling (YaRN in the long-context checkpoints) to the full-attention layers only."""
+    model_type = cfg.get("model_type")
+    if model_type not in OLMO_TYPES:
+        return {}
+    fields: dict = {"qk_norm_across_heads": True, "post_norms": model_type != "olmoe"}
+    if cfg.get("clip_qkv") is not None:
+        fields["clip_qkv"] = positive_float(cfg["clip_qkv"], "clip_qkv", source)
+    if model_type == "olmo3" and sliding_window(cfg, source) is not None:
+        num_layers = positive_int(cfg, "num_hidden_layers", source)
+        layer_types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention"
+                                                 for i in range(num_layers)]
+        fields["sliding_layers"] = _sliding_layers(layer_types, num_layers, source)
+        fields["local_rope_theta"] = positive_float(cfg["rope_local_base_freq"], "sliding_attention rope_theta",
+                                                    source)
+    return fields
 
 
 def gemma_fields(cfg: dict, hidden: int, source: str) -> dict:

@@ -43,7 +43,8 @@ What is llama.cpp's own convention, and undone here:
   their weights not renormalized;
 - an OLMo 2 file (convert_hf_to_gguf.py's Olmo2Model) is stored in Hugging Face's q/k order, its q/k norms as wide
   as the projections (`attn_q_norm`, `attn_k_norm`) and its block-output norms `post_attention_norm` and
-  `post_ffw_norm`, with no input norms.
+  `post_ffw_norm`, with no input norms. An OLMo 3 file is an `olmo2` one with `attention.sliding_window` and the
+  layers it applies to (`attention.sliding_window_pattern`), its YaRN attention factor `rope.scaling.attn_factor`.
 """
 
 from __future__ import annotations
@@ -247,6 +248,8 @@ def gguf_model_config(path: str | Path) -> ModelConfig:
                     if key(gguf_key, None)})
     if arch in ("gemma2", "gemma3"):
         cfg.update(_gemma_config(file, arch, cfg))
+    if arch == "olmo2" and window:
+        cfg.update(_olmo3_config(file, cfg))
     if int(key("expert_count", 0) or 0) > 0:
         cfg.update(_moe_config(file, arch, cfg))
     config = ModelConfig.from_hf_dict(cfg, source=str(file.path))
@@ -337,6 +340,20 @@ def _gemma_config(file: GGUFFile, arch: str, cfg: dict) -> dict:
     if arch == "gemma3":
         out["rope_local_base_freq"] = float(file.get(f"{arch}.rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_THETA))
     return out
+
+
+def _olmo3_config(file: GGUFFile, cfg: dict) -> dict:
+    """An OLMo 3 file: an olmo2 one with a window (convert_hf_to_gguf.py's Olmo2Model), on the layers its
+    `attention.sliding_window_pattern` flags, else three of each four (the fourth attends to all)."""
+    layers = cfg["num_hidden_layers"]
+    pattern = file.get("olmo2.attention.sliding_window_pattern")
+    if pattern is None:
+        pattern = [(i + 1) % 4 != 0 for i in range(layers)]
+    if not isinstance(pattern, list) or len(pattern) != layers:
+        raise ModelLoadError(f"{file.path}: olmo2.attention.sliding_window_pattern must flag each of the {layers} "
+                             f"layers, got {pattern!r}")
+    return {"model_type": "olmo3", "layer_types": ["sliding_attention" if flag else "full_attention"
+                                                   for flag in pattern]}
 
 
 def _moe_config(file: GGUFFile, arch: str, cfg: dict) -> dict:
@@ -467,6 +484,8 @@ def _yarn_scaling(file: GGUFFile, arch: str) -> dict:
         raise ModelLoadError(f"{file.path}: YaRN rope scaling without {prefix}original_context_length")
     scaling = {"rope_type": "yarn", "factor": float(file.get(prefix + "factor", 1.0)),
                "original_max_position_embeddings": int(original)}
+    if (factor := file.get(prefix + "attn_factor")) is not None:  # Olmo2Model writes transformers' attention_factor
+        scaling["attention_factor"] = float(factor)
     for key in ("beta_fast", "beta_slow"):
         if (value := file.get(f"{prefix}yarn_{key}")) is not None:
             scaling[key] = float(value)

@@ -32,7 +32,7 @@ from safetensors.numpy import load_file
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
              "granite": "granite", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3",
              "smollm3": "smollm3", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
-             "olmo2": "olmo2", "olmoe": "olmoe"}
+             "olmo2": "olmo2", "olmo3": "olmo2", "olmoe": "olmoe"}
 GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 T = gguf.GGMLQuantizationType
 
@@ -113,6 +113,9 @@ def write_gguf(model_dir: Path, out: Path, matrix_type: str | Callable[[str], st
         w.add_logit_scale(config["logits_scaling"])
     if arch == "phi3" and config.get("sliding_window"):
         w.add_sliding_window(config["sliding_window"])
+    if config["model_type"] == "olmo3":  # Olmo2Model.set_gguf_parameters
+        w.add_sliding_window(config["sliding_window"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in config["layer_types"]])
     if rope.get("rope_type") == "longrope":  # Phi3MiniModel: the factors as tensors, no scaling type
         original = rope.get("original_max_position_embeddings", config.get("original_max_position_embeddings"))
         scale = config["max_position_embeddings"] / original
@@ -124,11 +127,13 @@ def write_gguf(model_dir: Path, out: Path, matrix_type: str | Callable[[str], st
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
-    if rope.get("rope_type") == "yarn":  # TextModel.set_gguf_parameters
+    if rope.get("rope_type") == "yarn":  # TextModel.set_gguf_parameters; Olmo2Model's for OLMo 3
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-        if rope.get("attention_factor") is not None:
+        if config["model_type"] == "olmo3":
+            w.add_rope_scaling_attn_factors(rope["attention_factor"])
+        elif rope.get("attention_factor") is not None:
             w.add_rope_scaling_yarn_attn_factor(rope["attention_factor"])
         if rope.get("beta_fast") is not None:
             w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])

@@ -20,8 +20,8 @@ VOCAB = 512
 # its middle layer dense (mlp_only_layers); glm4_moe (GLM-4.5): a dense first layer, then top-3 of 8 experts by
 # sigmoid scores within the 2 best of 4 groups (a random correction bias), scaled by 2.5, beside 2 shared experts'
 # worth of ungated columns; q/k/v biases, q/k norm and half the head rotated; olmo2: q/k norms over all heads, each
-# block's output normalized and not its input; olmoe: those q/k norms, q, k and v clipped, top-2 of 4 experts (not
-# renormalized).
+# block's output normalized and not its input; olmo3: those, with a window on three layers of four; olmoe: those q/k
+# norms, q, k and v clipped, top-2 of 4 experts (not renormalized).
 VARIANTS: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", dict(num_key_value_heads=2)),
     "llama3_rope": ("LlamaConfig", dict(num_key_value_heads=2, rope_scaling={
@@ -61,6 +61,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                                        first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
                                        norm_topk_prob=True)),
     "olmo2": ("Olmo2Config", dict(num_key_value_heads=2)),
+    "olmo3": ("Olmo3Config", dict(num_key_value_heads=2, num_hidden_layers=4, sliding_window=12)),
     "olmoe": ("OlmoeConfig", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, clip_qkv=1.5)),
 }
 
@@ -71,7 +72,8 @@ _MODEL_CLASSES = {"LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralFo
                   "Gemma3TextConfig": "Gemma3ForCausalLM", "SmolLM3Config": "SmolLM3ForCausalLM",
                   "MixtralConfig": "MixtralForCausalLM", "Qwen2MoeConfig": "Qwen2MoeForCausalLM",
                   "Qwen3MoeConfig": "Qwen3MoeForCausalLM", "Glm4MoeConfig": "Glm4MoeForCausalLM",
-                  "Olmo2Config": "Olmo2ForCausalLM", "OlmoeConfig": "OlmoeForCausalLM"}
+                  "Olmo2Config": "Olmo2ForCausalLM", "Olmo3Config": "Olmo3ForCausalLM",
+                  "OlmoeConfig": "OlmoeForCausalLM"}
 
 
 def make_config(variant: str, **overrides) -> transformers.PretrainedConfig:

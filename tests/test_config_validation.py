@@ -166,6 +166,8 @@ def test_a_granite_multiplier_that_is_not_a_positive_number_is_named(hf_model_di
      r"rope truncate must be true or false, got 'no'"),
     ("llama", lambda c: c["rope_parameters"].update(rope_type="yarn", factor=-2.0),
      r"rope factor must be a positive number"),
+    ("olmoe", lambda c: c.update(clip_qkv=-1.0), r"clip_qkv must be a positive number, got -1.0"),
+    ("olmo3", lambda c: c.update(layer_types=["sliding_attention"] * 3), r"layer_types must list 4 layer kinds"),
     ("smollm3", lambda c: c.update(no_rope_layers=[1]), r"no_rope_layers must list 2 flags"),
     ("smollm3", lambda c: c.update(no_rope_layers=[1, 2]), r"no_rope_layers must list 2 flags"),
 ])

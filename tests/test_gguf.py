@@ -88,7 +88,7 @@ def _flat(state) -> dict:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3", "phi3", "granite", *GEMMAS, "smollm3", "olmo2",
-                                     *MOES])
+                                     "olmo3", *MOES])
 def test_float32_file_loads_the_checkpoints_exact_state(hf_model_dir, gguf_file, variant, dtype):
     """Names, the q/k un-permutation, fused q|k|v and gate|up and biases land exactly where the safetensors loader
     puts the checkpoint the file was written from; Gemma's norms, stored as (1 + weight), are not shifted again,
@@ -281,13 +281,14 @@ def test_logits_match_transformers_on_the_same_file(gguf_file, variant, matrix_t
 
 @pytest.mark.parametrize("executor", list(EXECUTORS))
 @pytest.mark.parametrize("variant", ["llama3_rope", "llama_linear_rope", "qwen3", "mistral", "phi3", "granite",
-                                     *GEMMAS, "smollm3", "olmo2", *MOES])
+                                     *GEMMAS, "smollm3", "olmo2", "olmo3", *MOES])
 def test_float32_file_logits_match_the_original_checkpoint(hf_model_dir, gguf_file, variant, executor):
     """What transformers' GGUF loading leaves out or cannot load here (Llama 3's rope_freqs, linear rope scaling,
     Qwen3's head_dim, a Mistral: a llama file, with no sliding window, as llama.cpp converts one; Phi-3's fused
     tensors, partial rotary embedding, longrope factors and sliding window; Granite's multipliers; Gemma's shifted
     norms, Gemma 2's sandwich norms, soft caps and alternating window, Gemma 3's q/k norms, windowed layers and their
-    own rotary base; SmolLM3's NoPE layers; OLMo 2's q/k norms over all heads and block-output norms; Mixtral's,
+    own rotary base; SmolLM3's NoPE layers; OLMo 2's q/k norms over all heads and block-output norms, OLMo 3's
+    windowed layers; Mixtral's,
     Qwen2-MoE's, Qwen3-MoE's and OLMoE's experts, top-k and renormalization, Qwen2-MoE's gated shared expert)
     checked against the checkpoint the file was written from."""
     overrides = {"sliding_window": None} if variant == "mistral" else LLAMA_CPP_ALIKE.get(variant, {})
@@ -298,15 +299,21 @@ def test_float32_file_logits_match_the_original_checkpoint(hf_model_dir, gguf_fi
         np.testing.assert_allclose(ours, hf_logits(hf, prompt), atol=1e-4, rtol=0)
 
 
+YARN_FILES = {"qwen3": {"beta_fast": 24.0, "beta_slow": 2.0}, "olmo3": {"attention_factor": 1.25}}  # float32-exact
+
+
 @pytest.mark.parametrize("executor", list(EXECUTORS))
-def test_yarn_file_logits_match_the_original_checkpoint(hf_model_dir, gguf_file, executor):
-    """A Qwen3 file with YaRN as convert_hf_to_gguf.py writes it (scaling type, factor, original context length,
-    the betas the model sets), which transformers' GGUF loading does not read, against the checkpoint it came from."""
+@pytest.mark.parametrize("variant", list(YARN_FILES))
+def test_yarn_file_logits_match_the_original_checkpoint(hf_model_dir, gguf_file, variant, executor):
+    """Files with YaRN as convert_hf_to_gguf.py writes it (scaling type, factor, original context length; a Qwen3's
+    betas, an OLMo 3's attention factor, on its full-attention layer only), which transformers' GGUF loading does
+    not read, against the checkpoint each came from."""
     overrides = dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
-                                   "beta_fast": 24.0, "beta_slow": 2.0})
-    path = gguf_file("qwen3", **overrides)
-    assert model_config(path).rope_scaling.beta_fast == 24.0
-    hf = load_hf(hf_model_dir("qwen3", **overrides))
+                                   **YARN_FILES[variant]})
+    path = gguf_file(variant, **overrides)
+    scaling = model_config(path).rope_scaling
+    assert {k: getattr(scaling, k) for k in YARN_FILES[variant]} == YARN_FILES[variant]
+    hf = load_hf(hf_model_dir(variant, **overrides))
     prompts = _prompts()
     for prompt, ours in zip(prompts, jserve_logits(path, prompts, "float32", EXECUTORS[executor]), strict=True):
         np.testing.assert_allclose(ours, hf_logits(hf, prompt), atol=1e-4, rtol=0)

@@ -124,6 +124,9 @@ YARN_CASES = {
     "llama": dict(rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512,
                                 "beta_fast": 16.0, "beta_slow": 2.0, "mscale": 1.0, "mscale_all_dim": 0.5,
                                 "truncate": False}),
+    # OLMo 3: YaRN on its full-attention layer only, its windowed layers unscaled (the factor folds into that
+    # layer's q/k norms, which span all heads)
+    "olmo3": dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}),
 }
 
 
