@@ -15,6 +15,9 @@
 - Granite multiplies each layer's attention and MLP outputs by residual_multiplier and divides the logits by
   logits_scaling: folded into the o_proj and down_proj rows and into the final norm's weight.
 - Gemma's RMSNorms multiply by (1 + weight): the 1 (norm_weight_offset) is added to every norm weight.
+- GLM-4 rotates interleaved pairs (2i, 2i + 1): each head's q and k rows are reordered into halves first (then as
+  partial rotary embedding above); its sandwich norms are renamed to Gemma 2's (post_self_attn_layernorm is the
+  attention output's norm, post_attention_layernorm the MLP input's, post_mlp_layernorm the MLP output's).
 """
 
 from __future__ import annotations
@@ -29,6 +32,12 @@ from checkpoints import CheckpointError
 _FUSED = re.compile(r"(model\.layers\.\d+)\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")
 _ROTATED = re.compile(r"model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|q_norm|k_norm)\.(weight|bias)$")
 _RESIDUAL = re.compile(r"model\.layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.(weight|bias)$")
+# GLM-4 names its sandwich norms by place: the attention output's, the MLP input's and the MLP output's.
+_GLM4_NORM = re.compile(r"(model\.layers\.\d+\.)(post_self_attn_layernorm|post_attention_layernorm|post_mlp_layernorm)"
+                        r"\.weight$")
+_GLM4_NORMS = {"post_self_attn_layernorm": "post_attention_layernorm",
+               "post_attention_layernorm": "pre_feedforward_layernorm",
+               "post_mlp_layernorm": "post_feedforward_layernorm"}
 _NORM = re.compile(r"model\.(norm|layers\.\d+\.(\w+_layernorm|self_attn\.[qk]_norm))\.weight$")
 
 
@@ -60,6 +69,13 @@ class RowView:
         return block.astype(dtype)
 
 
+def interleaved_order(head_dim: int, rotary_dim: int) -> np.ndarray:
+    """Where each row of a head comes from so that interleaved rotary pairs (2i, 2i + 1) become halves
+    (i, i + rotary_dim / 2); the passed-through rows stay."""
+    half = rotary_dim // 2
+    return np.concatenate([2 * np.arange(half), 2 * np.arange(half) + 1, np.arange(rotary_dim, head_dim)])
+
+
 def rotary_order(head_dim: int, rotary_dim: int) -> np.ndarray:
     """Where each row of a head comes from so that partial rotary pairs become whole-head pairs (see above)."""
     half, rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
@@ -77,6 +93,10 @@ def llama_layout(tensors: Iterable[tuple[str, object, str]], config) -> Iterator
     qk_norm = bool(getattr(config, "qk_norm", False) or getattr(config, "qk_norm_across_heads", False))
     order = rotary_order(head_dim, rotary_dim)
     rotated = order < rotary_dim
+    interleaved = bool(getattr(config, "rotary_interleaved", False))
+    if interleaved:
+        order = interleaved_order(head_dim, rotary_dim)[order]
+    glm4 = getattr(config, "model_type", None) == "glm4"
     sizes = {"self_attn.qkv_proj": (("q_proj", config.q_size), ("k_proj", config.kv_size // config.kv_head_replicas),
                                     ("v_proj", config.kv_size // config.kv_head_replicas)),
              "mlp.gate_up_proj": (("gate_proj", config.intermediate_size), ("up_proj", config.intermediate_size))}
@@ -96,7 +116,7 @@ def llama_layout(tensors: Iterable[tuple[str, object, str]], config) -> Iterator
 
     def rotary(name: str, tensor, origin: str) -> tuple[str, object, str]:
         m = _ROTATED.match(name)
-        if m is None or (rotary_dim == head_dim and factor == 1.0):
+        if m is None or (rotary_dim == head_dim and factor == 1.0 and not interleaved):
             return name, tensor, origin
         is_norm = m[2].endswith("norm")
         # the factor scales the global rotary embedding alone: not a layer that rotates by a local base, unscaled
@@ -112,6 +132,8 @@ def llama_layout(tensors: Iterable[tuple[str, object, str]], config) -> Iterator
         return name, RowView(tensor, rows, scale), origin
 
     for name, tensor, origin in tensors:
+        if glm4 and (n := _GLM4_NORM.match(name)):
+            name = f"{n[1]}{_GLM4_NORMS[n[2]]}.weight"
         m = _FUSED.match(name)
         if m is None:
             yield scaled(name, tensor, origin)

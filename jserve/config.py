@@ -30,7 +30,7 @@ from jserve.config_json import (
 )
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3_text",
-                         "smollm3", "olmo2", "olmo3", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmoe")
+                         "smollm3", "olmo2", "olmo3", "glm4", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmoe")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights of config.json's shape (checkpoints/dummy.py)
 # See pallas_kernels/interface.py (ENGINE_BACKENDS).
@@ -71,6 +71,9 @@ class ModelConfig:
     # the whole head. The loader reorders each head's q and k rows so that the rotated pairs and the passed-through
     # dimensions both pair as (i, i + head_dim / 2), the latter at frequency 0 (see checkpoints.tensor_views).
     rotary_dim: int | None = None
+    # GLM-4: the checkpoint's rotated dimensions pair as (2i, 2i + 1) (interleaved, GPT-J's convention); the loader
+    # reorders each head's q and k rows into Llama's halves, so that no executor knows.
+    rotary_interleaved: bool = False
     # Granite's multipliers (1 / None elsewhere): the input embeddings are scaled by embedding_multiplier and the
     # attention logits by attention_multiplier (head_dim ** -0.5 where None); residual_multiplier (each layer's
     # attention and MLP output) and logits_scaling (the logits are divided by it) are folded into the o_proj /
@@ -198,6 +201,8 @@ class ModelConfig:
             cfg = layer_type_rope(cfg, source, theta=1_000_000.0, local_theta=10_000.0)
         if model_type == "olmo3":
             cfg = layer_type_rope(cfg, source, theta=500_000.0, local_theta=None)
+        if model_type == "glm4" and rope_param(cfg, "partial_rotary_factor", None) is None:
+            cfg = {**cfg, "partial_rotary_factor": 0.5}  # transformers' Glm4Config default
         if model_type not in SUPPORTED_MODEL_TYPES:
             archs = cfg.get("architectures") or []
             raise ModelLoadError(
@@ -229,7 +234,7 @@ class ModelConfig:
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type in ("qwen2", "qwen2_moe") or attention_bias,
-            o_bias=model_type not in ("qwen2", "qwen2_moe", "glm4_moe") and attention_bias,
+            o_bias=model_type not in ("qwen2", "qwen2_moe", "glm4", "glm4_moe") and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text") or bool(cfg.get("use_qk_norm", False)),
             sliding_window=sliding_window(cfg, source),
@@ -241,6 +246,8 @@ class ModelConfig:
             **smollm3_rope_layers(cfg, source),
             **moe_fields(cfg, source),
             **olmo_fields(cfg, source),
+            # GLM-4 (dense): each block's input and output normalized, as Gemma 2's sandwich norms
+            **({"sandwich_norms": True, "rotary_interleaved": True} if model_type == "glm4" else {}),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

@@ -44,7 +44,9 @@ What is llama.cpp's own convention, and undone here:
 - an OLMo 2 file (convert_hf_to_gguf.py's Olmo2Model) is stored in Hugging Face's q/k order, its q/k norms as wide
   as the projections (`attn_q_norm`, `attn_k_norm`) and its block-output norms `post_attention_norm` and
   `post_ffw_norm`, with no input norms. An OLMo 3 file is an `olmo2` one with `attention.sliding_window` and the
-  layers it applies to (`attention.sliding_window_pattern`), its YaRN attention factor `rope.scaling.attn_factor`.
+  layers it applies to (`attention.sliding_window_pattern`), its YaRN attention factor `rope.scaling.attn_factor`;
+- a GLM-4 file (convert_hf_to_gguf.py's Glm4Model) keeps Hugging Face's interleaved q/k rows and fused `ffn_up`
+  (gate and up), its partial rotary embedding as `rope.dimension_count`, and its sandwich norms as Gemma 2's.
 """
 
 from __future__ import annotations
@@ -65,8 +67,8 @@ from jserve.config_json import RopeScaling
 # GGUF general.architecture -> jserve model_type. A Mistral GGUF says "llama" (llama.cpp converts Mistral as one).
 SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
                            "granite": "granite", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text",
-                           "smollm3": "smollm3", "olmo2": "olmo2", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
-                           "olmoe": "olmoe"}
+                           "smollm3": "smollm3", "olmo2": "olmo2", "glm4": "glm4", "qwen2moe": "qwen2_moe",
+                           "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
 GGUF_ARCHITECTURE_OF = {model_type: arch for arch, model_type in SUPPORTED_ARCHITECTURES.items()}
 GGUF_ARCHITECTURE_OF["mixtral"] = "llama"  # a llama file with experts (general.architecture says nothing more)
 # Architectures a mixture of experts may be stored as (a llama one is Mixtral where expert_count > 0); the others
@@ -109,6 +111,10 @@ _SHARED_EXPERT_NAMES = {"ffn_gate_inp_shexp": "mlp.shared_expert_gate", "ffn_gat
                         "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj"}
 _DENSE_MLP = ("ffn_gate", "ffn_up", "ffn_down")
 _QWEN_MOE_LAYER_NAMES = {k: v for k, v in _LAYER_NAMES.items() if k not in _DENSE_MLP} | _MOE_LAYER_NAMES
+# GLM-4's fused gate|up (gguf-py maps it to ffn_up) and sandwich norms, under GLM-4's own names (tensor_views renames
+# those as every GLM-4 checkpoint's).
+_GLM4_LAYER_NAMES = {**_LAYER_NAMES, "ffn_up": "mlp.gate_up_proj", "post_attention_norm": "post_self_attn_layernorm",
+                     "ffn_norm": "post_attention_layernorm", "post_ffw_norm": "post_mlp_layernorm"}
 # OLMo 2's norms of each block's outputs (and no input norms): gguf-py's ATTN_POST_NORM and FFN_POST_NORM.
 _OLMO2_LAYER_NAMES = {k: v for k, v in _LAYER_NAMES.items() if k not in ("attn_norm", "ffn_norm")} | {
     "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
@@ -143,7 +149,7 @@ def _layer_names(arch: str) -> dict[str, str]:
     return {"phi3": _PHI3_LAYER_NAMES, "gemma2": _GEMMA2_LAYER_NAMES, "gemma3": _GEMMA2_LAYER_NAMES,
             "llama": _LAYER_NAMES | _MOE_LAYER_NAMES, "qwen3moe": _QWEN_MOE_LAYER_NAMES,
             "olmoe": _QWEN_MOE_LAYER_NAMES, "qwen2moe": _QWEN_MOE_LAYER_NAMES | _SHARED_EXPERT_NAMES,
-            "olmo2": _OLMO2_LAYER_NAMES}.get(arch, _LAYER_NAMES)
+            "olmo2": _OLMO2_LAYER_NAMES, "glm4": _GLM4_LAYER_NAMES}.get(arch, _LAYER_NAMES)
 
 
 def hf_tensor_name(name: str, arch: str = "llama") -> str | None:
@@ -170,8 +176,9 @@ def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
         part = m[2]
         if arch == "phi3":
             part = {"self_attn.q_proj": "self_attn.qkv_proj", "self_attn.k_proj": "self_attn.qkv_proj",
-                    "self_attn.v_proj": "self_attn.qkv_proj", "mlp.gate_proj": "mlp.gate_up_proj",
-                    "mlp.up_proj": "mlp.gate_up_proj"}.get(part, part)
+                    "self_attn.v_proj": "self_attn.qkv_proj"}.get(part, part)
+        if arch in ("phi3", "glm4"):
+            part = {"mlp.gate_proj": "mlp.gate_up_proj", "mlp.up_proj": "mlp.gate_up_proj"}.get(part, part)
         for gguf_name, hf in _layer_names(arch).items():
             if hf == part:
                 return f"blk.{m[1]}.{gguf_name}.{m[3]}"
@@ -210,13 +217,14 @@ def gguf_model_config(path: str | Path) -> ModelConfig:
             raise ModelLoadError(f"{file.path}: layers with different KV head counts ({sorted(set(kv_heads))}) are "
                                  "not supported")
         kv_heads = kv_heads[0]
-    # Phi-3's rope.dimension_count is its rotated dimensions only (partial rotary embedding)
-    head_dim = int(key("attention.key_length", 0) or (arch != "phi3" and key("rope.dimension_count", 0))
+    # Phi-3's and GLM-4's rope.dimension_count is their rotated dimensions only (partial rotary embedding)
+    partial = arch in ("phi3", "glm4")
+    head_dim = int(key("attention.key_length", 0) or (not partial and key("rope.dimension_count", 0))
                    or hidden // heads)
     rotary, value = int(key("rope.dimension_count", head_dim)), int(key("attention.value_length", head_dim))
-    if value != head_dim or (rotary != head_dim and arch != "phi3"):
+    if value != head_dim or (rotary != head_dim and not partial):
         raise ModelLoadError(f"{file.path}: rotary dimensions {rotary} and value length {value} must equal the head "
-                             f"dimension {head_dim} (partial rotary is supported in phi3 files only)")
+                             f"dimension {head_dim} (partial rotary is supported in phi3 and glm4 files only)")
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"{file.path}: no token_embd.weight tensor")
     window = key("attention.sliding_window", None)

@@ -32,7 +32,7 @@ from safetensors.numpy import load_file
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
              "granite": "granite", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3",
              "smollm3": "smollm3", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
-             "olmo2": "olmo2", "olmo3": "olmo2", "olmoe": "olmoe"}
+             "olmo2": "olmo2", "olmo3": "olmo2", "olmoe": "olmoe", "glm4": "glm4"}
 GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 T = gguf.GGMLQuantizationType
 

@@ -21,7 +21,8 @@ VOCAB = 512
 # sigmoid scores within the 2 best of 4 groups (a random correction bias), scaled by 2.5, beside 2 shared experts'
 # worth of ungated columns; q/k/v biases, q/k norm and half the head rotated; olmo2: q/k norms over all heads, each
 # block's output normalized and not its input; olmo3: those, with a window on three layers of four; olmoe: those q/k
-# norms, q, k and v clipped, top-2 of 4 experts (not renormalized).
+# norms, q, k and v clipped, top-2 of 4 experts (not renormalized); glm4: interleaved rotary pairs over half the
+# head, sandwich norms named its own way, q/k/v biases, a fused gate|up.
 VARIANTS: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", dict(num_key_value_heads=2)),
     "llama3_rope": ("LlamaConfig", dict(num_key_value_heads=2, rope_scaling={
@@ -62,6 +63,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                                        norm_topk_prob=True)),
     "olmo2": ("Olmo2Config", dict(num_key_value_heads=2)),
     "olmo3": ("Olmo3Config", dict(num_key_value_heads=2, num_hidden_layers=4, sliding_window=12)),
+    "glm4": ("Glm4Config", dict(num_key_value_heads=2, head_dim=16)),
     "olmoe": ("OlmoeConfig", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, clip_qkv=1.5)),
 }
 
@@ -73,7 +75,7 @@ _MODEL_CLASSES = {"LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralFo
                   "MixtralConfig": "MixtralForCausalLM", "Qwen2MoeConfig": "Qwen2MoeForCausalLM",
                   "Qwen3MoeConfig": "Qwen3MoeForCausalLM", "Glm4MoeConfig": "Glm4MoeForCausalLM",
                   "Olmo2Config": "Olmo2ForCausalLM", "Olmo3Config": "Olmo3ForCausalLM",
-                  "OlmoeConfig": "OlmoeForCausalLM"}
+                  "Glm4Config": "Glm4ForCausalLM", "OlmoeConfig": "OlmoeForCausalLM"}
 
 
 def make_config(variant: str, **overrides) -> transformers.PretrainedConfig:

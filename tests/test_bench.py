@@ -47,6 +47,7 @@ from jserve.bench.roofline import (
     decode_bytes_per_token,
     kv_bytes_per_token,
     last_level_cache_bytes,
+    layer_norm_params,
     stream_buffer_bytes,
     weight_bytes_read_per_token,
     weight_params_read_per_token,
@@ -273,9 +274,10 @@ def test_roofline_of_a_mixture_of_experts_counts_the_experts_a_step_reaches():
 
 
 # qwen2_moe: its dense and expert layers, router and shared expert, read whole by a token choosing every expert or
-# by a step of many tokens
-@pytest.mark.parametrize("variant, overrides, tokens", [("llama", {}, 1), ("qwen2_moe", {"num_experts_per_tok": 4}, 1),
-                                                        ("qwen2_moe", {}, 1000)])
+# by a step of many tokens; gemma2's four norms a layer; olmoe's q/k norms over all heads
+@pytest.mark.parametrize("variant, overrides, tokens", [
+    ("llama", {}, 1), ("qwen2_moe", {"num_experts_per_tok": 4}, 1), ("qwen2_moe", {}, 1000), ("gemma2", {}, 1),
+    ("olmoe", {}, 1000)])
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_roofline_weight_bytes_are_the_loaded_arrays_bytes(hf_model_dir, quantization, variant, overrides, tokens):
     """The bytes a decode step reads, against the loaded model's own arrays: the same parameters, less the
@@ -287,8 +289,7 @@ def test_roofline_weight_bytes_are_the_loaded_arrays_bytes(hf_model_dir, quantiz
     loaded = load_model(hf_model_dir(variant, **overrides), "bfloat16", quantization=quantization)
     cfg = loaded.config
     # norms (and qwen2_moe's q/k/v biases) in float32
-    norms = 2 * cfg.num_layers * cfg.hidden_size + cfg.hidden_size + cfg.num_layers * (cfg.q_size + 2 * cfg.kv_size) \
-        * cfg.qkv_bias
+    norms = cfg.num_layers * (layer_norm_params(cfg) + (cfg.q_size + 2 * cfg.kv_size) * cfg.qkv_bias) + cfg.hidden_size
     table = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * 2
     read = weight_bytes_read_per_token(cfg, "bfloat16", quantization, tokens)
     assert read - cfg.hidden_size * 2 + table + norms * 2 == pytest.approx(resident_bytes(loaded.state), rel=1e-12)

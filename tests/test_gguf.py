@@ -88,7 +88,7 @@ def _flat(state) -> dict:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3", "phi3", "granite", *GEMMAS, "smollm3", "olmo2",
-                                     "olmo3", *MOES])
+                                     "olmo3", "glm4", *MOES])
 def test_float32_file_loads_the_checkpoints_exact_state(hf_model_dir, gguf_file, variant, dtype):
     """Names, the q/k un-permutation, fused q|k|v and gate|up and biases land exactly where the safetensors loader
     puts the checkpoint the file was written from; Gemma's norms, stored as (1 + weight), are not shifted again,
@@ -281,14 +281,14 @@ def test_logits_match_transformers_on_the_same_file(gguf_file, variant, matrix_t
 
 @pytest.mark.parametrize("executor", list(EXECUTORS))
 @pytest.mark.parametrize("variant", ["llama3_rope", "llama_linear_rope", "qwen3", "mistral", "phi3", "granite",
-                                     *GEMMAS, "smollm3", "olmo2", "olmo3", *MOES])
+                                     *GEMMAS, "smollm3", "olmo2", "olmo3", "glm4", *MOES])
 def test_float32_file_logits_match_the_original_checkpoint(hf_model_dir, gguf_file, variant, executor):
     """What transformers' GGUF loading leaves out or cannot load here (Llama 3's rope_freqs, linear rope scaling,
     Qwen3's head_dim, a Mistral: a llama file, with no sliding window, as llama.cpp converts one; Phi-3's fused
     tensors, partial rotary embedding, longrope factors and sliding window; Granite's multipliers; Gemma's shifted
     norms, Gemma 2's sandwich norms, soft caps and alternating window, Gemma 3's q/k norms, windowed layers and their
     own rotary base; SmolLM3's NoPE layers; OLMo 2's q/k norms over all heads and block-output norms, OLMo 3's
-    windowed layers; Mixtral's,
+    windowed layers; GLM-4's interleaved partial rotary, fused gate|up and sandwich norms; Mixtral's,
     Qwen2-MoE's, Qwen3-MoE's and OLMoE's experts, top-k and renormalization, Qwen2-MoE's gated shared expert)
     checked against the checkpoint the file was written from."""
     overrides = {"sliding_window": None} if variant == "mistral" else LLAMA_CPP_ALIKE.get(variant, {})

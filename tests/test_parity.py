@@ -76,13 +76,13 @@ def test_float32_logits_match_transformers(hf_model_dir, variant):
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="the C++ kernels do not build here")
-@pytest.mark.parametrize("variant", ["gemma", "gemma2", "gemma3", "smollm3", "mixtral", "qwen2_moe", "glm4_moe",
-                                     "olmo2", "olmoe"])
+@pytest.mark.parametrize("variant", ["gemma", "gemma2", "gemma3", "smollm3", "glm4", "mixtral", "qwen2_moe",
+                                     "glm4_moe", "olmo2", "olmoe"])
 def test_float32_logits_of_the_layer_kernel_match_transformers(hf_model_dir, variant):
-    """The C++ layer kernel's GELU, sandwich norms and score soft cap, and its one call per run of alike layers
-    (Gemma 2's alternating windows, Gemma 3's local rotary base, SmolLM3's NoPE layers); for a mixture of experts
-    and OLMo's blocks, which the layer kernel does not take, the Flax model on that executor's packed matmuls
-    (experts read in place from their stacks, a shared expert, a dense layer)."""
+    """The C++ layer kernel's GELU, sandwich norms (GLM-4's too) and score soft cap, and its one call per run of
+    alike layers (Gemma 2's alternating windows, Gemma 3's local rotary base, SmolLM3's NoPE layers); for a mixture
+    of experts and OLMo's blocks, which the layer kernel does not take, the Flax model on that executor's packed
+    matmuls (experts read in place from their stacks, a shared expert, a dense layer)."""
     model_dir = hf_model_dir(variant)
     hf = load_hf(model_dir)
     prompts = _prompts()
@@ -163,7 +163,7 @@ def test_sliding_window_is_exercised(hf_model_dir):
 
 # Variants whose decode steps on the XLA path compute what their prefill does, which the float32 logits test checks
 # there: the rest (windows, NoPE layers, experts) also decode through their own XLA paths.
-PREFILL_CHECKS_XLA = {"llama3_rope", "llama_linear_rope", "qwen2", "qwen3", "granite", "gemma", "olmo2"}
+PREFILL_CHECKS_XLA = {"llama3_rope", "llama_linear_rope", "qwen2", "qwen3", "granite", "gemma", "olmo2", "glm4"}
 
 
 GREEDY_EXECUTORS = {"auto": "cpu-kernels", "reference": "xla"}

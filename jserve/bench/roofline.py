@@ -27,12 +27,19 @@ def experts_reached(cfg: ModelConfig, tokens: int = 1) -> float:
     return k if tokens == 1 else experts * (1 - (1 - k / experts) ** tokens)
 
 
+def layer_norm_params(cfg: ModelConfig) -> int:
+    """A layer's norm weights: two (Gemma 2/3's sandwich: four) of the hidden size, and q/k norms per head or over
+    all heads (OLMo)."""
+    qk = cfg.q_size + cfg.kv_size if cfg.qk_norm_across_heads else 2 * cfg.head_dim * cfg.qk_norm
+    return (4 if cfg.sandwich_norms else 2) * cfg.hidden_size + qk
+
+
 def _layer_reads(cfg: ModelConfig, layer: int, tokens: int = 1) -> tuple[float, float, int]:
     """(parameters of the projection matrices, their rows, other parameters) a decode step of `tokens` tokens reads
     in a layer: a mixture of experts' layer reads the router, the experts its tokens chose and any shared expert."""
     hidden, inter, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
     params, rows = hidden * (q + 2 * kv) + q * hidden, (q + 2 * kv) + hidden
-    other = 2 * hidden + (q + 2 * kv) * cfg.qkv_bias + hidden * cfg.o_bias + 2 * cfg.head_dim * cfg.qk_norm
+    other = layer_norm_params(cfg) + (q + 2 * kv) * cfg.qkv_bias + hidden * cfg.o_bias
     if not cfg.layer_moe(layer):
         return params + 3 * hidden * inter, rows + 2 * inter + hidden, other + (2 * inter + hidden) * cfg.mlp_bias
     width, shared = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
