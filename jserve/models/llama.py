@@ -1,14 +1,15 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, Granite, Gemma 1/2/3, SmolLM3, OLMo 2, and the
-mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5 and OLMoE): one decoder whose differences are config flags.
+"""The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, Granite, Gemma 1/2/3, SmolLM3, OLMo 2/3, GLM-4, and
+the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5 and OLMoE): one decoder whose differences are config
+flags.
 
 Qwen2 adds q/k/v biases, Qwen3 normalizes q and k per head before rotary, Mistral may use a sliding window; Gemma
 scales its embeddings, uses GELU, windows some layers and not others (Gemma 3 rotating them with their own base),
 soft-caps scores and logits (Gemma 2) and normalizes each block's output too (Gemma 2/3); SmolLM3 leaves rotary
-embedding out of every fourth layer; OLMo 2 and OLMoE normalize q and k over all heads at once, OLMo 2 normalizes
-each block's output instead of its input; the MoE families' MLP is a mixture of experts (jserve.models.moe). Everything
-else is shared, so one module serves them all (Phi-3's and Granite's differences are folded into the weights at
-load). q/k/v and gate/up projections are fused into one matmul each (the checkpoint loader concatenates them)
-because small dots pay a fixed cost on XLA CPU.
+embedding out of every fourth layer; OLMo normalizes q and k over all heads at once, OLMo 2/3 each block's output
+instead of its input; the MoE families' MLP is a mixture of experts (jserve.models.moe). Everything else is shared,
+so one module serves them all (Phi-3's, Granite's and GLM-4's differences are folded into the weights at load).
+q/k/v and gate/up projections are fused into one matmul each (the checkpoint loader concatenates them) because small
+dots pay a fixed cost on XLA CPU.
 """
 
 from __future__ import annotations
