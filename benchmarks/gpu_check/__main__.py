@@ -26,7 +26,7 @@ MODULES = {"env": "env", "kernels": "kernels", "parity": "parity", "speed": "spe
            "warmup": "speed", "decode": "decode", "gemm": "gemm", "profile": "profile",
            "quant": "quant", "lora": "lora"}
 # Seconds each section may take at most on a GPU (the deadline may leave less); a CPU run gets 10x.
-CAPS = {"env": 30, "kernels": 180, "parity": 240, "speed": 180, "hf": 60, "warmup": 200, "decode": 120,
+CAPS = {"env": 30, "kernels": 180, "parity": 300, "speed": 180, "hf": 60, "warmup": 200, "decode": 120,
         "gemm": 150, "profile": 180, "quant": 420, "lora": 240}
 
 
@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernel-cases", default=None,
                         help="only these correctness cases, as heads/kv_heads/head_dim/page/dtype (comma-separated)")
     parser.add_argument("--no-kernel-timing", action="store_true", help="kernels: correctness only")
+    parser.add_argument("--parity-variants", default=None,
+                        help="parity: only these variants of the parity tests (comma-separated; default: all)")
     parser.add_argument("--decode-variants", default=None,
                         help="decode sections: these of decode.VARIANTS (comma-separated)")
     parser.add_argument("--kernel-variants", action="store_true",
@@ -85,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             "kernel_cases": opts.kernel_cases.split(",") if opts.kernel_cases else None,
             "kernel_timing": not opts.no_kernel_timing, "kernel_variants": opts.kernel_variants,
             "decode_variants": opts.decode_variants.split(",") if opts.decode_variants else None,
+            "variants": opts.parity_variants.split(",") if opts.parity_variants else None,
             "profile_tokens": opts.profile_tokens, "keep_trace": opts.keep_trace,
             "profile_command_buffers": opts.profile_command_buffers,
             "quant_settings": opts.quant_settings.split(",") if opts.quant_settings else None,
