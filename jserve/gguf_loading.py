@@ -352,11 +352,11 @@ def _gemma_config(file: GGUFFile, arch: str, cfg: dict) -> dict:
 
 def _olmo3_config(file: GGUFFile, cfg: dict) -> dict:
     """An OLMo 3 file: an olmo2 one with a window (convert_hf_to_gguf.py's Olmo2Model), on the layers its
-    `attention.sliding_window_pattern` flags, else three of each four (the fourth attends to all)."""
+    `attention.sliding_window_pattern` flags, else OLMo 3's default ones (config_json.olmo_fields)."""
     layers = cfg["num_hidden_layers"]
     pattern = file.get("olmo2.attention.sliding_window_pattern")
     if pattern is None:
-        pattern = [(i + 1) % 4 != 0 for i in range(layers)]
+        return {"model_type": "olmo3"}
     if not isinstance(pattern, list) or len(pattern) != layers:
         raise ModelLoadError(f"{file.path}: olmo2.attention.sliding_window_pattern must flag each of the {layers} "
                              f"layers, got {pattern!r}")
