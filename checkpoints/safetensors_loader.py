@@ -22,6 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from checkpoints import CheckpointError
+from checkpoints.gpt_oss import gpt_oss_tensors
 from checkpoints.tensor_views import llama_layout, take
 
 _DTYPES = {
@@ -139,8 +140,10 @@ def llama_name_map(tie_word_embeddings: bool,
     qk_norm_re = re.compile(r"model\.layers\.(\d+)\.self_attn\.(q_norm|k_norm)\.weight$")
     # Mixture of experts: each expert's matrix is one slice of a stacked [experts, out, in] parameter (or, from a
     # GGUF file, the whole stack at once); Qwen2-MoE's shared expert is a fused MLP of its own.
-    expert_re = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(?:(\d+)\.)?(gate_proj|up_proj|down_proj)\.weight$")
+    expert_re = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(?:(\d+)\.)?(gate_proj|up_proj|down_proj)\."
+                           r"(weight|bias)$")
     shared_re = re.compile(r"model\.layers\.(\d+)\.mlp\.shared_experts?\.(gate_proj|up_proj|down_proj)\.weight$")
+    sinks_re = re.compile(r"model\.layers\.(\d+)\.self_attn\.sinks$")  # gpt-oss's attention sinks
     correction_re = re.compile(r"model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias$")
     layer_index_re = re.compile(r"model\.layers\.(\d+)\.")
 
@@ -151,7 +154,7 @@ def llama_name_map(tie_word_embeddings: bool,
         if m := correction_re.match(name):
             return [(("layers", int(m[1]), "mlp", "gate", "e_score_correction_bias"), None)]
         if m := expert_re.match(name):
-            return [(("layers", int(m[1]), "mlp", "experts", m[3], "weight"), None if m[2] is None else int(m[2]))]
+            return [(("layers", int(m[1]), "mlp", "experts", m[3], m[4]), None if m[2] is None else int(m[2]))]
         if m := shared_re.match(name):
             proj = m[2]
             dest = fused.get(proj, proj)
@@ -166,6 +169,8 @@ def llama_name_map(tie_word_embeddings: bool,
             return []  # old checkpoints store the rotary table; we compute it
         if m := norm_re.match(name):
             return [(("layers", int(m[1]), m[2], "weight"), None)]
+        if m := sinks_re.match(name):
+            return [(("layers", int(m[1]), "self_attn", "sinks"), None)]
         if m := qk_norm_re.match(name):
             return [(("layers", int(m[1]), "self_attn", m[2], "weight"), None)]
         if m := layer_re.match(name):
@@ -296,6 +301,8 @@ def assemble_state(tensors: Iterable[tuple[str, Tensor, str]], config: Checkpoin
     name_map = llama_name_map(config.tie_word_embeddings,
                               config.num_layers if config.model_type == "glm4_moe" else None)
     sources: dict[tuple, ParamSource] = {}
+    if config.model_type == "gpt_oss":  # its router and experts under the other mixtures of experts' names
+        tensors = gpt_oss_tensors(tensors)
     for name, tensor, origin in llama_layout(tensors, config):
         targets = name_map(name)
         if targets is None:

@@ -379,20 +379,25 @@ def argmax(x: jax.Array) -> jax.Array:
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                            query_start: jax.Array, seq_lens: jax.Array, *, scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
-                           k_scales: jax.Array | None = None, v_scales: jax.Array | None = None) -> jax.Array:
+                           k_scales: jax.Array | None = None, v_scales: jax.Array | None = None,
+                           sinks: jax.Array | None = None) -> jax.Array:
     """The spec of pallas_kernels.interface.ragged_paged_attention; K/V float32, bfloat16, uint16 bf16 bits, or
     int8 with k_scales / v_scales (float32 [N, B, Hkv]: each (token, KV head) row's value = int8 * scale; the kernel
     widens and scales a row in registers as it reads it). Pages are read in place: only the pages each sequence
-    uses, never a gathered copy."""
+    uses, never a gathered copy. sinks (float32 [H], gpt-oss): query head h's softmax denominator gains
+    exp(sinks[h]), added when a row is normalized."""
     _require()
     if (k_pages.dtype == jnp.int8) != (k_scales is not None) or (k_scales is None) != (v_scales is None):
         raise ValueError("ragged_paged_attention: int8 pages take k_scales and v_scales, other pages none")
-    no_scales = jnp.zeros((0,), jnp.float32)
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(f"ragged_paged_attention: sinks[{q.shape[1]}] (one per query head) expected, got "
+                         f"{sinks.shape}")
+    none = jnp.zeros((0,), jnp.float32)  # an absent scale or sink array
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return jax.ffi.ffi_call("jserve_paged_attention", out)(
         q.astype(jnp.float32), k_pages, v_pages, page_table.astype(jnp.int32), query_start.astype(jnp.int32),
-        seq_lens.astype(jnp.int32), no_scales if k_scales is None else k_scales,
-        no_scales if v_scales is None else v_scales, scale=np.float32(scale),
+        seq_lens.astype(jnp.int32), none if k_scales is None else k_scales, none if v_scales is None else v_scales,
+        none if sinks is None else sinks.astype(jnp.float32), scale=np.float32(scale),
         sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0))
 
 

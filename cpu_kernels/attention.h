@@ -17,6 +17,26 @@ inline int64_t LowestKey(const AttentionArgs& a, int64_t pos) {
   return a.sliding_window > 0 ? std::max<int64_t>(0, pos - a.sliding_window + 1) : 0;
 }
 
+// The attention sink of an item's row r (nullptr: no sinks). Rows are [KV head][token][query head of the group]
+// (head_rows = tokens * group a KV head), and a sink belongs to a query head, not to the KV head it shares.
+inline const float* SinkOfRow(const AttentionArgs& a, const AttentionItem& item, int64_t r, int64_t head_rows) {
+  if (a.sinks == nullptr) return nullptr;
+  const int64_t group = a.num_heads / a.kv_heads;
+  return a.sinks + (item.kv_head_begin + r / head_rows) * group + r % group;
+}
+
+// What a row's accumulator is multiplied by to normalize it, given its running max m and its sum of e^(s_j - m):
+// 1 / sum, or with a sink 1 / (sum + e^(sink - m)), the sink being one more key whose value is zero. Both terms are
+// taken relative to max(m, sink), so a sink far above every score neither overflows nor yields NaN. A row that saw
+// no key (sum 0) stays zero.
+inline float InverseSum(float m, float sum, const float* sink) {
+  if (!(sum > 0.0f)) return 0.0f;
+  if (sink == nullptr) return 1.0f / sum;
+  const float top = std::max(m, *sink);
+  const float keys = std::exp(m - top);
+  return keys / (sum * keys + std::exp(*sink - top));
+}
+
 void AttendItem(const AttentionArgs& a, const AttentionItem& item) {
   const int64_t group = a.num_heads / a.kv_heads, d_size = a.head_dim, b_size = a.page_size;
   const int64_t q_len = a.query_start[item.seq + 1] - a.query_start[item.seq];
@@ -214,7 +234,7 @@ void AttendItem(const AttentionArgs& a, const AttentionItem& item) {
     return;
   }
   for (int64_t r = 0; r < rows; ++r) {  // normalize in place, then store as the output's dtype
-    const float inv = row_sum[r] > 0 ? 1.0f / row_sum[r] : 0.0f;
+    const float inv = InverseSum(row_max[r], row_sum[r], SinkOfRow(a, item, r, head_rows));
     for (int64_t d = 0; d < d_size; ++d) acc[r * d_size + d] *= inv;
   }
   StoreAttentionRows(a, item, acc);
@@ -336,7 +356,7 @@ void MergeParts(const AttentionArgs& a, const AttentionItem* parts, int64_t coun
       sum += weight * state[rows * d_size + rows + r];
       for (int64_t d = 0; d < d_size; ++d) out[d] += weight * state[r * d_size + d];
     }
-    const float inv = sum > 0 ? 1.0f / sum : 0.0f;
+    const float inv = InverseSum(top, sum, SinkOfRow(a, parts[0], r, a.num_heads / a.kv_heads));  // one token
     for (int64_t d = 0; d < d_size; ++d) out[d] *= inv;
   }
   StoreAttentionRows(a, parts[0], merged.data());
@@ -356,7 +376,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
                               ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> page_table,
                               ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> seq_lens,
                               ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales,
-                              ffi::ResultBuffer<ffi::F32> out, float scale, int64_t sliding_window, float soft_cap) {
+                              ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out, float scale,
+                              int64_t sliding_window, float soft_cap) {
   CallClock call_clock(kAttentionCall);
   const auto q_dims = q.dimensions();
   if (q_dims.size() != 3) return ffi::Error::InvalidArgument("jserve_paged_attention: expected q[T, H, D]");
@@ -373,6 +394,12 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
     }
     a.k_scales = k_scales.typed_data();
     a.v_scales = v_scales.typed_data();
+  }
+  if (sinks.element_count() != 0) {  // empty: no sinks
+    if (static_cast<int64_t>(sinks.element_count()) != a.num_heads) {
+      return ffi::Error::InvalidArgument("jserve_paged_attention: sinks must be [H], one per query head");
+    }
+    a.sinks = sinks.typed_data();
   }
   a.q = q.typed_data();
   a.q_stride = q_dims[1] * q_dims[2];

@@ -34,6 +34,7 @@ struct AttentionArgs {
   float scale, soft_cap;       // soft_cap 0: none
   int64_t sliding_window;      // 0: none
   float* partials = nullptr;   // split items' unnormalized rows, maxima and sums (AttentionItem::partial)
+  const float* sinks = nullptr;  // [H] attention sinks by query head (gpt-oss), or none: see InverseSum
 };
 
 // A sequence's block of query tokens against a range of its KV heads: all of them when the batch has items enough

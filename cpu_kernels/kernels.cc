@@ -138,6 +138,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JservePagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // k_scales [N, B, Hkv] (int8 pages; else empty)
                                   .Arg<ffi::Buffer<ffi::F32>>()   // v_scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // sinks [H] (gpt-oss; else empty)
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("sliding_window")

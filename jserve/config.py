@@ -10,6 +10,8 @@ from pathlib import Path
 
 from checkpoints import CheckpointError
 from jserve.config_json import (
+    GPT_OSS_ROPE,
+    GPT_OSS_ROPE_THETA,
     RopeScaling,
     activation,
     gemma3_text_config,
@@ -30,7 +32,8 @@ from jserve.config_json import (
 )
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3_text",
-                         "smollm3", "olmo2", "olmo3", "glm4", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmoe")
+                         "smollm3", "olmo2", "olmo3", "glm4", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmoe",
+                         "gpt_oss")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights of config.json's shape (checkpoints/dummy.py)
 # See pallas_kernels/interface.py (ENGINE_BACKENDS).
@@ -122,6 +125,15 @@ class ModelConfig:
     num_expert_groups: int = 1
     topk_expert_groups: int = 1
     routed_scaling_factor: float = 1.0
+    # gpt-oss: moe_routing "topk_softmax" weights the router's k largest logits by their softmax; moe_bias: the
+    # router and every expert projection carry biases; swiglu_limit (None: plain SwiGLU): the experts' gate is
+    # clamped above and up on both sides at it, and gate * sigmoid(swiglu_alpha * gate) multiplies (up + 1);
+    # attention_sinks: each query head has a learned logit that joins its softmax's denominator (see
+    # pallas_kernels.interface).
+    moe_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
+    attention_sinks: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Set by jserve.models.sharded_config.shard_model_config for tensor parallelism (1 = the checkpoint's own
@@ -201,6 +213,10 @@ class ModelConfig:
             cfg = layer_type_rope(cfg, source, theta=1_000_000.0, local_theta=10_000.0)
         if model_type == "olmo3":
             cfg = layer_type_rope(cfg, source, theta=500_000.0, local_theta=None)
+        if model_type == "gpt_oss" and not (cfg.get("rope_scaling") or cfg.get("rope_parameters")):
+            cfg = {**cfg, "rope_scaling": GPT_OSS_ROPE}  # transformers' default: YaRN
+        if model_type == "gpt_oss" and rope_param(cfg, "rope_theta", None) is None:
+            cfg = {**cfg, "rope_theta": GPT_OSS_ROPE_THETA}
         if model_type == "glm4" and rope_param(cfg, "partial_rotary_factor", None) is None:
             cfg = {**cfg, "partial_rotary_factor": 0.5}  # transformers' Glm4Config default
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -212,7 +228,7 @@ class ModelConfig:
         num_heads = positive_int(cfg, "num_attention_heads", source)
         hidden = positive_int(cfg, "hidden_size", source)
         head_dim = positive_int(cfg, "head_dim", source, hidden // num_heads)
-        attention_bias = bool(cfg.get("attention_bias", False))
+        attention_bias = bool(cfg.get("attention_bias", model_type == "gpt_oss"))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         scaling = rope_scaling(cfg, source)

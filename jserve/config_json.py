@@ -372,7 +372,7 @@ def windowed_layers(cfg: dict, source: str) -> dict:
     return {"sliding_layers": _sliding_layers(layer_types, num_layers, source)}
 
 
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmoe")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmoe", "gpt_oss")
 
 
 def moe_fields(cfg: dict, source: str) -> dict:
@@ -386,6 +386,8 @@ def moe_fields(cfg: dict, source: str) -> dict:
         return {}
     if model_type == "glm4_moe":
         return _glm4_moe_fields(cfg, source)
+    if model_type == "gpt_oss":
+        return _gpt_oss_fields(cfg, source)
     num_layers = positive_int(cfg, "num_hidden_layers", source)
     key = "num_local_experts" if "num_local_experts" in cfg or model_type == "mixtral" else "num_experts"
     experts = positive_int(cfg, key, source, {"mixtral": 8, "olmoe": 64}.get(model_type, 60))
@@ -447,3 +449,31 @@ def _glm4_moe_fields(cfg: dict, source: str) -> dict:
             "moe_routing": "sigmoid_groups", "num_expert_groups": groups, "topk_expert_groups": topk_groups,
             "routed_scaling_factor": positive_float(cfg.get("routed_scaling_factor", 1.0), "routed_scaling_factor",
                                                     source)}
+
+
+# gpt-oss's defaults where config.json leaves them out (transformers' GptOssConfig): its YaRN scaling and rotary base.
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
+GPT_OSS_ROPE_THETA = 150_000.0
+
+
+def _gpt_oss_fields(cfg: dict, source: str) -> dict:
+    """gpt-oss (transformers' GptOssConfig defaults): every layer a mixture of num_local_experts experts as wide as
+    intermediate_size, each token's num_experts_per_tok chosen by the router's largest logits and weighted by their
+    softmax; the router and every expert projection carry biases; the experts' SwiGLU clamps gate and up to
+    swiglu_limit; attention sinks in every layer, which alternate windowed and full (layer_types)."""
+    num_layers = positive_int(cfg, "num_hidden_layers", source)
+    experts = positive_int(cfg, "num_local_experts", source, 128)
+    per_token = positive_int(cfg, "num_experts_per_tok", source, 4)
+    if per_token > experts:
+        raise ModelLoadError(f"{source}: num_experts_per_tok ({per_token}) exceeds the {experts} experts")
+    fields = {"num_experts": experts, "num_experts_per_tok": per_token, "moe_routing": "topk_softmax",
+              "moe_intermediate_size": positive_int(cfg, "intermediate_size", source), "moe_bias": True,
+              "attention_sinks": True,
+              "swiglu_limit": positive_float(cfg.get("swiglu_limit", 7.0), "swiglu_limit", source),
+              "swiglu_alpha": positive_float(cfg.get("swiglu_alpha", 1.702), "swiglu_alpha", source)}
+    if sliding_window(cfg, source) is not None:
+        layer_types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                                 for i in range(num_layers)]
+        fields["sliding_layers"] = _sliding_layers(layer_types, num_layers, source)
+    return fields

@@ -80,6 +80,26 @@ def pack_q(q: jax.Array, meta: BlockMeta, num_kv_heads: int, block_q: int, group
     return qb.transpose(0, 2, 3, 1, 4).reshape(-1, num_kv_heads, group_pad * block_q, head_dim)
 
 
+def pack_sinks(sinks: jax.Array, num_kv_heads: int, block_q: int, group_pad: int) -> jax.Array:
+    """Attention sinks [H] (model head order) -> float32 [Hkv, group_pad * block_q]: the sink of each packed q row
+    (row g * block_q + i is query head h * group + g of KV head h); padded heads' rows get 0 (their output is
+    dropped)."""
+    group = sinks.shape[0] // num_kv_heads
+    per_head = sinks.astype(jnp.float32).reshape(num_kv_heads, group)
+    if group_pad > group:
+        per_head = jnp.pad(per_head, ((0, 0), (0, group_pad - group)))
+    return jnp.repeat(per_head, block_q, axis=1)
+
+
+def sink_weights(m: jax.Array, sink: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The end of an online softmax whose rows have an attention sink: one more logit with a zero value. Returns
+    (weight, sink_term) with out = acc * weight / (denom * weight + sink_term), all taken relative to max(m, sink)
+    so that exp stays in range even for a sink far above every score; a row with no keys (m = MASK_VALUE:
+    padding) gets weight 0 and sink_term 1, a zero output rather than a NaN."""
+    top = jnp.maximum(m, sink)
+    return jnp.exp(m - top), jnp.exp(sink - top)
+
+
 def unpack_out(out: jax.Array, query_start: jax.Array, num_tokens: int, num_heads: int, block_q: int) -> jax.Array:
     """[NB, Hkv, group_pad * block_q, D] -> [T, H, D]; tokens past the last sequence (padding) get zeros."""
     nb, num_kv_heads, rows, head_dim = out.shape

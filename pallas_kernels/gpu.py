@@ -20,7 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.blocks import MASK_VALUE, block_metadata, pack_q, unpack_out
+from pallas_kernels.blocks import MASK_VALUE, block_metadata, pack_q, pack_sinks, sink_weights, unpack_out
 from pallas_kernels.quantized import QuantizedPages
 
 
@@ -61,9 +61,11 @@ def _attend_page(q, k, v, carry, key_pos0, row_pos, k_scale=None, v_scale=None, 
 
 def _kernel(seq_ref, q_pos_ref, kv_end_ref, page_table_ref, q_ref, k_ref, v_ref, *refs,
             scale: float, block_q: int, pages_per_step: int, kv_splits: int, sliding_window: int | None,
-            soft_cap: float | None, compute_dtype: jnp.dtype | None):
-    # compute_dtype is set for quantized pages: two scale refs ([N, B, Hkv] float32) precede the outputs.
-    k_scale_ref, v_scale_ref, *out_refs = refs if compute_dtype is not None else (None, None, *refs)
+            soft_cap: float | None, compute_dtype: jnp.dtype | None, has_sinks: bool):
+    # compute_dtype is set for quantized pages: two scale refs ([N, B, Hkv] float32) precede the outputs, then
+    # with has_sinks (kv_splits == 1 only) the [M] sinks of the tile's rows.
+    k_scale_ref, v_scale_ref, *refs = refs if compute_dtype is not None else (None, None, *refs)
+    sink_ref, *out_refs = refs if has_sinks else (None, *refs)
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq, q_pos, kv_end = seq_ref[b], q_pos_ref[b], kv_end_ref[b]
     page_size = k_ref.shape[1]
@@ -98,7 +100,11 @@ def _kernel(seq_ref, q_pos_ref, kv_end_ref, page_table_ref, q_ref, k_ref, v_ref,
     init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), MASK_VALUE, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
     acc, m, denom = lax.fori_loop(begin, end, body, init)
-    if kv_splits == 1:
+    if kv_splits == 1 and sink_ref is not None:
+        (o_ref,) = out_refs
+        weight, sink_term = sink_weights(m, sink_ref[...])
+        o_ref[...] = acc * (weight / (denom * weight + sink_term))[:, None]
+    elif kv_splits == 1:
         (o_ref,) = out_refs
         o_ref[...] = acc / jnp.where(denom == 0, 1.0, denom)[:, None]  # padding blocks (no keys) write zeros
     else:  # unnormalized partials, merged by _merge_splits
@@ -108,13 +114,17 @@ def _kernel(seq_ref, q_pos_ref, kv_end_ref, page_table_ref, q_ref, k_ref, v_ref,
         denom_ref[...] = denom
 
 
-def _merge_splits(acc: jax.Array, m: jax.Array, denom: jax.Array) -> jax.Array:
+def _merge_splits(acc: jax.Array, m: jax.Array, denom: jax.Array, sinks: jax.Array | None = None) -> jax.Array:
     """Online-softmax partials over axis 2 (acc [NB, Hkv, splits, M, D], m and denom [NB, Hkv, splits, M]) ->
-    normalized [NB, Hkv, M, D]."""
+    normalized [NB, Hkv, M, D]. Sinks ([Hkv, M], pack_sinks) join here, once per row, not once per split."""
     m_max = m.max(axis=2, keepdims=True)
+    if sinks is not None:  # the sink is one more partial: logit max sinks, denominator 1, numerator 0
+        m_max = jnp.maximum(m_max, sinks[None, :, None, :])
     weight = jnp.exp(m - m_max)  # empty splits carry MASK_VALUE: weight 0 beside any real split
     num = (acc * weight[..., None]).sum(axis=2)
     den = (denom * weight).sum(axis=2)
+    if sinks is not None:  # den >= e^0 for the largest of the sink and the splits' maxima: no division by zero
+        return num / (den + jnp.exp(sinks[None] - m_max[:, :, 0]))[..., None]
     return num / jnp.where(den == 0, 1.0, den)[..., None]
 
 
@@ -131,7 +141,7 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array | QuantizedPages
                                query_start: jax.Array, seq_lens: jax.Array, *, scale: float,
                                sliding_window: int | None = None, soft_cap: float | None = None,
                                block_q: int | None = None, pages_per_step: int | None = None,
-                               kv_splits: int | None = None,
+                               kv_splits: int | None = None, sinks: jax.Array | None = None,
                                num_warps: int = 4, num_stages: int = 2, interpret: bool = False) -> jax.Array:
     """Triton-backend kernel with the interface of `ragged_paged_attention` (spec in pallas_kernels/interface.py).
 
@@ -145,6 +155,8 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array | QuantizedPages
     decoding). None: auto_kv_splits of the grid, so small decode batches still stream at the memory's rate.
     Quantized pages (QuantizedPages, int8 or float8_e4m3fn values, not uint8 bits) are read as stored and
     converted to their compute dtype per tile; each key's scale multiplies its score, each value's its probability.
+    sinks (float32 [H]): each query head's attention sink, which joins the softmax where it is normalized: in the
+    kernel when kv_splits == 1, else in the merge of the splits.
     """
     quantized = isinstance(k_pages, QuantizedPages)
     compute_dtype = jnp.dtype(k_pages.dtype) if quantized else None
@@ -167,6 +179,9 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array | QuantizedPages
     nb, _, rows, _ = q_packed.shape
     if kv_splits is None:
         kv_splits = auto_kv_splits(nb * num_kv_heads)
+    packed_sinks = None if sinks is None else pack_sinks(sinks, num_kv_heads, block_q, group_pad)
+    # With one split the kernel normalizes, so it reads its KV head's row of the sinks; splits leave it to the merge.
+    kernel_sinks = (packed_sinks,) if packed_sinks is not None and kv_splits == 1 else ()
     tile = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0))
     whole = pl.no_block_spec
     if kv_splits == 1:
@@ -182,15 +197,16 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array | QuantizedPages
     out = pl.pallas_call(
         functools.partial(_kernel, scale=scale, block_q=block_q, pages_per_step=pages_per_step,
                           kv_splits=kv_splits, sliding_window=sliding_window, soft_cap=soft_cap,
-                          compute_dtype=compute_dtype),
+                          compute_dtype=compute_dtype, has_sinks=bool(kernel_sinks)),
         grid=(nb, num_kv_heads, kv_splits),
-        in_specs=[whole, whole, whole, whole, tile, whole, whole] + [whole] * len(scales),
+        in_specs=[whole, whole, whole, whole, tile, whole, whole] + [whole] * len(scales)
+        + [pl.BlockSpec((None, rows), lambda b, h, s: (h, 0))] * len(kernel_sinks),
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention_triton",
-    )(meta.seq, meta.q_pos, meta.kv_end, page_table, q_packed, k_pages, v_pages, *scales)
+    )(meta.seq, meta.q_pos, meta.kv_end, page_table, q_packed, k_pages, v_pages, *scales, *kernel_sinks)
     if kv_splits > 1:
-        out = _merge_splits(*out)
+        out = _merge_splits(*out, packed_sinks)
     return unpack_out(out, query_start, num_tokens, num_heads, block_q)

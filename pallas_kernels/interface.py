@@ -22,6 +22,9 @@ dense gather, defines it):
   scale        float           multiplies q.k (usually D ** -0.5).
   sliding_window int | None    a token at position p sees keys p - window + 1 .. p (Mistral's convention).
   soft_cap     float | None    scaled logits s become soft_cap * tanh(s / soft_cap) (Gemma 2's convention).
+  sinks        [H] float32     attention sinks (gpt-oss; None: none): query head h's softmax denominator gains
+               or None         exp(sinks[h]), as if each sequence had one more key whose value is zero:
+                               out = sum_j e^(s_j - m) v_j / (sum_j e^(s_j - m) + e^(sinks[h] - m)).
   returns      [T, H, D] float32; rows of padding tokens are unspecified (the kernels write zeros).
 
 Each token attends causally to keys 0..its position of its own sequence (so a prefill chunk is causal within
@@ -50,7 +53,7 @@ from pallas_kernels.gpu import ragged_paged_attention_gpu
 from pallas_kernels.quantized import QuantizedPages
 from pallas_kernels.reference import from_stored, ragged_paged_attention_chunked, write_kv_ref
 from pallas_kernels.tpu import ragged_paged_attention_tpu
-from sharding.kernels import HEADS, KV_HEADS, model_parallel_mesh, shard_over_heads
+from sharding.kernels import HEADS, KV_HEADS, model_parallel_mesh
 from sharding.mesh import MODEL_AXIS
 
 KV_SCALE_HEADS = P(None, None, MODEL_AXIS)  # a quantized cache's scales: [pages, page_slot, kv_heads]
@@ -94,7 +97,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array | QuantizedPages, v_
                            page_table: jax.Array,
                            query_start: jax.Array, seq_lens: jax.Array, *, scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
-                           backend: str = "reference") -> jax.Array:
+                           sinks: jax.Array | None = None, backend: str = "reference") -> jax.Array:
     """Attention of every token over its own sequence's paged KV; the spec is in this module's docstring."""
     kwargs = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if backend not in BACKENDS:
@@ -104,15 +107,18 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array | QuantizedPages, v_
         raise ValueError("attention backend 'cpu' (the C++ kernel) reads int8 pages but not fp8 ones "
                          "(kv_cache_dtype fp8); use attention_backend 'reference'")
     if backend != "reference" and model_parallel_mesh() is not None:
-        # Tensor parallelism: each device runs the kernel on its own heads (the reference is left to GSPMD).
-        attention = functools.partial(ragged_paged_attention, backend=backend, **kwargs)
-        if quantized:  # the scales [N, B, Hkv] split over heads like the values
-            specs = (HEADS, QuantizedPages(KV_HEADS, KV_SCALE_HEADS, k_pages.dtype),
-                     QuantizedPages(KV_HEADS, KV_SCALE_HEADS, v_pages.dtype), P(), P(), P())
-            return jax.shard_map(attention, in_specs=specs, out_specs=HEADS, check_vma=False)(
-                q, k_pages, v_pages, page_table, query_start, seq_lens)
-        return shard_over_heads(attention, q, k_pages, v_pages, page_table, query_start, seq_lens)
-    return _attention(q, k_pages, v_pages, page_table, query_start, seq_lens, backend=backend, **kwargs)
+        # Tensor parallelism: each device runs the kernel on its own heads (the reference is left to GSPMD); a
+        # quantized cache's scales [N, B, Hkv] and the sinks [H] split over heads with them.
+        def attention(*args: jax.Array) -> jax.Array:
+            return ragged_paged_attention(*args[:6], sinks=args[6] if len(args) > 6 else None, backend=backend,
+                                          **kwargs)
+
+        kv_spec = QuantizedPages(KV_HEADS, KV_SCALE_HEADS, k_pages.dtype) if quantized else KV_HEADS
+        args, specs = (q, k_pages, v_pages, page_table, query_start, seq_lens), (HEADS, kv_spec, kv_spec, P(), P(), P())
+        if sinks is not None:
+            args, specs = (*args, sinks), (*specs, P(MODEL_AXIS))
+        return jax.shard_map(attention, in_specs=specs, out_specs=HEADS, check_vma=False)(*args)
+    return _attention(q, k_pages, v_pages, page_table, query_start, seq_lens, sinks, backend=backend, **kwargs)
 
 
 # Jitted so that a model's layers, which call attention with the same shapes, share one trace and one lowering of it
@@ -121,9 +127,9 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array | QuantizedPages, v_
 # Triton kernel that takes the step's trace and lowering from ~3 s to ~0.5 s (docs/kernels.md).
 @functools.partial(jax.jit, static_argnames=("backend", "scale", "sliding_window", "soft_cap"))
 def _attention(q: jax.Array, k_pages: jax.Array | QuantizedPages, v_pages: jax.Array | QuantizedPages,
-               page_table: jax.Array, query_start: jax.Array, seq_lens: jax.Array, *, backend: str, scale: float,
-               sliding_window: int | None, soft_cap: float | None) -> jax.Array:
-    kwargs = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+               page_table: jax.Array, query_start: jax.Array, seq_lens: jax.Array, sinks: jax.Array | None, *,
+               backend: str, scale: float, sliding_window: int | None, soft_cap: float | None) -> jax.Array:
+    kwargs = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
     if backend == "reference":  # the engine's pure-JAX attention: the definition's result, chunk by chunk
         token_seq, positions = token_positions(query_start, seq_lens, q.shape[0])
         return ragged_paged_attention_chunked(q, k_pages, v_pages, page_table, token_seq, positions, **kwargs)

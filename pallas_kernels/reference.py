@@ -8,7 +8,8 @@ Layout (shared with the kernels):
   token_seq    [T]              the sequence row of each token
   positions    [T]              each token's position in its sequence (its key slot is already written)
 Token t attends to key positions 0..positions[t] of its own sequence (causal), and only to the last
-`sliding_window` of them when a window is set; `soft_cap` squashes scaled logits to cap * tanh(s / cap).
+`sliding_window` of them when a window is set; `soft_cap` squashes scaled logits to cap * tanh(s / cap); `sinks`
+(float32 [H], gpt-oss's attention sinks) adds exp(sinks[h]) to each softmax's denominator, as a key whose value is 0.
 Padding tokens point at a valid row and position 0. k_pages / v_pages may be QuantizedPages (quantized.py): the
 stored values are gathered, converted to the compute dtype, and each key's scale multiplies its score column, each
 value's its probability column.
@@ -95,7 +96,8 @@ def _scale_keys(x: jax.Array, scales: jax.Array | None) -> jax.Array:
 
 def ragged_paged_attention_ref(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                                token_seq: jax.Array, positions: jax.Array, *, scale: float,
-                               sliding_window: int | None = None, soft_cap: float | None = None) -> jax.Array:
+                               sliding_window: int | None = None, soft_cap: float | None = None,
+                               sinks: jax.Array | None = None) -> jax.Array:
     """Attention of each token over its own sequence's cached keys; returns float32 [T, H, D]. A quantized cache
     (QuantizedPages) scales each key's score and each value's probability by its row's scale."""
     num_tokens, num_heads, head_dim = q.shape
@@ -118,7 +120,12 @@ def ragged_paged_attention_ref(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     if sliding_window is not None:
         mask &= key_pos > positions[:, None] - sliding_window
     scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
-    probs = _scale_keys(jax.nn.softmax(scores, axis=-1), v_scale)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:  # the sink is one more logit in the softmax, its probability dropped (transformers' eager gpt-oss)
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv_heads, group, 1), (*scores.shape[:3], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+    probs = _scale_keys(probs, v_scale)
     out = jnp.einsum("tkgl,tlkd->tkgd", probs.astype(v.dtype), v, precision=precision,
                      preferred_element_type=jnp.float32)
     return out.reshape(num_tokens, num_heads, head_dim)
@@ -127,7 +134,7 @@ def ragged_paged_attention_ref(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
 def ragged_paged_attention_chunked(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                                    token_seq: jax.Array, positions: jax.Array, *, scale: float,
                                    sliding_window: int | None = None, soft_cap: float | None = None,
-                                   pages_per_chunk: int = 8) -> jax.Array:
+                                   sinks: jax.Array | None = None, pages_per_chunk: int = 8) -> jax.Array:
     """ragged_paged_attention_ref's result, walking the page table `pages_per_chunk` columns at a time with an
     online softmax, up to the chunk of the furthest position in the batch (a data-dependent loop): its cost follows
     the longest sequence, not the table's width, so one full-width table serves every step."""
@@ -172,5 +179,7 @@ def ragged_paged_attention_chunked(q: jax.Array, k_pages: jax.Array, v_pages: ja
     init = (jnp.zeros((num_tokens, kv_heads, group, head_dim), jnp.float32),
             jnp.full((num_tokens, kv_heads, group), MASK_VALUE, jnp.float32),
             jnp.zeros((num_tokens, kv_heads, group), jnp.float32))
-    acc, _, denom = jax.lax.fori_loop(first, last, body, init)
+    acc, m, denom = jax.lax.fori_loop(first, last, body, init)
+    if sinks is not None:  # each token sees at least its own key, so m is a real score
+        denom = denom + jnp.exp(sinks.astype(jnp.float32).reshape(1, kv_heads, group) - m)
     return (acc / denom[..., None]).reshape(num_tokens, num_heads, head_dim)

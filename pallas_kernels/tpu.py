@@ -18,7 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.blocks import MASK_VALUE, block_metadata, pack_q, unpack_out
+from pallas_kernels.blocks import MASK_VALUE, block_metadata, pack_q, pack_sinks, sink_weights, unpack_out
 from pallas_kernels.quantized import QuantizedPages
 
 
@@ -71,16 +71,14 @@ def _attend_chunk(q, k, v, carry, key_pos0, row_pos, *, scale, soft_cap, sliding
 
 def _kernel(seq_ref, q_pos_ref, kv_end_ref, page_table_ref,  # scalar prefetch (SMEM)
             q_ref, k_hbm, v_hbm,  # inputs: q tile in VMEM, caches in HBM
-            *refs,  # [k_scale_hbm, v_scale_hbm] (quantized), o_ref, k_buf, v_buf, sems, [k/v scale bufs]
+            *refs,  # [k/v_scale_hbm] (quantized), [sink_ref] (sinks), o_ref, k_buf, v_buf, sems, [k/v scale bufs]
             scale: float, block_q: int, pages_per_chunk: int, pages_per_seq: int,
-            sliding_window: int | None, soft_cap: float | None, compute_dtype: jnp.dtype | None):
-    # Quantized pages add their scales in HBM (inputs) and two [2, C, 1] float32 scale buffers (scratch).
-    if compute_dtype is None:
-        o_ref, k_buf, v_buf, sems = refs
-        scale_refs = None
-    else:
-        ks_hbm, vs_hbm, o_ref, k_buf, v_buf, sems, ks_buf, vs_buf = refs
-        scale_refs = (ks_hbm, vs_hbm, ks_buf, vs_buf)
+            sliding_window: int | None, soft_cap: float | None, compute_dtype: jnp.dtype | None, has_sinks: bool):
+    # Quantized pages add their scales in HBM (inputs) and two [2, C, 1] float32 scale buffers (scratch); sinks add
+    # the [M, 1] float32 sinks of the tile's rows (a VMEM block, a column like the softmax's running max).
+    ks_hbm, vs_hbm, *refs = refs if compute_dtype is not None else (None, None, *refs)
+    sink_ref, o_ref, k_buf, v_buf, sems, *scale_bufs = refs if has_sinks else (None, *refs)
+    scale_refs = None if compute_dtype is None else (ks_hbm, vs_hbm, *scale_bufs)
     h, b = pl.program_id(0), pl.program_id(1)
     row, q_pos, kv_end = seq_ref[b], q_pos_ref[b], kv_end_ref[b]
     page_size = k_hbm.shape[1]
@@ -120,28 +118,35 @@ def _kernel(seq_ref, q_pos_ref, kv_end_ref, page_table_ref,  # scalar prefetch (
         if compute_dtype is not None:
             # Dequantize the chunk in VMEM: a [C, 1] column of scales broadcasts along the lanes of each row
             # (scaling the score columns instead would need the scales as a [1, C] row: a transpose).
+            ks_buf, vs_buf = scale_bufs
             k = (k.astype(jnp.float32) * ks_buf[slot]).astype(compute_dtype)
             v = (v.astype(jnp.float32) * vs_buf[slot]).astype(compute_dtype)
         return attend(q, k, v, carry, key_pos0, row_pos)
 
     init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows, 1), MASK_VALUE, jnp.float32),
             jnp.zeros((rows, 1), jnp.float32))
-    acc, _, denom = lax.fori_loop(0, num_chunks, body, init)
-    o_ref[...] = acc / jnp.where(denom == 0, 1.0, denom)  # padding blocks (no keys) write zeros
+    acc, m, denom = lax.fori_loop(0, num_chunks, body, init)
+    if sink_ref is not None:
+        weight, sink_term = sink_weights(m, sink_ref[...])
+        o_ref[...] = acc * (weight / (denom * weight + sink_term))
+    else:
+        o_ref[...] = acc / jnp.where(denom == 0, 1.0, denom)  # padding blocks (no keys) write zeros
 
 
 def ragged_paged_attention_tpu(q: jax.Array, k_pages: jax.Array | QuantizedPages, v_pages: jax.Array | QuantizedPages,
                                page_table: jax.Array,
                                query_start: jax.Array, seq_lens: jax.Array, *, scale: float,
                                sliding_window: int | None = None, soft_cap: float | None = None,
-                               block_q: int = 16, pages_per_chunk: int = 8, interpret: bool = False) -> jax.Array:
+                               sinks: jax.Array | None = None, block_q: int = 16, pages_per_chunk: int = 8,
+                               interpret: bool = False) -> jax.Array:
     """Mosaic kernel with the interface of `ragged_paged_attention` (see pallas_kernels/__init__.py).
 
     block_q: query tokens per block, a power of two; group * block_q rows should be a multiple of 16 (bf16
     sublane tiling). pages_per_chunk: pages per DMA chunk; the chunk (pages_per_chunk * page_size keys) is the
     N of the QK^T matmul, so 128+ keys keep the MXU busy, and each buffer costs chunk * D * itemsize of VMEM.
     Quantized pages (QuantizedPages, int8 or float8_e4m3fn values) are copied as stored, a chunk's scales beside
-    them, and dequantized per chunk in VMEM.
+    them, and dequantized per chunk in VMEM. sinks (float32 [H]): each query head's attention sink, which joins
+    the softmax's denominator at the end.
     """
     assert block_q & (block_q - 1) == 0, "block_q must be a power of two"
     quantized = isinstance(k_pages, QuantizedPages)
@@ -157,19 +162,23 @@ def ragged_paged_attention_tpu(q: jax.Array, k_pages: jax.Array | QuantizedPages
     q_packed = pack_q(q.astype(k_pages.dtype if compute_dtype is None else compute_dtype), meta, num_kv_heads,
                       block_q, num_heads // num_kv_heads)
     nb, _, rows, _ = q_packed.shape
+    # Each KV head's [M, 1] column of its rows' sinks; its block index changes with the head only, so it is copied
+    # once per head, not once per block.
+    sink_args = () if sinks is None else (pack_sinks(sinks, num_kv_heads, block_q, rows // block_q)[..., None],)
+    sink_specs = [pl.BlockSpec((None, rows, 1), lambda h, b, *_: (h, 0, 0))] * len(sink_args)
     tile = pl.BlockSpec((None, None, rows, head_dim), lambda h, b, *_: (b, h, 0, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     chunk_len = pages_per_chunk * page_size
     kernel = functools.partial(_kernel, scale=scale, block_q=block_q, pages_per_chunk=pages_per_chunk,
                                pages_per_seq=pages_per_seq, sliding_window=sliding_window, soft_cap=soft_cap,
-                               compute_dtype=compute_dtype)
+                               compute_dtype=compute_dtype, has_sinks=sinks is not None)
     scale_scratch = [pltpu.VMEM((2, chunk_len, 1), jnp.float32)] * 2 if quantized else []
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(num_kv_heads, nb),
-            in_specs=[tile, hbm, hbm] + [hbm] * len(scales),
+            in_specs=[tile, hbm, hbm] + [hbm] * len(scales) + sink_specs,
             out_specs=tile,
             scratch_shapes=[pltpu.VMEM((2, chunk_len, head_dim), k_pages.dtype),
                             pltpu.VMEM((2, chunk_len, head_dim), v_pages.dtype),
@@ -179,5 +188,5 @@ def ragged_paged_attention_tpu(q: jax.Array, k_pages: jax.Array | QuantizedPages
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
         name="ragged_paged_attention_mosaic",
-    )(meta.seq, meta.q_pos, meta.kv_end, page_table.reshape(-1), q_packed, k_pages, v_pages, *scales)
+    )(meta.seq, meta.q_pos, meta.kv_end, page_table.reshape(-1), q_packed, k_pages, v_pages, *scales, *sink_args)
     return unpack_out(out, query_start, num_tokens, num_heads, block_q)

@@ -3,8 +3,6 @@ kernel on its own heads inside a shard_map (attention never mixes heads, so no c
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
@@ -22,12 +20,3 @@ def model_parallel_mesh() -> AbstractMesh | None:
     if mesh.empty or mesh.shape.get(MODEL_AXIS, 1) == 1 or MODEL_AXIS in mesh.manual_axes:
         return None
     return mesh
-
-
-def shard_over_heads(attention: Callable, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                     *metadata: jax.Array) -> jax.Array:
-    """attention(q, k_pages, v_pages, *metadata) run per device on its q heads and its KV heads; metadata (page
-    table, offsets, lengths) is replicated. The GQA grouping holds per device because both head counts split
-    evenly (sharding.kv_head_replicas)."""
-    return jax.shard_map(attention, in_specs=(HEADS, KV_HEADS, KV_HEADS) + (P(),) * len(metadata),
-                         out_specs=HEADS, check_vma=False)(q, k_pages, v_pages, *metadata)

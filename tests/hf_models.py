@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import numpy as np
 import torch
 import transformers
+from safetensors.numpy import load_file, save_file
 
 VOCAB = 512
 
@@ -22,7 +25,9 @@ VOCAB = 512
 # worth of ungated columns; q/k/v biases, q/k norm and half the head rotated; olmo2: q/k norms over all heads, each
 # block's output normalized and not its input; olmo3: those, with a window on three layers of four; olmoe: those q/k
 # norms, q, k and v clipped, top-2 of 4 experts (not renormalized); glm4: interleaved rotary pairs over half the
-# head, sandwich norms named its own way, q/k/v biases, a fused gate|up.
+# head, sandwich norms named its own way, q/k/v biases, a fused gate|up; gpt_oss: attention sinks, a window on every
+# other layer, YaRN, top-2 of 4 experts weighted by the softmax of their logits, biases on the router and the experts,
+# a SwiGLU clamped where the tiny model's activations reach.
 VARIANTS: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", dict(num_key_value_heads=2)),
     "llama3_rope": ("LlamaConfig", dict(num_key_value_heads=2, rope_scaling={
@@ -65,6 +70,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "olmo3": ("Olmo3Config", dict(num_key_value_heads=2, num_hidden_layers=4, sliding_window=12)),
     "glm4": ("Glm4Config", dict(num_key_value_heads=2, head_dim=16)),
     "olmoe": ("OlmoeConfig", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, clip_qkv=1.5)),
+    "gpt_oss": ("GptOssConfig", dict(num_key_value_heads=2, head_dim=16, sliding_window=12, num_local_experts=4,
+                                     num_experts_per_tok=2, intermediate_size=48, swiglu_limit=0.6)),
 }
 
 _MODEL_CLASSES = {"LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
@@ -75,7 +82,8 @@ _MODEL_CLASSES = {"LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralFo
                   "MixtralConfig": "MixtralForCausalLM", "Qwen2MoeConfig": "Qwen2MoeForCausalLM",
                   "Qwen3MoeConfig": "Qwen3MoeForCausalLM", "Glm4MoeConfig": "Glm4MoeForCausalLM",
                   "Olmo2Config": "Olmo2ForCausalLM", "Olmo3Config": "Olmo3ForCausalLM",
-                  "Glm4Config": "Glm4ForCausalLM", "OlmoeConfig": "OlmoeForCausalLM"}
+                  "Glm4Config": "Glm4ForCausalLM", "OlmoeConfig": "OlmoeForCausalLM",
+                  "GptOssConfig": "GptOssForCausalLM"}
 
 
 def make_config(variant: str, **overrides) -> transformers.PretrainedConfig:
@@ -98,14 +106,16 @@ def build_model(variant: str, out_dir: Path, seed: int = 0, **overrides) -> Path
 def _save_random(model: torch.nn.Module, out_dir: Path, norms: tuple[float, float] = (0.8, 1.2)) -> Path:
     """Fill a transformers model with larger-than-default random weights, so that logits differ visibly between
     tokens, and save it (float32 safetensors): matrices and stacks of experts' matrices normal(0, 0.08), norm weights
-    uniform over `norms`, the rest normal(0, 0.05), GLM-4.5's router bias (a buffer, zeros as transformers makes
-    it) normal(0, 0.1)."""
+    uniform over `norms`, attention sinks normal(0, 1), the rest normal(0, 0.05), GLM-4.5's router bias (a buffer,
+    zeros as transformers makes it) normal(0, 0.1)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim >= 2:
                 p.normal_(0.0, 0.08)
             elif "norm" in name:
                 p.uniform_(*norms)
+            elif name.endswith("sinks"):  # gpt-oss: logits as large as the scores, so that they weigh visibly
+                p.normal_(0.0, 1.0)
             else:
                 p.normal_(0.0, 0.05)
         for name, b in model.named_buffers():
@@ -114,6 +124,41 @@ def _save_random(model: torch.nn.Module, out_dir: Path, norms: tuple[float, floa
     model.eval()
     model.save_pretrained(out_dir, safe_serialization=True)
     return Path(out_dir)
+
+
+_FP4_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+
+
+def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float [..., in] -> MXFP4 (blocks uint8 [..., in / 32, 16], scales uint8 [..., in / 32]) as OpenAI's
+    checkpoints store it: each block of 32 scaled by the power of two that brings its largest magnitude within
+    E2M1's 6, each value rounded to the nearest E2M1 value, two a byte with the first in the low nibble."""
+    groups = w.reshape(*w.shape[:-1], -1, 32).astype(np.float32)
+    amax = np.abs(groups).max(-1, keepdims=True)
+    exp = np.ceil(np.log2(np.maximum(amax, 1e-30) / 6.0)).astype(np.int32)
+    scaled = groups / np.ldexp(np.float32(1.0), exp)
+    nibbles = np.abs(np.abs(scaled)[..., None] - _FP4_MAGNITUDES).argmin(-1).astype(np.uint8)
+    nibbles |= (scaled < 0).astype(np.uint8) << 3
+    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4), (exp[..., 0] + 127).astype(np.uint8)
+
+
+def build_gpt_oss_mxfp4(out_dir: Path, seed: int = 0) -> Path:
+    """The tiny gpt-oss with its experts' matrices in MXFP4, as OpenAI publishes gpt-oss (quantization_config
+    mxfp4, `<name>_blocks` / `<name>_scales` [E, out, ...])."""
+    out_dir = Path(out_dir)
+    src = build_model("gpt_oss", out_dir / "float", seed, intermediate_size=64)  # MXFP4 rows: whole blocks of 32
+    tensors = {}
+    for name, value in load_file(src / "model.safetensors").items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # stored [E, in, out]
+            tensors[name + "_blocks"], tensors[name + "_scales"] = quantize_mxfp4(value.transpose(0, 2, 1))
+        else:
+            tensors[name] = value
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out_dir / "config.json").write_text(json.dumps(config))
+    return out_dir
 
 
 def load_hf(path: Path, dtype: torch.dtype = torch.float32):

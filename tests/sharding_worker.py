@@ -154,6 +154,12 @@ def main(spec: dict) -> dict:
             tp: float(np.abs(two_step_logits(spec["kernel_model"], tp, "pallas-interpret") - base).max())
             for tp in spec["kernel_tp"]}
         result["tpu_export"] = tpu_export(spec["kernel_model"], max(spec["kernel_tp"]))
+    if "sinks_model" in spec:  # attention sinks split over the devices' heads with the kernel's shard_map
+        model_dir, tp = spec["sinks_model"], spec["sinks_tp"]
+        base = bases.get(model_dir)
+        base = two_step_logits(model_dir, 1) if base is None else base
+        result["logits/pallas-interpret-sinks"] = {
+            tp: float(np.abs(two_step_logits(model_dir, tp, "pallas-interpret") - base).max())}
     if "greedy" in spec:
         model_dir = spec["greedy"]
         base = greedy_run(model_dir, 1)

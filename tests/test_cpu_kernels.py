@@ -16,6 +16,7 @@ from test_kernels import BATCHES, CASES, make_batch, max_error
 
 import cpu_kernels
 from pallas_kernels import ragged_paged_attention, resolve_backend
+from pallas_kernels.reference import ragged_paged_attention_ref
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"{cpu_kernels.unavailable_reason()}")
 
@@ -265,6 +266,50 @@ def test_a_decode_attends_to_the_same_bits_alone_and_batched(dtype):
         np.testing.assert_array_equal(np.asarray(alone), batched[tokens], err_msg=f"sequence {s}")
     err = max_error(cpu_kernels.ragged_paged_attention, args, ref_meta, scale=0.125)
     assert err <= (1e-5 if dtype == jnp.float32 else 2e-2), f"max abs error {err:.3g}"
+
+
+# (pages, batch, heads, kv_heads, extra): a sliding window, GQA 3 and 4, decodes split into parts (the 600-token
+# decode; with a window, only its window's pages) in batches of mixed prefill chunks and decodes.
+SINK_CASES = [("float32", BATCHES["mixed"], 8, 2, {"sliding_window": 20}),
+              ("bfloat16", BATCHES["decode"] + [(1, 600)], 6, 2, {}),
+              ("uint16", BATCHES["mixed"] + [(1, 600)], 8, 2, {"soft_cap": 20.0}),
+              ("int8", BATCHES["mixed"] + [(1, 600)], 6, 2, {"sliding_window": 300})]
+
+
+@pytest.mark.parametrize(("pages", "seqs", "heads", "kv_heads", "extra"), SINK_CASES,
+                         ids=[f"{c[0]}-h{c[2]}kv{c[3]}{'-' + '-'.join(c[4]) if c[4] else ''}" for c in SINK_CASES])
+def test_attention_sinks_match_the_reference(pages, seqs, heads, kv_heads, extra):
+    """gpt-oss's attention sinks: query head h's softmax denominator gains exp(sinks[h]). The reference reads the
+    same values as float32 (bfloat16 values, int8 times its row's scale), so every cache dtype matches it tightly;
+    sinks of realistic size change the result, and indexed by KV head, dropped or added twice they would not match."""
+    rng = np.random.default_rng(31)
+    dtype = jnp.float32 if pages in ("float32", "int8") else jnp.bfloat16
+    args, (token_seq, positions, num_real) = make_batch(rng, seqs, heads=heads, kv_heads=kv_heads, head_dim=64,
+                                                        page_size=16, dtype=dtype)
+    q, k_pages, v_pages, *meta = args
+    q = q.astype(jnp.float32)
+    k_ref, v_ref = k_pages.astype(jnp.float32), v_pages.astype(jnp.float32)
+    scales = {}
+    if pages == "int8":  # each (token, KV head) row quantized as the engine writes it: max|row| / 127
+        quantized = []
+        for x in (k_ref, v_ref):
+            scale = jnp.max(jnp.abs(x), axis=-1) / 127
+            quantized.append((jnp.round(x / scale[..., None]).astype(jnp.int8), scale))
+        (k_pages, k_scale), (v_pages, v_scale) = quantized
+        k_ref, v_ref = (values.astype(jnp.float32) * s[..., None] for values, s in quantized)
+        scales = {"k_scales": k_scale, "v_scales": v_scale}
+    elif pages == "uint16":
+        k_pages, v_pages = (jax.lax.bitcast_convert_type(x, jnp.uint16) for x in (k_pages, v_pages))
+    sinks = jnp.asarray(rng.normal(size=heads) * 2, jnp.float32)
+    attend = jax.jit(lambda q, k, v, sinks, *meta: cpu_kernels.ragged_paged_attention(
+        q, k, v, *meta, scale=0.125, sinks=sinks, **scales, **extra))
+    got = np.asarray(attend(q, k_pages, v_pages, sinks, *meta))
+    ref = np.asarray(ragged_paged_attention_ref(q, k_ref, v_ref, meta[0], jnp.asarray(token_seq),
+                                                jnp.asarray(positions), scale=0.125, sinks=sinks, **extra))
+    assert np.all(got[num_real:] == 0), "padding tokens must come out as zeros"
+    np.testing.assert_allclose(got[:num_real], ref[:num_real], rtol=1e-5, atol=1e-5)
+    without = np.asarray(attend(q, k_pages, v_pages, None, *meta))
+    assert np.abs(without - got)[:num_real].max() > 1e-2, "the sinks must change the result"
 
 
 def test_unavailable_kernels_fall_back_to_the_reference(monkeypatch):

@@ -153,12 +153,99 @@ def test_chunked_pure_jax_attention_matches_the_definition(case, pages_per_chunk
     assert np.abs(out[:num_real] - ref[:num_real]).max() <= TOLERANCE[dtype]
 
 
+def eager_sink_attention(args, ref_meta, sinks, *, scale, sliding_window=None) -> np.ndarray:
+    """transformers' eager gpt-oss attention in numpy, token by token: the head's sink is one more logit column,
+    softmaxed with the scores and then dropped. Real tokens only."""
+    q, k_pages, v_pages, page_table = (np.asarray(a, np.float64) for a in args[:4])
+    token_seq, positions, num_real = ref_meta
+    heads, kv_heads, page_size = q.shape[1], k_pages.shape[2], k_pages.shape[1]
+    out = np.zeros((num_real, heads, q.shape[2]))
+    for t in range(num_real):
+        pos = np.arange(positions[t] + 1)
+        if sliding_window is not None:
+            pos = pos[pos > positions[t] - sliding_window]
+        pages = page_table[token_seq[t], pos // page_size].astype(int)
+        for h in range(heads):
+            kv = h // (heads // kv_heads)
+            k, v = k_pages[pages, pos % page_size, kv], v_pages[pages, pos % page_size, kv]
+            logits = np.append(k @ q[t, h] * scale, sinks[h])
+            probs = np.exp(logits - logits.max())
+            out[t, h] = (probs / probs.sum())[:-1] @ v
+    return out
+
+
+def test_reference_sinks_are_the_eager_formula():
+    """gpt-oss's attention sinks in the reference against the eager formula, and the chunked attention (walking 1 or
+    3 pages a step: the sink joins once, at the end) against the reference; realistic sinks change the result."""
+    rng = np.random.default_rng(21)
+    args, ref_meta = make_batch(rng, BATCHES["mixed"], heads=6, kv_heads=2, head_dim=16, page_size=16,
+                                dtype=jnp.float32)
+    sinks = jnp.asarray(rng.normal(size=6) * 2, jnp.float32)
+    q, k_pages, v_pages, page_table, _, _ = args
+    token_seq, positions, num_real = ref_meta
+    meta = (jnp.asarray(token_seq), jnp.asarray(positions))
+    for extra in ({}, {"sliding_window": 9}):
+        ref = np.asarray(ragged_paged_attention_ref(q, k_pages, v_pages, page_table, *meta, scale=0.25, sinks=sinks,
+                                                    **extra))[:num_real]
+        np.testing.assert_allclose(ref, eager_sink_attention(args, ref_meta, np.asarray(sinks), scale=0.25, **extra),
+                                   atol=1e-5, rtol=0)
+        without = np.asarray(ragged_paged_attention_ref(q, k_pages, v_pages, page_table, *meta, scale=0.25, **extra))
+        assert np.abs(without[:num_real] - ref).max() > 0.1, "the sinks must change the result"
+        for pages_per_chunk in (1, 3):
+            chunked = jax.jit(functools.partial(ragged_paged_attention_chunked, scale=0.25,
+                                                pages_per_chunk=pages_per_chunk, **extra))
+            out = np.asarray(chunked(q, k_pages, v_pages, page_table, *meta, sinks=sinks))
+            np.testing.assert_allclose(out[:num_real], ref, atol=1e-5, rtol=0)
+
+
+# (batch, heads, kv_heads, head_dim, page_size, dtype, extra kwargs) with sinks: a decode batch in float32 (GQA 4)
+# and a windowed mixed one in bfloat16 (GQA 3: the Triton kernel pads the group, whose rows' sinks are dropped).
+SINK_CASES = [
+    ("decode", 8, 2, 64, 16, jnp.float32, {}),
+    ("mixed", 6, 2, 64, 16, jnp.bfloat16, {"sliding_window": 16}),
+]
+
+
+def sink_error(kernel, args, ref_meta, sinks, **kwargs) -> float:
+    """max_error with sinks given as a traced argument (as the engine's jitted step gives them), after checking that
+    the sinks move the reference's output well beyond the tolerance (dropped or doubled sinks cannot pass)."""
+    token_seq, positions, num_real = ref_meta
+    meta = (jnp.asarray(token_seq), jnp.asarray(positions))
+    with_sinks, without = (np.asarray(ragged_paged_attention_ref(*args[:4], *meta, sinks=s, **kwargs))[:num_real]
+                           for s in (sinks, None))
+    assert np.abs(with_sinks - without).max() > 0.1
+    out = np.asarray(jax.jit(lambda sinks, *args: kernel(*args, sinks=sinks, **kwargs))(sinks, *args))
+    assert np.all(out[num_real:] == 0), "padding tokens must come out as zeros"
+    return float(np.abs(out[:num_real] - with_sinks).max())
+
+
+@pytest.mark.parametrize("kernel_name", list(KERNELS))
+@pytest.mark.parametrize("case", SINK_CASES, ids=lambda c: f"{c[0]}-h{c[1]}kv{c[2]}-{jnp.dtype(c[5]).name}")
+def test_kernel_with_sinks_matches_reference(kernel_name, case):
+    batch, heads, kv_heads, head_dim, page_size, dtype, extra = case
+    rng = np.random.default_rng(40 + SINK_CASES.index(case))
+    args, ref_meta = make_batch(rng, BATCHES[batch], heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                page_size=page_size, dtype=dtype)
+    sinks = jnp.asarray(rng.normal(size=heads) * 2, jnp.float32)
+    # One split: the Triton kernel normalizes in the kernel (its splits' merge is test_gpu_kernel_split_over_keys's).
+    options = {"kv_splits": 1} if kernel_name == "gpu" else {}
+    kernel = functools.partial(KERNELS[kernel_name], interpret=True, **options)
+    err = sink_error(kernel, args, ref_meta, sinks, scale=head_dim**-0.5, **extra)
+    assert err <= TOLERANCE[dtype], f"max abs error {err:.3g}"
+
+
 @pytest.mark.parametrize("kv_splits", [2, 3, 16])
 def test_gpu_kernel_split_over_keys(kv_splits):
     """Flash decoding: each (block, KV head) split over runs of its keys, partials merged after the kernel. More
     splits than a short sequence has steps leaves empty partials, which must weigh nothing; a window leaves
-    fully masked ones."""
+    fully masked ones. Sinks join at the merge, once per row whatever the splits."""
     rng = np.random.default_rng(11 + kv_splits)
+    if kv_splits == 3:
+        args, ref_meta = make_batch(rng, BATCHES["mixed"], heads=8, kv_heads=2, head_dim=64, page_size=16,
+                                    dtype=jnp.float32)
+        kernel = functools.partial(ragged_paged_attention_gpu, interpret=True, kv_splits=3, pages_per_step=1)
+        sinks = jnp.asarray(rng.normal(size=8) * 2, jnp.float32)
+        assert sink_error(kernel, args, ref_meta, sinks, scale=0.125, sliding_window=9) <= 1e-5
     for batch, extra in (("decode", {}), ("mixed", {"sliding_window": 9})):
         args, ref_meta = make_batch(rng, BATCHES[batch], heads=8, kv_heads=2, head_dim=64, page_size=16,
                                     dtype=jnp.float32)
@@ -174,6 +261,9 @@ def test_empty_batch_is_all_padding():
     for backend in ("reference", "pallas-interpret-tpu", "pallas-interpret-gpu"):
         out = ragged_paged_attention(q, cache, cache, *meta, scale=0.125, backend=backend)
         assert out.shape == q.shape and np.isfinite(np.asarray(out)).all()
+    for backend in ("pallas-interpret-tpu", "pallas-interpret-gpu"):  # a sink, no keys: zeros, not NaNs
+        out = ragged_paged_attention(q, cache, cache, *meta, scale=0.125, sinks=jnp.full(4, 3.0), backend=backend)
+        assert np.all(np.asarray(out) == 0)
 
 
 def test_token_positions_match_the_runner_convention():

@@ -86,7 +86,7 @@ def test_grouped_experts_match_a_loop_over_tokens(num_tokens, k):
     x = rng.normal(0, 1, (num_tokens, H)).astype(np.float32)
     weights, ids = numpy_route(rng.normal(0, 1, (num_tokens, E)).astype(np.float32), k, True)
     valid = np.arange(num_tokens) < num_tokens - 1  # the last token is padding
-    got = jax.jit(lambda x, w, i, v: grouped_experts(x, w, i, v, experts, "silu"))(
+    got = jax.jit(lambda x, w, i, v: grouped_experts(x, w, i, v, experts))(
         jnp.asarray(x), jnp.asarray(weights, jnp.float32), jnp.asarray(ids, jnp.int32), jnp.asarray(valid))
     want = np.zeros((num_tokens, H), np.float32)
     for t in range(num_tokens - 1):

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from hf_models import VARIANTS, load_hf
+from hf_models import VARIANTS, build_gpt_oss_mxfp4, load_hf
 
 import cpu_kernels
 from jserve.config import ModelConfig
@@ -77,16 +77,28 @@ def test_float32_logits_match_transformers(hf_model_dir, variant):
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="the C++ kernels do not build here")
 @pytest.mark.parametrize("variant", ["gemma", "gemma2", "gemma3", "smollm3", "glm4", "mixtral", "qwen2_moe",
-                                     "glm4_moe", "olmo2", "olmoe"])
+                                     "glm4_moe", "olmo2", "olmoe", "gpt_oss"])
 def test_float32_logits_of_the_layer_kernel_match_transformers(hf_model_dir, variant):
     """The C++ layer kernel's GELU, sandwich norms (GLM-4's too) and score soft cap, and its one call per run of
     alike layers (Gemma 2's alternating windows, Gemma 3's local rotary base, SmolLM3's NoPE layers); for a mixture
     of experts and OLMo's blocks, which the layer kernel does not take, the Flax model on that executor's packed
-    matmuls (experts read in place from their stacks, a shared expert, a dense layer)."""
+    matmuls (experts read in place from their stacks, a shared expert, a dense layer; gpt-oss's attention sinks in
+    the C++ attention)."""
     model_dir = hf_model_dir(variant)
     hf = load_hf(model_dir)
     prompts = _prompts()
     for prompt, ours in zip(prompts, jserve_logits(model_dir, prompts, "float32", "cpu"), strict=True):
+        np.testing.assert_allclose(ours, hf_logits(hf, prompt), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("attention_backend", ["reference", "cpu"] if cpu_kernels.available() else ["reference"])
+def test_gpt_oss_mxfp4_checkpoint_logits_match_transformers(tmp_path_factory, attention_backend):
+    """gpt-oss as OpenAI publishes it, its experts in MXFP4: transformers dequantizes them its own way
+    (convert_moe_packed_tensors); jserve's logits from the same file match, on both executors."""
+    model_dir = build_gpt_oss_mxfp4(tmp_path_factory.mktemp("gpt_oss_mxfp4"))
+    hf = load_hf(model_dir)
+    prompts = _prompts(2)
+    for prompt, ours in zip(prompts, jserve_logits(model_dir, prompts, "float32", attention_backend), strict=True):
         np.testing.assert_allclose(ours, hf_logits(hf, prompt), atol=1e-4, rtol=0)
 
 
@@ -166,7 +178,7 @@ def test_sliding_window_is_exercised(hf_model_dir):
 PREFILL_CHECKS_XLA = {"llama3_rope", "llama_linear_rope", "qwen2", "qwen3", "granite", "gemma", "olmo2", "glm4"}
 # Mixtures of experts run the Flax model on both executors: their decode on the CPU layer executor's matmuls is
 # checked on Qwen2-MoE (dense and expert layers, a shared expert); the others decode on the XLA path.
-XLA_CHECKS_CPU = {"mixtral", "qwen3_moe", "glm4_moe", "olmoe"}
+XLA_CHECKS_CPU = {"mixtral", "qwen3_moe", "glm4_moe", "olmoe", "gpt_oss"}
 GREEDY_EXECUTORS = {"auto": "cpu-kernels", "reference": "xla"}
 
 

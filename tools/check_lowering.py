@@ -49,18 +49,26 @@ SHAPES = [
 # (tokens T, sequence rows S, page-table width P) buckets as the runner pads them: the smallest decode bucket, a
 # mid-size mixed one and the largest (max_num_batched_tokens 512, max_num_seqs 32, widest page table).
 BUCKETS = [(8, 8, 1), (64, 32, 16), (512, 32, None)]
-# Optional features change the kernel body; lower them once per shape at the mid bucket.
-VARIANTS = [{}, {"sliding_window": 4096, "soft_cap": 50.0}]
+# Optional features change the kernel body; lower them once per shape at the mid bucket. "sinks": gpt-oss's attention
+# sinks, a float32 [H] argument (at the mid bucket the Triton kernel normalizes in the kernel for llama3-8b and
+# merges key splits for bench-135m, so both places the sinks join are lowered).
+VARIANTS = [{}, {"sliding_window": 4096, "soft_cap": 50.0}, {"sliding_window": 128, "sinks": True}]
 
 
-def lower(platform: str, shape: Shape, tokens: int, seqs: int, pages: int, **features) -> str:
+def lower(platform: str, shape: Shape, tokens: int, seqs: int, pages: int, *, sinks: bool = False,
+          **features) -> str:
     """Export one kernel call for `platform`; returns the StableHLO text (raises on a lowering failure)."""
     dtype = jnp.dtype(shape.dtype)
     cache = jax.ShapeDtypeStruct((shape.num_pages, shape.page_size, shape.kv_heads, shape.head_dim), dtype)
     args = (jax.ShapeDtypeStruct((tokens, shape.heads, shape.head_dim), dtype), cache, cache,
             jax.ShapeDtypeStruct((seqs, pages), jnp.int32), jax.ShapeDtypeStruct((seqs + 1,), jnp.int32),
             jax.ShapeDtypeStruct((seqs,), jnp.int32))
-    fn = jax.jit(functools.partial(ragged_paged_attention, scale=shape.head_dim**-0.5, backend="pallas", **features))
+    attention = functools.partial(ragged_paged_attention, scale=shape.head_dim**-0.5, backend="pallas", **features)
+    if sinks:  # an argument, as the model's weights give them, not a constant folded into the module
+        args = (*args, jax.ShapeDtypeStruct((shape.heads,), jnp.float32))
+        fn = jax.jit(lambda *a: attention(*a[:6], sinks=a[6]))
+    else:
+        fn = jax.jit(attention)
     # The Triton call is not on export's list of stable custom calls (its IR is tied to the jaxlib version).
     disabled = [export.DisabledSafetyCheck.custom_call(CUSTOM_CALL["cuda"])] if platform == "cuda" else []
     return export.export(fn, platforms=[platform], disabled_checks=disabled)(*args).mlir_module()

@@ -319,8 +319,10 @@ def _layer_stack(stacks: LayerStacks, config: ModelConfig) -> cpu_kernels.LayerW
 
 def layer_kernel_takes(config: ModelConfig) -> bool:
     """Whether the C++ layer kernel runs this model's layers: dense MLPs, pre-norm or sandwich-norm blocks, q/k
-    normalized per head if at all. A mixture of experts and OLMo's blocks run as the Flax model on packed matmuls."""
-    return not (config.num_experts or config.qk_norm_across_heads or config.post_norms or config.clip_qkv)
+    normalized per head if at all, no attention sinks. A mixture of experts and OLMo's blocks run as the Flax model
+    on packed matmuls."""
+    return not (config.num_experts or config.qk_norm_across_heads or config.post_norms or config.clip_qkv
+                or config.attention_sinks)
 
 
 def _load_packed_for_flax(model_dir: str | Path, config: ModelConfig, dtype: str, attention_backend: str,

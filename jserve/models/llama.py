@@ -1,12 +1,13 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, Granite, Gemma 1/2/3, SmolLM3, OLMo 2/3, GLM-4, and
-the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5 and OLMoE): one decoder whose differences are config
-flags.
+the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, OLMoE and gpt-oss): one decoder whose differences are
+config flags.
 
 Qwen2 adds q/k/v biases, Qwen3 normalizes q and k per head before rotary, Mistral may use a sliding window; Gemma
 scales its embeddings, uses GELU, windows some layers and not others (Gemma 3 rotating them with their own base),
 soft-caps scores and logits (Gemma 2) and normalizes each block's output too (Gemma 2/3); SmolLM3 leaves rotary
 embedding out of every fourth layer; OLMo normalizes q and k over all heads at once, OLMo 2/3 each block's output
-instead of its input; the MoE families' MLP is a mixture of experts (jserve.models.moe). Everything else is shared,
+instead of its input; gpt-oss adds attention sinks; the MoE families' MLP is a mixture of experts
+(jserve.models.moe). Everything else is shared,
 so one module serves them all (Phi-3's, Granite's and GLM-4's differences are folded into the weights at load).
 q/k/v and gate/up projections are fused into one matmul each (the checkpoint loader concatenates them) because small
 dots pay a fixed cost on XLA CPU.
@@ -58,6 +59,8 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(k_width, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # gpt-oss: one learned logit per query head that joins its softmax's denominator
+        self.sinks = param((config.num_heads,), jnp.float32, ("heads",)) if config.attention_sinks else None
 
     def __call__(self, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: StepBatch,
                  inv_freq: tuple[np.ndarray, np.ndarray], lora_slots: jax.Array | None = None
@@ -80,7 +83,9 @@ class Attention(nnx.Module):
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, batch.slot_mapping)
         out = ragged_paged_attention(q, k_pages, v_pages, batch.page_table, batch.query_start, batch.seq_lens,
                                      scale=cfg.attention_scale, sliding_window=self.sliding_window,
-                                     soft_cap=cfg.attn_logit_softcapping, backend=self.attention_backend)
+                                     soft_cap=cfg.attn_logit_softcapping,
+                                     sinks=None if self.sinks is None else self.sinks[...],
+                                     backend=self.attention_backend)
         return self.o_proj(out.reshape(num_tokens, cfg.q_size), lora_slots), k_pages, v_pages
 
 

@@ -1,6 +1,6 @@
-"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5): a router picks each token's top-k experts,
-each a SwiGLU MLP of its own, and the token's output is their weighted sum (plus a shared expert: Qwen2-MoE's gated,
-GLM-4.5's not).
+"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, OLMoE, gpt-oss): a router picks each token's
+top-k experts, each a SwiGLU MLP of its own, and the token's output is their weighted sum (plus a shared expert:
+Qwen2-MoE's gated, GLM-4.5's not). gpt-oss adds biases to the router and the experts and clamps its SwiGLU.
 
 Experts run grouped: every (token, chosen expert) pair is sorted by expert into tiles of `tile_rows(...)` rows,
 each tile holding one expert's tokens (a group's last tile padded), and a loop over the tiles multiplies each by
@@ -31,25 +31,31 @@ class Router(Linear):
 
     quantizable = False
 
-    def __init__(self, in_features: int, out_features: int, *, dtype: jnp.dtype, correction_bias: bool = False):
-        super().__init__(in_features, out_features, dtype=dtype, axes=(None, "embed"))
+    def __init__(self, in_features: int, out_features: int, *, dtype: jnp.dtype, correction_bias: bool = False,
+                 bias: bool = False):
+        super().__init__(in_features, out_features, dtype=dtype, axes=(None, "embed"), bias=bias)
         self.e_score_correction_bias = param((out_features,), jnp.float32, (None,)) if correction_bias else None
 
 
 class ExpertLinear(nnx.Module):
-    """One projection of every expert: weight [num_experts, out, in] (each expert's Hugging Face [out, in])."""
+    """One projection of every expert: weight [num_experts, out, in] (each expert's Hugging Face [out, in]), and
+    with bias (gpt-oss) float32 bias [num_experts, out]."""
 
     quantizable = True  # jserve.models.quantization: int8 / fp8 with float32 scale [num_experts, out]
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, *, dtype: jnp.dtype,
-                 axes: tuple[str, str]):
+                 axes: tuple[str, str], bias: bool = False):
         self.weight = param((num_experts, out_features, in_features), dtype, ("expert", *axes))
+        self.bias = param((num_experts, out_features), jnp.float32, ("expert", axes[0])) if bias else None
         self.scale: nnx.Param | None = nnx.data(None)
         self.compute_dtype = jnp.dtype(dtype)
         self.out_features = out_features
 
-    def arrays(self) -> tuple[jax.Array, jax.Array | None]:
-        return self.weight[...], None if self.scale is None else self.scale[...]
+    def __call__(self, x: jax.Array, expert: jax.Array) -> jax.Array:
+        """x[rows, in] through expert `expert` (a traced index) -> float32[rows, out]."""
+        y = expert_matmul(x, self.weight[...], None if self.scale is None else self.scale[...], expert,
+                          self.compute_dtype, self.out_features)
+        return y if self.bias is None else y + jax.lax.dynamic_index_in_dim(self.bias[...], expert, keepdims=False)
 
 
 def expert_matmul(x: jax.Array, weight: jax.Array, scale: jax.Array | None, expert: jax.Array,
@@ -67,9 +73,21 @@ def expert_matmul(x: jax.Array, weight: jax.Array, scale: jax.Array | None, expe
 class Experts(nnx.Module):
     def __init__(self, config: ModelConfig, dtype: jnp.dtype):
         e, hidden, width = config.num_experts, config.hidden_size, config.moe_intermediate_size
-        self.gate_proj = ExpertLinear(e, hidden, width, dtype=dtype, axes=("mlp", "embed"))
-        self.up_proj = ExpertLinear(e, hidden, width, dtype=dtype, axes=("mlp", "embed"))
-        self.down_proj = ExpertLinear(e, width, hidden, dtype=dtype, axes=("embed", "mlp"))
+        bias = config.moe_bias
+        self.gate_proj = ExpertLinear(e, hidden, width, dtype=dtype, axes=("mlp", "embed"), bias=bias)
+        self.up_proj = ExpertLinear(e, hidden, width, dtype=dtype, axes=("mlp", "embed"), bias=bias)
+        self.down_proj = ExpertLinear(e, width, hidden, dtype=dtype, axes=("embed", "mlp"), bias=bias)
+        self.activation = config.hidden_act
+        self.swiglu_limit, self.swiglu_alpha = config.swiglu_limit, config.swiglu_alpha
+
+    def glu(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        """The gated activation of an expert's gate and up projections (float32 [rows, width])."""
+        if self.swiglu_limit is None:
+            return mlp_activation(gate, self.activation) * up
+        # gpt-oss: both clamped, up shifted by one, the gate's sigmoid sharpened by alpha
+        gate = jnp.minimum(gate, self.swiglu_limit)
+        up = jnp.clip(up, -self.swiglu_limit, self.swiglu_limit)
+        return gate * jax.nn.sigmoid(gate * self.swiglu_alpha) * (up + 1)
 
 
 def tile_rows(num_pairs: int, num_experts: int) -> int:
@@ -86,6 +104,12 @@ def route(logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Ar
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, ids.astype(jnp.int32)
+
+
+def route_topk_softmax(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """gpt-oss's routing: the k largest router logits [T, E], weighted by their own softmax (top-k, then softmax)."""
+    top, ids = jax.lax.top_k(logits.astype(jnp.float32), k)
+    return jax.nn.softmax(top, axis=-1), ids.astype(jnp.int32)
 
 
 def route_sigmoid_groups(logits: jax.Array, k: int, normalize: bool, correction: jax.Array, groups: int,
@@ -110,15 +134,12 @@ def route_sigmoid_groups(logits: jax.Array, k: int, normalize: bool, correction:
     return weights * scale, ids.astype(jnp.int32)
 
 
-def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, valid: jax.Array, experts: Experts,
-                    activation: str) -> jax.Array:
+def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, valid: jax.Array, experts: Experts
+                    ) -> jax.Array:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t with valid[t] -> float32[T, H] (zeros for
-    the others). x [T, H]; weights, ids [T, k]; valid bool[T]; activation: the gate's (config_json.ACTIVATIONS)."""
+    the others). x [T, H]; weights, ids [T, k]; valid bool[T]."""
     num_tokens, k = ids.shape
-    (gate_w, gate_s), (up_w, up_s) = experts.gate_proj.arrays(), experts.up_proj.arrays()
-    down_w, down_s = experts.down_proj.arrays()
-    compute_dtype, width = experts.gate_proj.compute_dtype, experts.gate_proj.out_features
-    num_experts, hidden = gate_w.shape[0], x.shape[-1]
+    num_experts, hidden = experts.gate_proj.weight.shape[0], x.shape[-1]
     pairs = num_tokens * k
     rows = tile_rows(pairs, num_experts)
     capacity = -(-(pairs + num_experts * (rows - 1)) // rows) * rows  # every group padded to whole tiles
@@ -143,9 +164,7 @@ def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, valid: jax
         x_tile, e = inputs
 
         def run() -> jax.Array:
-            gate = expert_matmul(x_tile, gate_w, gate_s, e, compute_dtype, width)
-            up = expert_matmul(x_tile, up_w, up_s, e, compute_dtype, width)
-            return expert_matmul(mlp_activation(gate, activation) * up, down_w, down_s, e, compute_dtype, hidden)
+            return experts.down_proj(experts.glu(experts.gate_proj(x_tile, e), experts.up_proj(x_tile, e)), e)
 
         return None, jax.lax.cond(e < num_experts, run, lambda: jnp.zeros((rows, hidden), jnp.float32))
 
@@ -164,7 +183,7 @@ class SparseMoeBlock(nnx.Module):
         grouped = config.moe_routing == "sigmoid_groups"
         # GLM-4.5 routes in float32 (transformers casts x and the router's weight to it)
         self.gate = Router(config.hidden_size, config.num_experts, dtype=jnp.float32 if grouped else dtype,
-                           correction_bias=grouped)
+                           correction_bias=grouped, bias=config.moe_bias)
         self.experts = Experts(config, dtype)
         shared = config.shared_expert_intermediate_size
         self.shared_expert = dense_mlp(config, dtype, shared) if shared else None
@@ -177,9 +196,11 @@ class SparseMoeBlock(nnx.Module):
             weights, ids = route_sigmoid_groups(self.gate(x), cfg.num_experts_per_tok, cfg.norm_topk_prob,
                                                 self.gate.e_score_correction_bias[...], cfg.num_expert_groups,
                                                 cfg.topk_expert_groups, cfg.routed_scaling_factor)
+        elif cfg.moe_routing == "topk_softmax":
+            weights, ids = route_topk_softmax(self.gate(x), cfg.num_experts_per_tok)
         else:
             weights, ids = route(self.gate(x), cfg.num_experts_per_tok, cfg.norm_topk_prob)
-        out = grouped_experts(x, weights, ids, valid, self.experts, cfg.hidden_act)
+        out = grouped_experts(x, weights, ids, valid, self.experts)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             out = out + (shared if self.shared_expert_gate is None else jax.nn.sigmoid(self.shared_expert_gate(x))

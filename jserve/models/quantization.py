@@ -172,19 +172,24 @@ _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 def compressed_tensors_format(model_dir: str | Path) -> str | None:
     """The compressed-tensors format of a checkpoint directory's W8A16 int8 per-channel weights; None when its
-    config.json has no quantization_config. ModelLoadError for any quantization jserve does not load."""
+    config.json has no quantization_config or gpt-oss's MXFP4. ModelLoadError for any quantization jserve does not
+    load."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         return None
     with open(path) as f:
-        qc = json.load(f).get("quantization_config")
+        cfg = json.load(f)
+    qc = cfg.get("quantization_config")
     if qc is None:
         return None
     where = f"{path}: quantization_config"
+    if isinstance(qc, dict) and qc.get("quant_method") == "mxfp4" and cfg.get("model_type") == "gpt_oss":
+        return None  # gpt-oss's MXFP4 experts are dequantized as they load (checkpoints.gpt_oss)
     if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
         method = qc.get("quant_method") if isinstance(qc, dict) else qc
         raise ModelLoadError(f"{where}: quant_method {method!r} is not supported (jserve loads compressed-tensors "
-                             "W8A16 int8 checkpoints, or quantizes float ones itself with --quantization int8)")
+                             "W8A16 int8 checkpoints and gpt-oss's MXFP4 experts, or quantizes float ones itself "
+                             "with --quantization int8)")
     fmt = qc.get("format")
     if fmt not in CT_FORMATS:
         raise ModelLoadError(f"{where}: format {fmt!r} is not supported; expected one of {CT_FORMATS}")
