@@ -21,11 +21,13 @@ from jserve.config import EngineConfig
 from jserve.engine_args import add_engine_args, engine_config_from_args
 from jserve.server.lora_modules import lora_module_arg
 from jserve.server.multi_model import ServedModel, check_names, default_name
+from jserve.server.reasoning import REASONING_PARSERS
 from jserve.server.settings import (
     DEFAULT_MAX_QUEUED_REQUESTS,
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_MAX_STEP_FAILURES,
     DEFAULT_STEP_FAILURE_WINDOW_S,
+    TOOL_CALL_PARSERS,
     ServerSettings,
 )
 
@@ -83,10 +85,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                        help="the window (seconds) --max-step-failures counts over")
     group.add_argument("--shutdown-timeout", type=non_negative_float, default=DEFAULT_SHUTDOWN_TIMEOUT,
                        help="seconds running requests may take to finish after SIGTERM")
-    group.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+    group.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
                        help='how tool_choice "auto" finds tool calls in the output: hermes (<tool_call> JSON blocks: '
-                            'Hermes, Qwen) or llama3_json (a JSON object: Llama 3.1+); without it only "required" '
-                            "and named tool choices are served")
+                            'Hermes, Qwen), llama3_json (a JSON object: Llama 3.1+) or openai (gpt-oss\'s harmony '
+                            'messages; with --reasoning-parser openai_gptoss); without it only "required" and named '
+                            "tool choices are served")
+    group.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                       help="split a chat answer's reasoning into message.reasoning_content: deepseek_r1 (up to "
+                            "</think>: DeepSeek-R1, QwQ, Qwen3 thinking-2507), qwen3 (a <think> block where the "
+                            "output opens one) or openai_gptoss (gpt-oss's analysis channel)")
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(serve, repeatable=("model", "kv_cache_memory_bytes"))
     serve.set_defaults(run=run_serve)
@@ -185,6 +192,7 @@ def run_serve(args: argparse.Namespace) -> int:
                               prefix_cache_salt_by_key=args.prefix_cache_salt_by_key,
                               max_queue_delay=args.max_queue_delay,
                               max_queued_requests=args.max_queued_requests, tool_call_parser=args.tool_call_parser,
+                              reasoning_parser=args.reasoning_parser,
                               max_request_bytes=args.max_request_bytes, max_step_failures=args.max_step_failures,
                               step_failure_window_s=args.step_failure_window,
                               lora_modules=tuple(args.lora_modules or ()),

@@ -286,6 +286,8 @@ CHAT_FIELDS: dict[str, dict] = {
                              'Whether and which tool to call: "none", "auto" (needs --tool-call-parser), "required", '
                              'or {"type": "function", "function": {"name": ...}}.'),
     "parallel_tool_calls": _bool("With tool_choice \"required\": allow several calls (default true)."),
+    "include_reasoning": _bool("With the server's --reasoning-parser: return the reasoning as "
+                               "message.reasoning_content (default true)."),
     **SAMPLING_FIELDS,
 }
 
@@ -374,7 +376,8 @@ class ChatRequest(GenerationRequest):
     add_generation_prompt: bool
     template_kwargs: dict = field(default_factory=dict)  # continue_final_message and chat_template_kwargs
     tools: Any = None  # server.tools.ToolRequest, set by the route once it knows the server's tool-call parser
-
+    include_reasoning: bool = True  # with a reasoning parser, whether the reasoning is sent
+    reasoning_parser: str | None = None  # the server's (server/reasoning.py), set by the route
 
 _PARAM_NAMES = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                 "frequency_penalty", "seed", "min_tokens", "stop", "stop_token_ids", "ignore_eos",
@@ -465,7 +468,8 @@ def parse_chat(body: dict) -> ChatRequest:
     params = _sampling_params(values, max_tokens=max_tokens, logprobs=logprobs)
     return ChatRequest(params=params, messages=messages,
                        add_generation_prompt=values.get("add_generation_prompt", True),
-                       template_kwargs=chat_template_kwargs(values), **_common(values))
+                       template_kwargs=chat_template_kwargs(values),
+                       include_reasoning=values.get("include_reasoning", True), **_common(values))
 
 
 def chat_template_kwargs(values: dict[str, Any]) -> dict[str, Any]:

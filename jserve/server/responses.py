@@ -185,14 +185,18 @@ def chat_message_choice(delta: ChoiceDelta, token_bytes: TokenBytes, k: int | No
             "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
 
 
-def chat_chunk_choices(delta: ChoiceDelta, token_bytes: TokenBytes, k: int | None) -> list[dict]:
-    """A chat delta as stream choices: the role on its own first (OpenAI's shape), then the content."""
+def chat_chunk_choices(delta: ChoiceDelta, token_bytes: TokenBytes, k: int | None,
+                       parts: tuple[str, str] | None = None) -> list[dict]:
+    """A chat delta as stream choices: the role on its own first (OpenAI's shape), then the content; parts: the
+    delta's (reasoning, content) where a reasoning parser splits them."""
     choices = []
     if delta.first:
         choices.append({"index": delta.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None})
     logprobs = None if k is None else chat_logprobs(delta.logprobs, token_bytes, k)
-    body = {"content": delta.text} if delta.text else {}
+    reasoning, content = ("", delta.text) if parts is None else parts
+    body = {"reasoning_content": reasoning} if reasoning else {}
+    body |= {"content": content} if content else {}
     choices.append({"index": delta.index, "delta": body, "logprobs": logprobs, "finish_reason": delta.finish_reason,
                     **_stop_reason(delta)})
     return choices
@@ -209,6 +213,9 @@ def tool_chunk_choices(choice: dict) -> list[dict]:
     choice's logprobs ride on the chunk after the role, so the stream carries what the whole message does."""
     index, message = choice["index"], choice["message"]
     chunks = [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+    if message.get("reasoning_content"):
+        chunks.append({"index": index, "delta": {"reasoning_content": message["reasoning_content"]},
+                       "logprobs": None, "finish_reason": None})
     if message.get("content"):
         chunks.append({"index": index, "delta": {"content": message["content"]}, "logprobs": None,
                        "finish_reason": None})

@@ -36,6 +36,7 @@ from jserve.server.protocol import (
     parse_chat,
     parse_completion,
 )
+from jserve.server.reasoning import ReasoningStream, split_reasoning
 from jserve.server.state import ModelState, ServerState
 from jserve.server.tokenizer_worker import TokenizerWorker
 from jserve.server.tools import ToolRequest, parse_tool_request
@@ -260,6 +261,9 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     req = parse_chat(body)
     asked, lora = state.route(req.model), state.lora_request(req.model)
     req.tools = parse_tool_request(body, state.settings.tool_call_parser)
+    req.reasoning_parser = state.settings.reasoning_parser
+    if req.reasoning_parser == "openai_gptoss":  # harmony's markers are special tokens: the parser reads them
+        req.params = req.params.clone(skip_special_tokens=False)
     if req.tools is not None and (constraint := req.tools.constraint()) is not None:
         if req.params.structured_outputs is not None:
             raise bad_request("a required or named tool_choice constrains the output itself: drop "
@@ -288,11 +292,17 @@ async def _chat_events(gen: Generation, req: ChatRequest, header: R.ResponseHead
         return
     tracker, k = _tracker(req), req.params.logprobs
     extra = {"usage": None} if req.include_usage else {}
+    reasoning: dict[int, ReasoningStream] = {}  # by choice index, with a reasoning parser
     async for prompt_index, output in gen:
         deltas = tracker.update(prompt_index, output)
         token_bytes = await _token_bytes(tokenizer, deltas) if k is not None else {}
         for d in deltas:
-            for choice in R.chat_chunk_choices(d, token_bytes.__getitem__, k):
+            parts = None
+            if req.reasoning_parser is not None:
+                stream = reasoning.setdefault(d.index, ReasoningStream(req.reasoning_parser))
+                thought, content = stream.feed(d.text, d.finish_reason is not None)
+                parts = (thought if req.include_reasoning else "", content)
+            for choice in R.chat_chunk_choices(d, token_bytes.__getitem__, k, parts):
                 yield R.sse(header.obj("chat.completion.chunk", [choice], **extra))
     if req.include_usage:
         yield R.sse(header.obj("chat.completion.chunk", [], usage=tracker.usage()))
@@ -306,18 +316,26 @@ async def _chat_body(gen: Generation, req: ChatRequest, header: R.ResponseHeader
     merged = R.merge_deltas(deltas)
     token_bytes = await _token_bytes(tokenizer, merged) if k is not None else {}
     choices = [R.chat_message_choice(d, token_bytes.__getitem__, k) for d in merged]
-    if req.tools is not None:
-        for choice in choices:
-            _tool_message(choice, req.tools)
+    for choice in choices:
+        text = choice["message"]["content"]
+        if req.reasoning_parser is not None:
+            split = split_reasoning(text, req.reasoning_parser)
+            choice["message"]["content"] = split.content or None
+            if req.include_reasoning:
+                choice["message"]["reasoning_content"] = split.reasoning or None
+        if req.tools is not None:
+            # gpt-oss's calls are harmony messages of their own, read from the text with its markers
+            _tool_message(choice, req.tools, text if req.tools.parser == "openai" else choice["message"]["content"])
     return header.obj("chat.completion", choices, usage=tracker.usage())
 
 
-def _tool_message(choice: dict, tools: ToolRequest) -> None:
-    """Turn a finished chat choice's text into OpenAI's tool_calls where it holds calls."""
+def _tool_message(choice: dict, tools: ToolRequest, text: str | None) -> None:
+    """Turn a finished chat choice's text (its content, or for gpt-oss its harmony messages) into OpenAI's
+    tool_calls where it holds calls."""
     message = choice["message"]
     if choice["finish_reason"] != "stop":  # cut short: no complete call to report
         return
-    content, calls = tools.calls(message["content"] or "")
+    content, calls = tools.calls(text or "")
     if calls:
         message["content"] = content
         message["tool_calls"] = [call.body() for call in calls]

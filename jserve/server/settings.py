@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jserve.server.lora_modules import LoraModule
+from jserve.server.reasoning import REASONING_PARSERS
+
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "openai")  # server/tools.py
 
 # Request bodies above this many bytes get a 413 (a 4 MiB body is a prompt of roughly a million tokens).
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
@@ -25,6 +28,8 @@ class ServerSettings:
     max_queue_delay: float | None = None  # refuse requests whose estimated queue wait is longer (seconds)
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
     tool_call_parser: str | None = None  # how tool_choice "auto" reads calls out of the output (server/tools.py)
+    # how a chat output's reasoning is split from its answer (server/reasoning.py): message.reasoning_content
+    reasoning_parser: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     # Failed engine steps the server recovers from within any step_failure_window_s seconds; one more and it
     # exits non-zero (so a supervisor restarts it).
@@ -47,8 +52,15 @@ class ServerSettings:
             raise ValueError(f"max_step_failures must be non-negative, got {self.max_step_failures}")
         if not self.step_failure_window_s > 0:
             raise ValueError(f"step_failure_window_s must be positive, got {self.step_failure_window_s}")
-        if self.tool_call_parser not in (None, "hermes", "llama3_json"):
-            raise ValueError(f"tool_call_parser must be hermes or llama3_json, got {self.tool_call_parser!r}")
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
+                             f"{self.tool_call_parser!r}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got "
+                             f"{self.reasoning_parser!r}")
+        if self.tool_call_parser == "openai" and self.reasoning_parser != "openai_gptoss":
+            raise ValueError("tool_call_parser openai reads gpt-oss's harmony messages: it needs reasoning_parser "
+                             "openai_gptoss")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
         if self.max_queue_delay is not None and not self.max_queue_delay > 0:

@@ -7,7 +7,9 @@ when the model chooses (`tool_choice: "auto"`, with `--tool-call-parser`).
 - a named function: the output is that function's arguments, valid against its schema.
 - `auto`: the output is free; the parser reads calls out of it (`hermes`: `<tool_call>{"name", "arguments"}
   </tool_call>` blocks, as Hermes and Qwen chat templates ask for; `llama3_json`: a JSON object `{"name",
-  "parameters"}` (or several separated by `;`), optionally after `<|python_tag|>`, as Llama 3.1's template asks for).
+  "parameters"}` (or several separated by `;`), optionally after `<|python_tag|>`, as Llama 3.1's template asks for;
+  `openai`: gpt-oss's harmony messages to `functions.NAME`, which the `openai_gptoss` reasoning parser reads out of
+  the output, server/reasoning.py).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from jserve.server.protocol import bad_request
+from jserve.server.reasoning import split_reasoning
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -68,6 +70,8 @@ class ToolRequest:
         if self.choice == "auto":
             if self.parser == "hermes":
                 return _parse_hermes(text, self.functions)
+            if self.parser == "openai":  # text: the harmony messages, markers and all
+                return _parse_harmony(text, self.functions)
             return _parse_llama3_json(text, self.functions)
         try:
             value = json.loads(text)
@@ -112,8 +116,11 @@ def parse_tool_request(body: dict, parser: str | None) -> ToolRequest | None:
         raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
                           '{"name": ...}}', "tool_choice")
     if choice == "auto" and parser is None:
-        raise bad_request('tool_choice "auto" needs the server started with --tool-call-parser (hermes or '
-                          'llama3_json); "required" and a named function work without one', "tool_choice")
+        raise bad_request('tool_choice "auto" needs the server started with --tool-call-parser (hermes, '
+                          'llama3_json or openai); "required" and a named function work without one', "tool_choice")
+    if choice != "auto" and parser == "openai":
+        raise bad_request('gpt-oss (--tool-call-parser openai) serves tool_choice "auto" only: a required or named '
+                          "call would constrain the output to JSON outside its harmony messages", "tool_choice")
     parallel = body.get("parallel_tool_calls")
     parallel = True if parallel is None else parallel  # null is the default, as for the other nullable fields
     if not isinstance(parallel, bool):
@@ -156,6 +163,12 @@ def _parse_hermes(text: str, functions: dict[str, dict]) -> tuple[str | None, li
         return text, []
     content = _HERMES.sub("", text).strip()
     return content or None, calls
+
+
+def _parse_harmony(text: str, functions: dict[str, dict]) -> tuple[str | None, list[ToolCall]]:
+    split = split_reasoning(text, "openai_gptoss")
+    calls = [ToolCall(name, arguments) for name, arguments in split.calls if name in functions]
+    return split.content or None, calls
 
 
 def _parse_llama3_json(text: str, functions: dict[str, dict]) -> tuple[str | None, list[ToolCall]]:
