@@ -9,6 +9,8 @@ import re
 
 import openai
 import pytest
+import transformers
+from hf_models import build_model, save_tokenizer
 from server_helpers import TEST_ENGINE_ARGS, ServerThread
 
 from checkpoints import DEMO_MODEL_DIR
@@ -135,6 +137,50 @@ def test_a_tool_call_after_the_reasoning(client):
     ).choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert re.fullmatch(r"[a-z]{2,8}( [a-z]{2,8}){0,2}", choice.message.reasoning_content)
+    (tool_call,) = choice.message.tool_calls
+    assert tool_call.function.name == "add"
+    assert re.fullmatch(r'\{"a": [1-9], "b": [1-9]\}', tool_call.function.arguments)
+
+
+HARMONY_TOKENS = ["<|start|>", "<|channel|>", "<|constrain|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>"]
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_client(tmp_path_factory):
+    """The tiny gpt-oss behind a server with both gpt-oss parsers; its tokenizer has harmony's special tokens and a
+    template that renders harmony messages."""
+    model_dir = build_model("gpt_oss", tmp_path_factory.mktemp("gpt_oss_harmony"))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(save_tokenizer(model_dir))
+    tokenizer.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})
+    tokenizer.chat_template = ("{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>"
+                               "{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+    tokenizer.save_pretrained(model_dir)
+    config = EngineConfig(model=str(model_dir), **TEST_ENGINE_ARGS)
+    server = ServerThread(config, ServerSettings(served_model_name="oss", reasoning_parser="openai_gptoss",
+                                                 tool_call_parser="openai")).start()
+    yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    server.stop()
+
+
+def test_gpt_oss_harmony_channels_through_the_server(gpt_oss_client):
+    """The model's output, forced into harmony messages (special tokens and all) by a grammar: the analysis channel
+    is the reasoning, final the content, streamed and not; a message to functions.add is a tool call."""
+    answer = ('start: <|channel|> "analysis" <|message|> /[a-z]{2,8}( [a-z]{2,8}){1,3}/ <|end|> <|start|> "assistant" '
+              '<|channel|> "final" <|message|> /[A-Z][a-z]{2,8}/')
+    kwargs = dict(model="oss", messages=MESSAGES, max_tokens=100, temperature=0,
+                  extra_body={"structured_outputs": {"grammar": answer}})
+    message = gpt_oss_client.chat.completions.create(**kwargs).choices[0].message
+    assert re.fullmatch(THOUGHT, message.reasoning_content) and re.fullmatch(r"[A-Z][a-z]{2,8}", message.content)
+    assert streamed(gpt_oss_client, kwargs) == {"reasoning_content": message.reasoning_content,
+                                                "content": message.content}
+    call = ('start: <|channel|> "analysis" <|message|> /[a-z]{2,8}/ <|end|> <|start|> "assistant" <|channel|> '
+            '"commentary to=functions.add " <|constrain|> "json" <|message|> /\\{"a": [1-9], "b": [1-9]\\}/ <|call|>')
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+    choice = gpt_oss_client.chat.completions.create(
+        **{**kwargs, "tools": tools, "extra_body": {"structured_outputs": {"grammar": call}}}).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert re.fullmatch(r"[a-z]{2,8}", choice.message.reasoning_content)
     (tool_call,) = choice.message.tool_calls
     assert tool_call.function.name == "add"
     assert re.fullmatch(r'\{"a": [1-9], "b": [1-9]\}', tool_call.function.arguments)

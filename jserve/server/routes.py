@@ -263,7 +263,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     req.tools = parse_tool_request(body, state.settings.tool_call_parser)
     req.reasoning_parser = state.settings.reasoning_parser
     if req.reasoning_parser == "openai_gptoss":  # harmony's markers are special tokens: the parser reads them
-        req.params = req.params.clone(skip_special_tokens=False)
+        req.params = req.params.clone(skip_special_tokens=False, spaces_between_special_tokens=False)
     if req.tools is not None and (constraint := req.tools.constraint()) is not None:
         if req.params.structured_outputs is not None:
             raise bad_request("a required or named tool_choice constrains the output itself: drop "
