@@ -143,7 +143,8 @@ def llama_name_map(tie_word_embeddings: bool,
     expert_re = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(?:(\d+)\.)?(gate_proj|up_proj|down_proj)\."
                            r"(weight|bias)$")
     shared_re = re.compile(r"model\.layers\.(\d+)\.mlp\.shared_experts?\.(gate_proj|up_proj|down_proj)\.weight$")
-    sinks_re = re.compile(r"model\.layers\.(\d+)\.self_attn\.sinks$")  # gpt-oss's attention sinks
+    # gpt-oss's attention sinks (a GGUF file's attn_sinks.weight, read under the same name plus .weight)
+    sinks_re = re.compile(r"model\.layers\.(\d+)\.self_attn\.sinks(\.weight)?$")
     correction_re = re.compile(r"model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias$")
     layer_index_re = re.compile(r"model\.layers\.(\d+)\.")
 

@@ -46,7 +46,13 @@ What is llama.cpp's own convention, and undone here:
   `post_ffw_norm`, with no input norms. An OLMo 3 file is an `olmo2` one with `attention.sliding_window` and the
   layers it applies to (`attention.sliding_window_pattern`), its YaRN attention factor `rope.scaling.attn_factor`;
 - a GLM-4 file (convert_hf_to_gguf.py's Glm4Model) keeps Hugging Face's interleaved q/k rows and fused `ffn_up`
-  (gate and up), its partial rotary embedding as `rope.dimension_count`, and its sandwich norms as Gemma 2's.
+  (gate and up), its partial rotary embedding as `rope.dimension_count`, and its sandwich norms as Gemma 2's;
+- a gpt-oss file (GptOssModel) keeps Hugging Face's q/k order, its attention sinks as `attn_sinks`, the router as
+  `ffn_gate_inp` with a bias, and the experts de-interleaved into `ffn_{gate,up,down}_exps` stacks with their
+  biases (MXFP4 where OpenAI's checkpoint was, which gguf-py decodes). llama.cpp windows every other layer (the
+  first of each two, set_swa_pattern(2)) and builds the clamped SwiGLU with transformers' constants, as jserve
+  reads a config.json without them. YaRN is served with transformers' `truncate: false`, as gpt-oss's own config
+  sets it (the file has no key for it; llama.cpp rounds the correction range outward for every model).
 """
 
 from __future__ import annotations
@@ -68,13 +74,13 @@ from jserve.config_json import RopeScaling
 SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
                            "granite": "granite", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text",
                            "smollm3": "smollm3", "olmo2": "olmo2", "glm4": "glm4", "qwen2moe": "qwen2_moe",
-                           "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+                           "qwen3moe": "qwen3_moe", "olmoe": "olmoe", "gpt-oss": "gpt_oss"}
 GGUF_ARCHITECTURE_OF = {model_type: arch for arch, model_type in SUPPORTED_ARCHITECTURES.items()}
 GGUF_ARCHITECTURE_OF["mixtral"] = "llama"  # a llama file with experts (general.architecture says nothing more)
 # Architectures a mixture of experts may be stored as (a llama one is Mixtral where expert_count > 0); the others
 # must have none. Qwen3-MoE and Mixtral renormalize the chosen experts' weights, Qwen2-MoE does not (llama.cpp's
 # build_moe_ffn norm_w in llm_build_llama / llm_build_qwen3moe / llm_build_qwen2moe / llm_build_olmoe).
-_MOE_ARCHITECTURES = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
+_MOE_ARCHITECTURES = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "gpt-oss": False}
 # Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel.undo_permute; GraniteModel and
 # SmolLM3Model inherit it). A SmolLM3 file stores no NoPE layers: llama.cpp takes every fourth (n_no_rope_layer_step),
 # as transformers' default no_rope_layer_interval does.
@@ -118,6 +124,9 @@ _GLM4_LAYER_NAMES = {**_LAYER_NAMES, "ffn_up": "mlp.gate_up_proj", "post_attenti
 # OLMo 2's norms of each block's outputs (and no input norms): gguf-py's ATTN_POST_NORM and FFN_POST_NORM.
 _OLMO2_LAYER_NAMES = {k: v for k, v in _LAYER_NAMES.items() if k not in ("attn_norm", "ffn_norm")} | {
     "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# gpt-oss: the norm of the MLP's input is post_attention_norm; its sinks, router and experts carry their own names.
+_GPT_OSS_LAYER_NAMES = {k: v for k, v in _QWEN_MOE_LAYER_NAMES.items() if k != "ffn_norm"} | {
+    "post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"}
 _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 # llama.cpp's per-frequency rotary divisors: read into the config, not a parameter.
@@ -149,7 +158,8 @@ def _layer_names(arch: str) -> dict[str, str]:
     return {"phi3": _PHI3_LAYER_NAMES, "gemma2": _GEMMA2_LAYER_NAMES, "gemma3": _GEMMA2_LAYER_NAMES,
             "llama": _LAYER_NAMES | _MOE_LAYER_NAMES, "qwen3moe": _QWEN_MOE_LAYER_NAMES,
             "olmoe": _QWEN_MOE_LAYER_NAMES, "qwen2moe": _QWEN_MOE_LAYER_NAMES | _SHARED_EXPERT_NAMES,
-            "olmo2": _OLMO2_LAYER_NAMES, "glm4": _GLM4_LAYER_NAMES}.get(arch, _LAYER_NAMES)
+            "olmo2": _OLMO2_LAYER_NAMES, "glm4": _GLM4_LAYER_NAMES,
+            "gpt-oss": _GPT_OSS_LAYER_NAMES}.get(arch, _LAYER_NAMES)
 
 
 def hf_tensor_name(name: str, arch: str = "llama") -> str | None:
@@ -375,7 +385,8 @@ def _moe_config(file: GGUFFile, arch: str, cfg: dict) -> dict:
         return value
 
     gating = key("expert_gating_func", None)
-    if gating not in (None, 1):  # LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+    # LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX; gpt-oss's softmax over the chosen logits (SOFTMAX_WEIGHT) is its own
+    if gating not in (None, 1) and not (arch == "gpt-oss" and gating == 3):
         raise ModelLoadError(f"{file.path}: {arch}.expert_gating_func {gating} is not supported (1: softmax)")
     scale = key("expert_weights_scale", None)
     if scale not in (None, 0, 1):  # llama.cpp scales the chosen weights only by a scale neither 0 nor 1
@@ -387,6 +398,9 @@ def _moe_config(file: GGUFFile, arch: str, cfg: dict) -> dict:
         return {"model_type": "mixtral", "num_local_experts": experts, "num_experts_per_tok": used}
     if arch == "olmoe":  # feed_forward_length wide too, the weights not renormalized
         return {"num_experts": experts, "num_experts_per_tok": used, "norm_topk_prob": False}
+    if arch == "gpt-oss":  # its config.json reads its experts' width from intermediate_size
+        return {"num_local_experts": experts, "num_experts_per_tok": used,
+                "intermediate_size": int(key("expert_feed_forward_length", 0) or cfg["intermediate_size"])}
     width = cfg["intermediate_size"]
     out = {"num_experts": experts, "num_experts_per_tok": used, "norm_topk_prob": _MOE_ARCHITECTURES[arch],
            "decoder_sparse_step": 1, "mlp_only_layers": [],
@@ -497,6 +511,8 @@ def _yarn_scaling(file: GGUFFile, arch: str) -> dict:
     for key in ("beta_fast", "beta_slow"):
         if (value := file.get(f"{prefix}yarn_{key}")) is not None:
             scaling[key] = float(value)
+    if arch == "gpt-oss":  # gpt-oss's config: the correction range is not rounded (see the module docstring)
+        scaling["truncate"] = False
     return scaling
 
 

@@ -15,7 +15,12 @@ Mixtral as LlamaModel writes it (arch llama, q/k permuted, expert_count and expe
 Qwen3-MoE as Qwen2MoeModel and Qwen3MoeModel (expert_feed_forward_length, and Qwen2-MoE's
 expert_shared_feed_forward_length): each layer's experts stacked into one [experts, out, in] tensor per projection
 (ffn_gate_exps, ffn_up_exps, ffn_down_exps), the router and the shared expert under gguf-py's names. Like the
-converter, a Qwen MoE checkpoint with a dense layer (mlp_only_layers, decoder_sparse_step) cannot be written."""
+converter, a Qwen MoE checkpoint with a dense layer (mlp_only_layers, decoder_sparse_step) cannot be written.
+
+gpt-oss as GptOssModel writes it: its sliding window and expert width, the sinks as attn_sinks.weight, the router as
+ffn_gate_inp, each interleaved gate|up stack split into gate (even rows of the [E, out, in] matrix) and up (odd), the
+float stacks transposed from [E, in, out], MXFP4 ones repacked (repack_mxfp4: each block's scale byte, then its 32
+values re-paired as ggml pairs them, value i with value i + 16) and written as GGML MXFP4."""
 
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ from safetensors.numpy import load_file
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
              "granite": "granite", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3",
              "smollm3": "smollm3", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
-             "olmo2": "olmo2", "olmo3": "olmo2", "olmoe": "olmoe", "glm4": "glm4"}
+             "olmo2": "olmo2", "olmo3": "olmo2", "olmoe": "olmoe", "glm4": "glm4", "gpt_oss": "gpt-oss"}
 GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 T = gguf.GGMLQuantizationType
 
@@ -145,6 +150,9 @@ def write_gguf(model_dir: Path, out: Path, matrix_type: str | Callable[[str], st
         w.add_expert_used_count(config["num_experts_per_tok"])
     if arch in ("qwen2moe", "qwen3moe"):
         w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if arch == "gpt-oss":  # GptOssModel.set_gguf_parameters
+        w.add_sliding_window(config["sliding_window"])
+        w.add_expert_feed_forward_length(config["intermediate_size"])
         if config.get("shared_expert_intermediate_size") is not None:
             w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
@@ -155,8 +163,11 @@ def write_gguf(model_dir: Path, out: Path, matrix_type: str | Callable[[str], st
         del w.kv_data[0][key]
 
     names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), layers)
-    tensors = {}
-    for hf_name, array in _stacked_experts(load_file(model_dir / "model.safetensors")).items():
+    tensors, raw_tensors = {}, {}
+    checkpoint = load_file(model_dir / "model.safetensors")
+    if arch == "gpt-oss":
+        checkpoint, raw_tensors = _gpt_oss_tensors(checkpoint, names)
+    for hf_name, array in _stacked_experts(checkpoint).items():
         stem, suffix = hf_name.rsplit(".", 1)
         if arch in GEMMA_ARCHS and hf_name == "lm_head.weight":
             continue  # GemmaModel.modify_tensors (and the others alike) skip it
@@ -176,6 +187,8 @@ def write_gguf(model_dir: Path, out: Path, matrix_type: str | Callable[[str], st
         tensors["rope_factors_long.weight"] = np.asarray(rope["long_factor"], np.float32)
         tensors["rope_factors_short.weight"] = np.asarray(rope["short_factor"], np.float32)
     tensors.update(extra_tensors or {})
+    for gguf_name, raw in raw_tensors.items():
+        w.add_tensor(gguf_name, raw, raw_dtype=T.MXFP4)
     for gguf_name, array in tensors.items():
         if gguf_name in skip:
             continue
@@ -195,6 +208,37 @@ def write_gguf(model_dir: Path, out: Path, matrix_type: str | Callable[[str], st
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def _gpt_oss_tensors(checkpoint: dict[str, np.ndarray], names) -> tuple[dict, dict[str, np.ndarray]]:
+    """GptOssModel.modify_tensors / generate_extra_tensors: the checkpoint with its sinks renamed and its experts as
+    per-projection [E, out, in] stacks (and biases), and the MXFP4 stacks as raw GGML blocks by GGUF name."""
+    out, raw, mxfp4 = {}, {}, {}
+    for name, array in checkpoint.items():
+        m = re.match(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$", name)
+        if name.endswith("self_attn.sinks"):
+            out[name + ".weight"] = array
+        elif m is None:
+            out[name] = array
+        elif m[3] in ("_blocks", "_scales"):
+            mxfp4.setdefault((m[1], m[2]), {})[m[3]] = array
+        else:
+            matrix = array if m[3] == "_bias" else array.transpose(0, 2, 1)  # [E, in, out] -> [E, out, in]
+            suffix = "bias" if m[3] == "_bias" else "weight"
+            if m[2] == "gate_up_proj":
+                out[f"{m[1]}.gate_proj.{suffix}"], out[f"{m[1]}.up_proj.{suffix}"] = matrix[:, 0::2], matrix[:, 1::2]
+            else:
+                out[f"{m[1]}.down_proj.{suffix}"] = matrix
+    for (stem, proj), parts in mxfp4.items():
+        blocks, scales = parts["_blocks"], parts["_scales"]  # [E, out, G, 16], [E, out, G]
+        codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+        ggml = (codes[..., :16] | (codes[..., 16:] << 4)).astype(np.uint8)
+        packed = np.concatenate([scales[..., None], ggml], axis=-1).reshape(*blocks.shape[:2], -1)  # [E, out, G*17]
+        splits = {"gate_proj": packed[:, 0::2], "up_proj": packed[:, 1::2]} if proj == "gate_up_proj" else {
+            "down_proj": packed}
+        for part, data in splits.items():
+            raw[f"{names.get_name(f'{stem}.{part}')}.weight"] = np.ascontiguousarray(data)
+    return out, raw
 
 
 def _stacked_experts(checkpoint: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

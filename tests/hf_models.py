@@ -142,11 +142,12 @@ def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4), (exp[..., 0] + 127).astype(np.uint8)
 
 
-def build_gpt_oss_mxfp4(out_dir: Path, seed: int = 0) -> Path:
+def build_gpt_oss_mxfp4(out_dir: Path, seed: int = 0, **overrides) -> Path:
     """The tiny gpt-oss with its experts' matrices in MXFP4, as OpenAI publishes gpt-oss (quantization_config
     mxfp4, `<name>_blocks` / `<name>_scales` [E, out, ...])."""
     out_dir = Path(out_dir)
-    src = build_model("gpt_oss", out_dir / "float", seed, intermediate_size=64)  # MXFP4 rows: whole blocks of 32
+    # MXFP4 rows: whole blocks of 32
+    src = build_model("gpt_oss", out_dir / "float", seed, **{"intermediate_size": 64, **overrides})
     tensors = {}
     for name, value in load_file(src / "model.safetensors").items():
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # stored [E, in, out]

@@ -20,11 +20,11 @@ import pytest
 import torch
 from flax import nnx
 from gguf_files import write_gguf
-from hf_models import load_hf
+from hf_models import build_gpt_oss_mxfp4, load_hf, save_tokenizer
 from test_parity import _prompts, hf_greedy, hf_logits, jserve_logits
 
 from checkpoints import default_model, gguf_reader
-from checkpoints.gguf_reader import GGUFFile
+from checkpoints.gguf_reader import GGUFFile, open_gguf
 from jserve.config import ModelLoadError
 from jserve.gguf_loading import gguf_model_config
 from jserve.loading import load_model, model_config, resolve_model_path
@@ -45,9 +45,10 @@ MIXED_TYPES = ("F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 LLAMA_CPP_ALIKE = {"gemma2": {"query_pre_attn_scalar": 16}, "gemma3": {"query_pre_attn_scalar": 16},
                    "smollm3": {"no_rope_layer_interval": 4, "num_hidden_layers": 4},
                    "qwen2_moe": {"decoder_sparse_step": 1}, "qwen3_moe": {"mlp_only_layers": None},
-                   "olmoe": {"rms_norm_eps": 1e-5, "clip_qkv": None}}  # OlmoeModel writes no clip_qkv
+                   "olmoe": {"rms_norm_eps": 1e-5, "clip_qkv": None},  # OlmoeModel writes no clip_qkv
+                   "gpt_oss": {"swiglu_limit": 7.0}}  # llama.cpp's SwiGLU clamp is a constant: gpt-oss's 7
 GEMMAS = ["gemma", "gemma2", "gemma3"]
-MOES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+MOES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"]
 
 
 @pytest.fixture(scope="module")
@@ -139,16 +140,17 @@ def test_gemma_config_equals_the_config_json_one(hf_model_dir, gguf_file, varian
 
 @pytest.mark.parametrize("variant", MOES)
 def test_moe_config_equals_the_config_json_one(hf_model_dir, gguf_file, variant):
-    """Every ModelConfig field of a Mixtral (a llama file with expert_count), Qwen2-MoE, Qwen3-MoE or OLMoE file is
-    the one its config.json gives: experts, top-k, expert and shared expert widths, renormalization (rms_norm_eps as
-    the float32 GGUF stores it)."""
+    """Every ModelConfig field of a Mixtral (a llama file with expert_count), Qwen2-MoE, Qwen3-MoE, OLMoE or gpt-oss
+    file is the one its config.json gives: experts, top-k, expert and shared expert widths, renormalization, gpt-oss's
+    routing, biases, sinks, windowed layers and YaRN (rms_norm_eps as the float32 GGUF stores it)."""
     overrides = LLAMA_CPP_ALIKE.get(variant, {})
     ours, theirs = gguf_model_config(gguf_file(variant, **overrides)), model_config(hf_model_dir(variant, **overrides))
     assert np.float32(ours.rms_norm_eps) == np.float32(theirs.rms_norm_eps)
     assert dataclasses.replace(ours, rms_norm_eps=theirs.rms_norm_eps) == theirs
     assert (ours.model_type, ours.num_experts, ours.num_experts_per_tok, ours.moe_layers) == \
         {"mixtral": ("mixtral", 4, 2, None), "qwen2_moe": ("qwen2_moe", 4, 2, None),
-         "qwen3_moe": ("qwen3_moe", 8, 3, None), "olmoe": ("olmoe", 4, 2, None)}[variant]
+         "qwen3_moe": ("qwen3_moe", 8, 3, None), "olmoe": ("olmoe", 4, 2, None),
+         "gpt_oss": ("gpt_oss", 4, 2, None)}[variant]
 
 
 def test_moe_files_take_llama_cpps_readings(hf_model_dir, gguf_file, tmp_path):
@@ -289,13 +291,27 @@ def test_float32_file_logits_match_the_original_checkpoint(hf_model_dir, gguf_fi
     norms, Gemma 2's sandwich norms, soft caps and alternating window, Gemma 3's q/k norms, windowed layers and their
     own rotary base; SmolLM3's NoPE layers; OLMo 2's q/k norms over all heads and block-output norms, OLMo 3's
     windowed layers; GLM-4's interleaved partial rotary, fused gate|up and sandwich norms; Mixtral's,
-    Qwen2-MoE's, Qwen3-MoE's and OLMoE's experts, top-k and renormalization, Qwen2-MoE's gated shared expert)
-    checked against the checkpoint the file was written from."""
+    Qwen2-MoE's, Qwen3-MoE's and OLMoE's experts, top-k and renormalization, Qwen2-MoE's gated shared expert;
+    gpt-oss's sinks, biased router and experts split from their interleaved stacks, and YaRN untruncated) checked
+    against the checkpoint the file was written from."""
     overrides = {"sliding_window": None} if variant == "mistral" else LLAMA_CPP_ALIKE.get(variant, {})
     path = gguf_file(variant, **overrides)
     hf = load_hf(hf_model_dir(variant, **overrides))
     prompts = _prompts()
     for prompt, ours in zip(prompts, jserve_logits(path, prompts, "float32", EXECUTORS[executor]), strict=True):
+        np.testing.assert_allclose(ours, hf_logits(hf, prompt), atol=1e-4, rtol=0)
+
+
+def test_gpt_oss_mxfp4_file_logits_match_transformers(tmp_path):
+    """A gpt-oss file converted from OpenAI's MXFP4 checkpoint keeps its experts in GGML's MXFP4 (repacked, not
+    requantized): gguf-py decodes them, and the logits are transformers' on the MXFP4 checkpoint."""
+    checkpoint = build_gpt_oss_mxfp4(tmp_path / "hf", **LLAMA_CPP_ALIKE["gpt_oss"])
+    save_tokenizer(checkpoint)
+    path = write_gguf(checkpoint, tmp_path / "gpt-oss.gguf")
+    assert open_gguf(path).tensors["blk.0.ffn_up_exps.weight"].type_name == "MXFP4"
+    hf = load_hf(checkpoint)
+    prompts = _prompts()
+    for prompt, ours in zip(prompts, jserve_logits(path, prompts, "float32", "reference"), strict=True):
         np.testing.assert_allclose(ours, hf_logits(hf, prompt), atol=1e-4, rtol=0)
 
 
