@@ -150,11 +150,11 @@ def write_gguf(model_dir: Path, out: Path, matrix_type: str | Callable[[str], st
         w.add_expert_used_count(config["num_experts_per_tok"])
     if arch in ("qwen2moe", "qwen3moe"):
         w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size") is not None:
+            w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     if arch == "gpt-oss":  # GptOssModel.set_gguf_parameters
         w.add_sliding_window(config["sliding_window"])
         w.add_expert_feed_forward_length(config["intermediate_size"])
-        if config.get("shared_expert_intermediate_size") is not None:
-            w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     _add_tokenizer(w, model_dir, config["vocab_size"])
     for key, (value, vtype) in (metadata or {}).items():
