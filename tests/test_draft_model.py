@@ -126,9 +126,12 @@ def test_a_draft_that_cannot_serve_the_target_is_refused_naming_the_field(hf_mod
 # ------------------------------------------------------------------------------------------------ warm-up
 
 
+@pytest.mark.parametrize("executor", ["reference"], ids=["xla"])
 def test_no_recompilation_after_warmup_with_a_draft_model(hf_model_dir, random_draft, executor):
     """Greedy and sampled requests, long prompts (the draft's catch-up passes) and aborts compile nothing after
-    warm-up: the draft's steps, its sampler and the gather of its distributions were compiled with the rest."""
+    warm-up: the draft's steps, its sampler and the gather of its distributions were compiled with the rest. On
+    the XLA path, what accelerators compile; the CPU layer executor's bucket grid is test_engine's recompile test,
+    its draft steps the greedy tests' here."""
     assert_no_compiles_serving(hf_model_dir("llama"), executor, draft_config(random_draft),
                                lambda i, rng: rng.integers(3, 500, int(rng.integers(2, 120))).tolist(),
                                num_requests=16, max_tokens=40)

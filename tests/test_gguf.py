@@ -496,12 +496,13 @@ def smollm_reference():
     return path, replies
 
 
-@pytest.mark.parametrize("executor", list(LLM_BACKENDS))
-def test_smollm2_chat_replies_match_transformers(smollm_reference, executor):
+def test_smollm2_chat_replies_match_transformers(smollm_reference):
+    """The real model on the XLA path; test_the_default_model_served_to_the_openai_client_matches_transformers
+    serves it on the CPU layer executor (the CPU's default)."""
     from jserve import LLM
 
     path, replies = smollm_reference
-    llm = LLM(str(path), attention_backend=LLM_BACKENDS[executor], max_model_len=256, kv_cache_memory_bytes=32 << 20,
+    llm = LLM(str(path), attention_backend=LLM_BACKENDS["xla"], max_model_len=256, kv_cache_memory_bytes=32 << 20,
               max_num_batched_tokens=256, warmup=False, compilation_cache_dir="")
     conversations = [[{"role": "user", "content": p}] for p in SMOLLM_PROMPTS]
     outputs = llm.chat(conversations, SamplingParams(temperature=0.0, max_tokens=REPLY_TOKENS), use_tqdm=False)
