@@ -15,10 +15,11 @@ REPO = Path(__file__).resolve().parent.parent
 def test_check_runs_on_cpu_with_the_demo_model(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     # parity is the tests' own comparison (test_parity.py) run by another code path; kernels runs one case and shape.
+    # hf (transformers' generate) and quant (int8 and fp8 against bf16) ran on the H200 as they are; the sections
+    # run here are those that changed since or have not run there yet.
     cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--out", str(tmp_path), "--device", "cpu",
-           "--sections", "env,kernels,speed,hf,warmup,profile,quant,lora", "--kernel-cases", "8/8/128/16/bfloat16",
-           "--concurrency", "2,4", "--io", "16/8", "--max-num-batched-tokens", "64", "--profile-tokens", "16",
-           "--quant-settings", "int8,kv_fp8"]
+           "--sections", "env,kernels,speed,warmup,profile,lora", "--kernel-cases", "8/8/128/16/bfloat16",
+           "--concurrency", "2,4", "--io", "16/8", "--max-num-batched-tokens", "64", "--profile-tokens", "16"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -30,7 +31,6 @@ def test_check_runs_on_cpu_with_the_demo_model(tmp_path):
     assert [(t["concurrent"], t["input"], t["output"]) for t in speed["throughput"]] == [(2, 16, 8), (4, 16, 8)]
     assert all(t["output_tok_s"] > 0 for t in speed["throughput"])
     assert sections["warmup"]["warmup"]["step_shapes"] >= len(sections["warmup"]["warmup"]["token_buckets"])
-    assert [g["batch"] for g in sections["hf"]["generate"]] == [1, 4]
     # kernels: one correctness case; one decode shape timed, the kernel's loop traced (on a CPU the interpreted
     # kernel runs as XLA ops: all of its time is "other")
     kernels = sections["kernels"]
@@ -48,13 +48,6 @@ def test_check_runs_on_cpu_with_the_demo_model(tmp_path):
     assert all(isinstance(r["ops"], list) for r in host["top"])
     assert any("dot_general @ " in op for r in host["top"] for op in r["ops"]), [r["ops"] for r in host["top"]]
     assert not (tmp_path / "profile_trace").exists()
-    # quant: bf16 (the reference, put first) and int8 weights each on their own engine; fp8 refused off a GPU
-    rows = {r["setting"]: r for r in sections["quant"]["rows"]}
-    assert list(rows) == ["bf16", "int8", "kv_fp8"] and rows["kv_fp8"]["status"] == "skipped: GPU only"
-    bf16, int8 = rows["bf16"], rows["int8"]
-    assert bf16["status"] == int8["status"] == "ok", (bf16, int8)
-    assert 0 < int8["max_abs_logit_diff"] < 1 and 0 <= int8["tokens_before_first_divergence"] <= 1
-    assert int8["weight_bytes"] < bf16["weight_bytes"] and int8["tok_s"] > 0 and 0 < int8["share_of_roofline"]
     # lora: one engine serving the base model and a random adapter written in PEFT's layout; the adapter's tokens
     # are the same alone and in a batch mixed with base-model requests, and not the base model's
     lora = sections["lora"]
@@ -63,8 +56,7 @@ def test_check_runs_on_cpu_with_the_demo_model(tmp_path):
     assert all(r.get("tok_s", r.get("output_tok_s", 0)) > 0 for r in lora["batch1_decode"] + lora["throughput"])
     assert lora["check"]["alone_equals_mixed"] and lora["check"]["differs_from_base"], lora["check"]
     report = (tmp_path / "gpu_check.md").read_text()
-    assert "batch-1 decode tok/s" in report and "transformers `generate`" in report
-    assert "Where batch-1 decode time goes" in report and "Quantization against bf16" in report
+    assert "batch-1 decode tok/s" in report and "Where batch-1 decode time goes" in report
     assert "## LoRA (demo, a random rank-16 adapter on every projection" in report
 
 

@@ -137,10 +137,11 @@ def test_bad_moe_fields_are_named(bend, message):
         ModelConfig.from_hf_dict(cfg)
 
 
-@pytest.mark.parametrize("executor", ["auto", "reference"], ids=["cpu-kernels", "xla"])
+@pytest.mark.parametrize("executor", ["reference"], ids=["xla"])
 def test_batched_requests_equal_each_alone(hf_model_dir, llm_factory, executor):
     """Routing is per token: 8 requests batched (tiles shared between sequences, padding tokens) give each one's
-    tokens alone, sampled with seeds too."""
+    tokens alone, sampled with seeds too. The routing and tiling are the Flax model's on both executors (the CPU
+    layer executor's expert matmuls are checked by the parity tests' logits)."""
     llm = llm_factory(hf_model_dir("qwen3_moe"), attention_backend=executor)
     rng = np.random.default_rng(5)
     prompts = [{"prompt_token_ids": rng.integers(3, 500, int(n)).tolist()} for n in rng.integers(3, 40, 8)]

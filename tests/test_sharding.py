@@ -103,7 +103,7 @@ def multi_device(hf_model_dir, tmp_path_factory):
                        "phi3": str(hf_model_dir("phi3")), "gemma3": str(hf_model_dir("gemma3")),
                        "qwen2_moe": str(hf_model_dir("qwen2_moe")), "olmo2": str(hf_model_dir("olmo2"))},
             "tp": {"llama8": [2, 8], "qwen2": [4], "phi3": [4], "gemma3": [2], "qwen2_moe": [2], "olmo2": [2]},
-            "kernel_model": llama8, "kernel_tp": [2, 8], "sinks_model": gpt_oss, "sinks_tp": 2,
+            "kernel_model": llama8, "kernel_tp": [8], "sinks_model": gpt_oss, "sinks_tp": 2,
             "greedy": llama8, "greedy_tp": [2, 8], "dp": True, "draft": True,
             "sharding_model": llama8, "sharding_tp": [2, 4, 8],
             # adapters on every projection (llama8: KV heads replicated at TP 8) and on phi3's fused ones
@@ -143,9 +143,10 @@ def test_tp_lora_logits_match_single_device(multi_device, model, tp):
     assert multi_device[f"lora/{model}"][str(tp)] < 1e-4
 
 
-@pytest.mark.parametrize("tp", [2, 8])
+@pytest.mark.parametrize("tp", [8])
 def test_pallas_kernel_runs_per_device_heads(multi_device, tp):
-    """XLA cannot split a Pallas kernel: under TP it runs in a shard_map on each device's own heads."""
+    """XLA cannot split a Pallas kernel: under TP it runs in a shard_map on each device's own heads (at TP 2 too:
+    test_attention_sinks_split_over_the_devices_heads)."""
     assert multi_device["logits/pallas-interpret"][str(tp)] < 1e-4
 
 
