@@ -7,10 +7,9 @@ scales its embeddings, uses GELU, windows some layers and not others (Gemma 3 ro
 soft-caps scores and logits (Gemma 2) and normalizes each block's output too (Gemma 2/3); SmolLM3 leaves rotary
 embedding out of every fourth layer; OLMo normalizes q and k over all heads at once, OLMo 2/3 each block's output
 instead of its input; gpt-oss adds attention sinks; the MoE families' MLP is a mixture of experts
-(jserve.models.moe). Everything else is shared,
-so one module serves them all (Phi-3's, Granite's and GLM-4's differences are folded into the weights at load).
-q/k/v and gate/up projections are fused into one matmul each (the checkpoint loader concatenates them) because small
-dots pay a fixed cost on XLA CPU.
+(jserve.models.moe). Everything else is shared, so one module serves them all (Phi-3's, Granite's and GLM-4's
+differences are folded into the weights at load). q/k/v and gate/up projections are fused into one matmul each (the
+checkpoint loader concatenates them) because small dots pay a fixed cost on XLA CPU.
 """
 
 from __future__ import annotations

@@ -379,6 +379,7 @@ class ChatRequest(GenerationRequest):
     include_reasoning: bool = True  # with a reasoning parser, whether the reasoning is sent
     reasoning_parser: str | None = None  # the server's (server/reasoning.py), set by the route
 
+
 _PARAM_NAMES = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                 "frequency_penalty", "seed", "min_tokens", "stop", "stop_token_ids", "ignore_eos",
                 "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output", "cache_salt",
