@@ -22,6 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from checkpoints import CheckpointError
+from checkpoints.deepseek import deepseek_tensors
 from checkpoints.gpt_oss import gpt_oss_tensors
 from checkpoints.tensor_views import llama_layout, take
 
@@ -129,11 +130,13 @@ def iter_tensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
         yield name, data[start:end].view(dtype).reshape(shape)
 
 
-def llama_name_map(tie_word_embeddings: bool,
-                   skip_layers_from: int | None = None) -> Callable[[str], list[Target] | None]:
+def llama_name_map(tie_word_embeddings: bool, skip_layers_from: int | None = None,
+                   latent_attention: bool = False) -> Callable[[str], list[Target] | None]:
     """Map a Hugging Face Llama-family tensor name to where it lands in LlamaForCausalLM's state; layers from
-    skip_layers_from on are read as nothing (None: every layer is the decoder's)."""
-    fused = {part: dest for dest, parts in FUSED_PARTS.items() for part in parts}
+    skip_layers_from on are read as nothing (None: every layer is the decoder's). With latent_attention
+    (DeepSeek) q_proj is a projection of its own, not a part of q|k|v."""
+    fused = {part: dest for dest, parts in FUSED_PARTS.items() for part in parts
+             if not (latent_attention and dest == "qkv_proj")}
     layer_re = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
     norm_re = re.compile(r"model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm|pre_feedforward_layernorm|"
                          r"post_feedforward_layernorm)\.weight$")
@@ -298,12 +301,16 @@ def assemble_state(tensors: Iterable[tuple[str, Tensor, str]], config: Checkpoin
     """load_state for tensors of any origin: (Hugging Face name, tensor, where it is for error messages) for each
     tensor of the checkpoint `where`; `describe` names the tensor(s) a parameter missing from it would come from
     (default: their Hugging Face names)."""
-    # GLM-4.5 checkpoints hold num_nextn_predict_layers multi-token-prediction layers after the decoder's
+    # GLM-4.5 and DeepSeek-V3 checkpoints hold num_nextn_predict_layers multi-token-prediction layers after the
+    # decoder's
     name_map = llama_name_map(config.tie_word_embeddings,
-                              config.num_layers if config.model_type == "glm4_moe" else None)
+                              config.num_layers if config.model_type in ("glm4_moe", "deepseek_v3") else None,
+                              bool(getattr(config, "kv_lora_rank", 0)))
     sources: dict[tuple, ParamSource] = {}
     if config.model_type == "gpt_oss":  # its router and experts under the other mixtures of experts' names
         tensors = gpt_oss_tensors(tensors)
+    if getattr(config, "kv_lora_rank", 0):  # DeepSeek's latent attention: its rotary rows as the model pairs them
+        tensors = deepseek_tensors(tensors, config)
     for name, tensor, origin in llama_layout(tensors, config):
         targets = name_map(name)
         if targets is None:

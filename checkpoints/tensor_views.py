@@ -114,9 +114,11 @@ def llama_layout(tensors: Iterable[tuple[str, object, str]], config) -> Iterator
         rows = np.arange(tensor.shape[0])
         return name, RowView(tensor, rows, np.full(tensor.shape[0], multiplier, np.float32)), origin
 
+    latent = bool(getattr(config, "kv_lora_rank", 0))  # DeepSeek's rotary rows: checkpoints.deepseek
+
     def rotary(name: str, tensor, origin: str) -> tuple[str, object, str]:
         m = _ROTATED.match(name)
-        if m is None or (rotary_dim == head_dim and factor == 1.0 and not interleaved):
+        if m is None or latent or (rotary_dim == head_dim and factor == 1.0 and not interleaved):
             return name, tensor, origin
         is_norm = m[2].endswith("norm")
         # the factor scales the global rotary embedding alone: not a layer that rotates by a local base, unscaled

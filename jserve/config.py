@@ -12,11 +12,14 @@ from checkpoints import CheckpointError
 from jserve.config_json import (
     GPT_OSS_ROPE,
     GPT_OSS_ROPE_THETA,
+    MLA_TYPES,
     RopeScaling,
     activation,
     gemma3_text_config,
     gemma_fields,
     granite_multipliers,
+    latent_attention_config,
+    latent_attention_fields,
     layer_type_rope,
     mistral3_text_config,
     moe_fields,
@@ -33,7 +36,7 @@ from jserve.config_json import (
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3_text",
                          "smollm3", "olmo2", "olmo3", "glm4", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmoe",
-                         "gpt_oss")
+                         "gpt_oss", "deepseek_v2", "deepseek_v3")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights of config.json's shape (checkpoints/dummy.py)
 # See pallas_kernels/interface.py (ENGINE_BACKENDS).
@@ -111,9 +114,11 @@ class ModelConfig:
     # token's MLP is the sum of its num_experts_per_tok experts of num_experts (moe_intermediate_size columns each),
     # weighted by the router's scores (renormalized over the chosen ones with norm_topk_prob), plus a shared expert
     # (shared_expert_intermediate_size; 0: none), gated by a sigmoid where shared_expert_gated (Qwen2-MoE).
-    # moe_routing "softmax" scores by the router logits' softmax; "sigmoid_groups" (GLM-4.5, DeepSeek-V3's scheme)
-    # by their sigmoid, choosing among the topk_expert_groups best of num_expert_groups groups by the scores plus a
-    # learned correction bias, the weights times routed_scaling_factor. moe_layers: which layers (None: all).
+    # moe_routing "softmax" scores by the router logits' softmax; "sigmoid_groups" (GLM-4.5, DeepSeek-V3) by their
+    # sigmoid, choosing among the topk_expert_groups best of num_expert_groups groups by the scores plus a learned
+    # correction bias, the weights times routed_scaling_factor; "softmax_groups" (DeepSeek-V2) by their softmax,
+    # among the groups whose best scores are highest, times routed_scaling_factor. moe_layers: which layers (None:
+    # all).
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -134,6 +139,18 @@ class ModelConfig:
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.0
     attention_sinks: bool = False
+    # DeepSeek-V2/V3's multi-head latent attention (kv_lora_rank 0: none): a token's keys and values are one latent
+    # vector of kv_lora_rank (kv_a_proj_with_mqa, then kv_a_layernorm) and one rotary key of qk_rope_head_dim shared
+    # by every head; kv_b_proj maps the latent to each head's key (qk_nope_head_dim) and value (v_head_dim). The model
+    # attends in the latent space (jserve.models.mla), so the cache holds one KV head (num_kv_heads 1) of head_dim =
+    # kv_lora_rank + qk_rope_head_dim, and attention_multiplier is (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
+    # (times YaRN's mscale squared). q_lora_rank (0: a plain q_proj): queries through q_a_proj, q_a_layernorm and
+    # q_b_proj.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Set by jserve.models.sharded_config.shard_model_config for tensor parallelism (1 = the checkpoint's own
@@ -157,6 +174,12 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def values_in_key_pages(self) -> bool:
+        """Whether attention reads its values from the key pages (DeepSeek's latent attention): the KV cache then
+        holds one page array a layer, not two."""
+        return self.kv_lora_rank > 0
 
     @property
     def attention_scale(self) -> float:
@@ -219,6 +242,8 @@ class ModelConfig:
             cfg = {**cfg, "rope_theta": GPT_OSS_ROPE_THETA}
         if model_type == "glm4" and rope_param(cfg, "partial_rotary_factor", None) is None:
             cfg = {**cfg, "partial_rotary_factor": 0.5}  # transformers' Glm4Config default
+        if model_type in MLA_TYPES:
+            cfg = latent_attention_config(cfg, source)
         if model_type not in SUPPORTED_MODEL_TYPES:
             archs = cfg.get("architectures") or []
             raise ModelLoadError(
@@ -262,6 +287,7 @@ class ModelConfig:
             **smollm3_rope_layers(cfg, source),
             **moe_fields(cfg, source),
             **olmo_fields(cfg, source),
+            **latent_attention_fields(cfg, source),
             # GLM-4 (dense): each block's input and output normalized, as Gemma 2's sandwich norms
             **({"sandwich_norms": True, "rotary_interleaved": True} if model_type == "glm4" else {}),
             bos_token_id=cfg.get("bos_token_id"),

@@ -372,7 +372,7 @@ def windowed_layers(cfg: dict, source: str) -> dict:
     return {"sliding_layers": _sliding_layers(layer_types, num_layers, source)}
 
 
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmoe", "gpt_oss")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3")
 
 
 def moe_fields(cfg: dict, source: str) -> dict:
@@ -384,8 +384,10 @@ def moe_fields(cfg: dict, source: str) -> dict:
     model_type = cfg.get("model_type")
     if model_type not in MOE_TYPES:
         return {}
-    if model_type == "glm4_moe":
-        return _glm4_moe_fields(cfg, source)
+    if model_type in ("glm4_moe", "deepseek_v3"):
+        return _grouped_moe_fields(cfg, source, **GROUPED_MOE_DEFAULTS[model_type])
+    if model_type == "deepseek_v2":
+        return _deepseek_v2_moe_fields(cfg, source)
     if model_type == "gpt_oss":
         return _gpt_oss_fields(cfg, source)
     num_layers = positive_int(cfg, "num_hidden_layers", source)
@@ -421,34 +423,105 @@ def _flag(cfg: dict, key: str, default: bool, source: str) -> bool:
     return value
 
 
-def _glm4_moe_fields(cfg: dict, source: str) -> dict:
-    """GLM-4.5's experts (transformers' Glm4MoeConfig defaults): dense MLPs in the first first_k_dense_replace
-    layers, then n_routed_experts experts chosen by sigmoid scores in groups, and n_shared_experts shared experts'
-    worth of columns added ungated."""
+# transformers' Glm4MoeConfig and DeepseekV3Config defaults where config.json leaves a field out
+GROUPED_MOE_DEFAULTS = {
+    "glm4_moe": dict(experts=128, per_token=8, groups=1, topk_groups=1, width=1408, dense=1, shared=1, scale=1.0),
+    "deepseek_v3": dict(experts=256, per_token=8, groups=8, topk_groups=4, width=2048, dense=3, shared=1, scale=2.5),
+}
+
+
+def _grouped_moe_fields(cfg: dict, source: str, **defaults) -> dict:
+    """GLM-4.5's and DeepSeek-V3's experts: dense MLPs in the first first_k_dense_replace layers, then
+    n_routed_experts experts chosen by sigmoid scores in groups, and n_shared_experts shared experts' worth of
+    columns added ungated."""
+    return {**_deepseek_moe_fields(cfg, source, **defaults, norm=True), "moe_routing": "sigmoid_groups"}
+
+
+def _deepseek_v2_moe_fields(cfg: dict, source: str) -> dict:
+    """DeepSeek-V2's experts (transformers' DeepseekV2Config defaults): chosen by their softmax scores, among the
+    topk_group best of n_group groups by each group's best score where topk_method is group_limited_greedy, the
+    weights times routed_scaling_factor (renormalized first with norm_topk_prob, as DeepSeek's own code does)."""
+    method = cfg.get("topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ModelLoadError(f"{source}: topk_method must be greedy or group_limited_greedy, got {method!r}")
+    grouped = method == "group_limited_greedy"
+    fields = _deepseek_moe_fields(cfg if grouped else {**cfg, "n_group": 1, "topk_group": 1}, source, experts=64,
+                                  per_token=6, groups=1, topk_groups=1, width=1407, dense=0, shared=2, scale=1.0,
+                                  norm=False)
+    return {**fields, "moe_routing": "softmax_groups"}
+
+
+def _deepseek_moe_fields(cfg: dict, source: str, *, experts: int, per_token: int, groups: int, topk_groups: int,
+                         width: int, dense: int, shared: int, scale: float, norm: bool) -> dict:
     num_layers = positive_int(cfg, "num_hidden_layers", source)
     key = "num_local_experts" if "num_local_experts" in cfg else "n_routed_experts"
-    experts = positive_int(cfg, key, source, 128)
-    per_token = positive_int(cfg, "num_experts_per_tok", source, 8)
-    groups = positive_int(cfg, "n_group", source, 1)
-    topk_groups = positive_int(cfg, "topk_group", source, 1)
+    experts = positive_int(cfg, key, source, experts)
+    per_token = positive_int(cfg, "num_experts_per_tok", source, per_token)
+    groups = positive_int(cfg, "n_group", source, groups)
+    topk_groups = positive_int(cfg, "topk_group", source, topk_groups)
     if per_token > experts or experts % groups or topk_groups > groups:
         raise ModelLoadError(f"{source}: {experts} experts in n_group={groups} groups, topk_group={topk_groups} of "
                              f"them and num_experts_per_tok={per_token} do not fit together")
-    width = positive_int(cfg, "moe_intermediate_size", source, 1408)
-    dense = cfg.get("first_k_dense_replace", 1)
-    if isinstance(dense, bool) or not isinstance(dense, int) or dense < 0:
-        raise ModelLoadError(f"{source}: first_k_dense_replace must be a non-negative integer, got {dense!r}")
-    norm = _flag(cfg, "norm_topk_prob", True, source)
-    shared = cfg.get("n_shared_experts", 1) or 0
-    if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
-        raise ModelLoadError(f"{source}: n_shared_experts must be a non-negative integer, got {shared!r}")
-    layers = tuple(i >= dense for i in range(num_layers))
-    return {"num_experts": experts, "num_experts_per_tok": per_token, "norm_topk_prob": norm,
+    width = positive_int(cfg, "moe_intermediate_size", source, width)
+    dense = _count(cfg, "first_k_dense_replace", dense, source)
+    shared = _count(cfg, "n_shared_experts", shared, source)
+    every = positive_int(cfg, "moe_layer_freq", source, 1)  # DeepSeek: experts in layers i % moe_layer_freq == 0
+    layers = tuple(i >= dense and i % every == 0 for i in range(num_layers))
+    return {"num_experts": experts, "num_experts_per_tok": per_token,
+            "norm_topk_prob": _flag(cfg, "norm_topk_prob", norm, source),
             "moe_intermediate_size": width, "shared_expert_intermediate_size": width * shared,
             "shared_expert_gated": False, "moe_layers": None if all(layers) else layers,
-            "moe_routing": "sigmoid_groups", "num_expert_groups": groups, "topk_expert_groups": topk_groups,
-            "routed_scaling_factor": positive_float(cfg.get("routed_scaling_factor", 1.0), "routed_scaling_factor",
+            "num_expert_groups": groups, "topk_expert_groups": topk_groups,
+            "routed_scaling_factor": positive_float(cfg.get("routed_scaling_factor", scale), "routed_scaling_factor",
                                                     source)}
+
+
+def _count(cfg: dict, key: str, default: int, source: str) -> int:
+    value = cfg.get(key, default)
+    value = 0 if value is None else value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ModelLoadError(f"{source}: {key} must be a non-negative integer, got {value!r}")
+    return value
+
+
+MLA_TYPES = ("deepseek_v2", "deepseek_v3")
+
+
+def latent_attention_config(cfg: dict, source: str) -> dict:
+    """A DeepSeek config.json with the fields every family reads set as its latent attention runs (see
+    ModelConfig.kv_lora_rank): one KV head as wide as the latent and the rotary key together. Its own head_dim (the
+    rotary key's width) and num_key_value_heads (the heads' count) describe transformers' expanded attention."""
+    width = positive_int(cfg, "kv_lora_rank", source, 512) + positive_int(cfg, "qk_rope_head_dim", source, 64)
+    cfg = {**cfg, "num_key_value_heads": 1, "head_dim": width}
+    cfg.pop("partial_rotary_factor", None)
+    return cfg
+
+
+def latent_attention_fields(cfg: dict, source: str) -> dict:
+    """DeepSeek's latent attention as ModelConfig fields (transformers' DeepseekV2Config / DeepseekV3Config
+    defaults); none for another family. The scores are scaled by (qk_nope_head_dim + qk_rope_head_dim) ** -0.5,
+    times mscale(factor, mscale_all_dim) squared under a scaled rotary embedding (transformers'
+    yarn_apply_mscale); the rotary dimensions pair as (2i, 2i + 1) unless rope_interleave is false (V3)."""
+    if cfg.get("model_type") not in MLA_TYPES:
+        return {}
+    rope = positive_int(cfg, "qk_rope_head_dim", source, 64)
+    nope = positive_int(cfg, "qk_nope_head_dim", source, 128)
+    if rope % 2:
+        raise ModelLoadError(f"{source}: qk_rope_head_dim must be even (it rotates in pairs), got {rope}")
+    q_rank = cfg.get("q_lora_rank", 1536)
+    scale = (nope + rope) ** -0.5
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind != "default" and params.get("mscale_all_dim"):
+        factor = positive_float(params.get("factor"), "rope factor", source)
+        mscale = 1.0 if factor <= 1 else 0.1 * params["mscale_all_dim"] * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    interleaved = cfg.get("model_type") == "deepseek_v2" or _flag(cfg, "rope_interleave", True, source)
+    return {"kv_lora_rank": positive_int(cfg, "kv_lora_rank", source, 512),
+            "q_lora_rank": 0 if q_rank is None else positive_int(cfg, "q_lora_rank", source),
+            "qk_nope_head_dim": nope, "qk_rope_head_dim": rope,
+            "v_head_dim": positive_int(cfg, "v_head_dim", source, 128),
+            "attention_multiplier": scale, "rotary_interleaved": interleaved}
 
 
 # gpt-oss's defaults where config.json leaves them out (transformers' GptOssConfig): its YaRN scaling and rotary base.

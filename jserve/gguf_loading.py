@@ -53,6 +53,22 @@ What is llama.cpp's own convention, and undone here:
   first of each two, set_swa_pattern(2)) and builds the clamped SwiGLU with transformers' constants, as jserve
   reads a config.json without them. YaRN is served with transformers' `truncate: false`, as gpt-oss's own config
   sets it (the file has no key for it; llama.cpp rounds the correction range outward for every model).
+- a `deepseek2` file (DeepseekV2Model; jserve.gguf_deepseek) keeps Hugging Face's interleaved rotary rows (llama.cpp
+  rotates deepseek2's adjacent pairs), with `attention.kv_lora_rank`, `q_lora_rank` (low-rank queries:
+  `attn_q_a`, `attn_q_a_norm`, `attn_q_b`), `rope.dimension_count` (qk_rope_head_dim), `leading_dense_block_count`
+  and the expert keys. Its current form stores the latent attention as one KV head (`key_length` kv_lora_rank +
+  rope, `value_length` kv_lora_rank), the heads' widths as `key_length_mla` / `value_length_mla`, and kv_b_proj split
+  per head into `attn_k_b` (the key rows transposed, [heads, kv_lora_rank, qk_nope]) and `attn_v_b`, which are read
+  back together as kv_b_proj; the older form keeps `attn_kv_b` whole, its widths as `key_length` / `value_length`.
+  The experts' gating function is the model: sigmoid (`expert_gating_func` 2) is DeepSeek-V3's, with the router's
+  selection bias `exp_probs_b` and groups (`expert_group_count`, `expert_group_used_count`), softmax (1, or none, as
+  llama.cpp reads older files) DeepSeek-V2's, choosing among all its experts: llama.cpp ranks a softmax model's
+  groups by their two best scores' sum, not by the best one as DeepSeek-V2's group_limited_greedy does, so a
+  softmax file with restricting groups is refused. `expert_weights_scale` (none: 1) and `expert_weights_norm` are
+  routed_scaling_factor and norm_topk_prob. YaRN is served as llama.cpp serves it: `rope.scaling.yarn_log_multiplier`
+  is 0.1 * DeepSeek's mscale_all_dim, the scores are scaled by mscale(factor, mscale_all_dim) squared, and the rotary
+  embedding is unscaled (llama.cpp takes mscale as mscale_all_dim, which DeepSeek's configs set alike; the file
+  stores no mscale). Multi-token-prediction layers are not in the file.
 """
 
 from __future__ import annotations
@@ -69,14 +85,18 @@ from checkpoints.gguf_reader import GGUFFile, GGUFTensor, open_gguf
 from checkpoints.safetensors_loader import ParamSource, Tensor, assemble_state, hf_names
 from jserve.config import ModelConfig, ModelLoadError
 from jserve.config_json import RopeScaling
+from jserve.gguf_deepseek import LAYER_NAMES as _DEEPSEEK2_LAYER_NAMES
+from jserve.gguf_deepseek import SELECTION_BIAS, deepseek2_fields, latent_tensors
 
 # GGUF general.architecture -> jserve model_type. A Mistral GGUF says "llama" (llama.cpp converts Mistral as one).
 SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
                            "granite": "granite", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text",
                            "smollm3": "smollm3", "olmo2": "olmo2", "glm4": "glm4", "qwen2moe": "qwen2_moe",
-                           "qwen3moe": "qwen3_moe", "olmoe": "olmoe", "gpt-oss": "gpt_oss"}
+                           "qwen3moe": "qwen3_moe", "olmoe": "olmoe", "gpt-oss": "gpt_oss",
+                           "deepseek2": "deepseek_v2"}  # deepseek_v3 where its experts are sigmoid-gated
 GGUF_ARCHITECTURE_OF = {model_type: arch for arch, model_type in SUPPORTED_ARCHITECTURES.items()}
 GGUF_ARCHITECTURE_OF["mixtral"] = "llama"  # a llama file with experts (general.architecture says nothing more)
+GGUF_ARCHITECTURE_OF["deepseek_v3"] = "deepseek2"
 # Architectures a mixture of experts may be stored as (a llama one is Mixtral where expert_count > 0); the others
 # must have none. Qwen3-MoE and Mixtral renormalize the chosen experts' weights, Qwen2-MoE does not (llama.cpp's
 # build_moe_ffn norm_w in llm_build_llama / llm_build_qwen3moe / llm_build_qwen2moe / llm_build_olmoe).
@@ -159,7 +179,7 @@ def _layer_names(arch: str) -> dict[str, str]:
             "llama": _LAYER_NAMES | _MOE_LAYER_NAMES, "qwen3moe": _QWEN_MOE_LAYER_NAMES,
             "olmoe": _QWEN_MOE_LAYER_NAMES, "qwen2moe": _QWEN_MOE_LAYER_NAMES | _SHARED_EXPERT_NAMES,
             "olmo2": _OLMO2_LAYER_NAMES, "glm4": _GLM4_LAYER_NAMES,
-            "gpt-oss": _GPT_OSS_LAYER_NAMES}.get(arch, _LAYER_NAMES)
+            "gpt-oss": _GPT_OSS_LAYER_NAMES, "deepseek2": _DEEPSEEK2_LAYER_NAMES}.get(arch, _LAYER_NAMES)
 
 
 def hf_tensor_name(name: str, arch: str = "llama") -> str | None:
@@ -171,6 +191,8 @@ def hf_tensor_name(name: str, arch: str = "llama") -> str | None:
         return _GLOBAL_NAMES[name]
     if (m := _GGUF_LAYER_RE.match(name)) and m[2] in layer_names:
         return f"model.layers.{m[1]}.{layer_names[m[2]]}.{m[3]}"
+    if m and arch == "deepseek2" and (m[2], m[3]) == (SELECTION_BIAS, "bias"):
+        return f"model.layers.{m[1]}.mlp.gate.e_score_correction_bias"
     return None
 
 
@@ -232,7 +254,7 @@ def gguf_model_config(path: str | Path) -> ModelConfig:
     head_dim = int(key("attention.key_length", 0) or (not partial and key("rope.dimension_count", 0))
                    or hidden // heads)
     rotary, value = int(key("rope.dimension_count", head_dim)), int(key("attention.value_length", head_dim))
-    if value != head_dim or (rotary != head_dim and not partial):
+    if arch != "deepseek2" and (value != head_dim or (rotary != head_dim and not partial)):
         raise ModelLoadError(f"{file.path}: rotary dimensions {rotary} and value length {value} must equal the head "
                              f"dimension {head_dim} (partial rotary is supported in phi3 and glm4 files only)")
     if "token_embd.weight" not in tensors:
@@ -250,7 +272,7 @@ def gguf_model_config(path: str | Path) -> ModelConfig:
         "head_dim": head_dim,
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "rope_scaling": _rope_scaling(file, arch, rotary),
+        "rope_scaling": None if arch == "deepseek2" else _rope_scaling(file, arch, rotary),
         "partial_rotary_factor": rotary / head_dim,
         "max_position_embeddings": int(key("context_length")),
         "tie_word_embeddings": "output.weight" not in tensors,
@@ -268,7 +290,9 @@ def gguf_model_config(path: str | Path) -> ModelConfig:
         cfg.update(_gemma_config(file, arch, cfg))
     if arch == "olmo2" and window:
         cfg.update(_olmo3_config(file, cfg))
-    if int(key("expert_count", 0) or 0) > 0:
+    if arch == "deepseek2":
+        cfg.update(deepseek2_fields(file, cfg, _rope_scaling))
+    elif int(key("expert_count", 0) or 0) > 0:
         cfg.update(_moe_config(file, arch, cfg))
     config = ModelConfig.from_hf_dict(cfg, source=str(file.path))
     # Biases are whatever tensors the file has (Qwen2's q/k/v; a Llama's with attention_bias or mlp_bias).
@@ -285,9 +309,11 @@ def load_gguf_state(path: str | Path, config: ModelConfig, shapes: dict[tuple, t
     from the file's tensors, one parameter at a time, each decoded as its blocks are read."""
     file = _open_checked(path)
     permuted = file.architecture in _PERMUTED_QK
+    # deepseek2: each layer's attn_k_b and attn_v_b read together as the attn_kv_b they were split from
+    by_name = latent_tensors(file, config) if file.architecture == "deepseek2" else file.tensors
 
     def tensors() -> Iterator[tuple[str, Tensor, str]]:
-        for name, tensor in file.tensors.items():
+        for name, tensor in by_name.items():
             if name == ROPE_FREQS or name in LONGROPE_FACTORS.values():
                 continue
             hf_name = hf_tensor_name(name, file.architecture)
@@ -315,10 +341,11 @@ def _open_checked(path: str | Path) -> GGUFFile:
         raise ModelLoadError(f"{file.path}: GGUF architecture {arch!r} is not supported; jserve serves "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)} (a Mistral GGUF is a llama one)")
     experts = int(file.get(f"{arch}.expert_count", 0) or 0)
-    if experts > 0 and arch not in _MOE_ARCHITECTURES:
+    if experts > 0 and arch not in _MOE_ARCHITECTURES and arch != "deepseek2":
         raise ModelLoadError(f"{file.path}: a mixture-of-experts {arch} model ({arch}.expert_count {experts}) is not "
-                             "supported (llama, qwen2moe, qwen3moe and olmoe ones are)")
-    if experts == 0 and arch in ("qwen2moe", "qwen3moe", "olmoe"):  # llama.cpp: "n_expert must be > 0 for QWEN2MOE"
+                             "supported (llama, qwen2moe, qwen3moe, olmoe, gpt-oss and deepseek2 ones are)")
+    # llama.cpp: "n_expert must be > 0 for QWEN2MOE" (and its MoE architectures alike)
+    if experts == 0 and arch in ("qwen2moe", "qwen3moe", "olmoe", "deepseek2"):
         raise ModelLoadError(f"{file.path}: a GGUF {arch} model needs {arch}.expert_count > 0")
     if int(file.get("split.count", 1)) > 1:
         raise ModelLoadError(f"{file.path}: part of a GGUF split into {file.get('split.count')} files; merge them "

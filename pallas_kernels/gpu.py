@@ -8,11 +8,16 @@ software-pipelines the loads of step i + 1 under the math of step i (num_stages)
 
 K/V stay in the engine's layout [N, B, Hkv, D]: a page of one head is B rows of D contiguous elements (256 bytes
 at D = 128 in bf16), strided by Hkv * D, which coalesces into full 128-byte transactions.
+
+Triton tiles need power-of-two extents, so a head_dim that is not a power of two runs as its binary digits, largest
+first (96 = 64 + 32, 576 = 512 + 64): q, each K/V page's slice of the last axis, the accumulator and the output are
+one tile per chunk, and the score is the sum of the chunks' dots. A power-of-two head_dim is one chunk.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -34,18 +39,40 @@ def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _attend_page(q, k, v, carry, key_pos0, row_pos, k_scale=None, v_scale=None, *, scale, soft_cap,
+def head_dim_chunks(head_dim: int) -> tuple[tuple[int, int], ...]:
+    """(offset, width) of each power-of-two chunk of head_dim, largest first: its binary decomposition. Every chunk
+    is the K of a QK^T dot, which Triton needs >= 16."""
+    widths = [1 << bit for bit in reversed(range(head_dim.bit_length())) if head_dim >> bit & 1]
+    if len(widths) > 1 and widths[-1] < 16:
+        raise ValueError(f"head_dim {head_dim} = {' + '.join(map(str, widths))}: the Triton kernel runs it as these "
+                         f"power-of-two chunks, and a chunk narrower than 16 cannot be a tl.dot operand")
+    offsets = [sum(widths[:i]) for i in range(len(widths))]
+    return tuple(zip(offsets, widths, strict=True))
+
+
+def takes_head_dim(head_dim: int) -> bool:
+    """Whether the kernel tiles this head_dim (head_dim_chunks)."""
+    try:
+        head_dim_chunks(head_dim)
+    except ValueError:
+        return False
+    return True
+
+
+def _attend_page(qs, ks, vs, carry, key_pos0, row_pos, k_scale=None, v_scale=None, *, scale, soft_cap,
                  sliding_window):
-    """One online-softmax step of the [M, D] query tile against one [B, D] page of keys and values. Quantized
-    pages bring each key's and value's scale ([B] float32): they multiply the score and probability columns."""
-    acc, m_prev, l_prev = carry
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_precision(k.dtype),
-                        preferred_element_type=jnp.float32) * scale
+    """One online-softmax step of the query tiles ([M, width] per head_dim chunk) against one [N, width] tile of
+    keys and of values per chunk. Quantized pages bring each key's and value's scale ([N] float32): they multiply
+    the score and probability columns."""
+    accs, m_prev, l_prev = carry
+    s = functools.reduce(operator.add, (
+        lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_precision(k.dtype),
+                        preferred_element_type=jnp.float32) for q, k in zip(qs, ks, strict=True))) * scale
     if k_scale is not None:
         s = s * k_scale[None, :]
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
-    key_pos = key_pos0 + jnp.arange(k.shape[0], dtype=jnp.int32)
+    key_pos = key_pos0 + jnp.arange(s.shape[1], dtype=jnp.int32)
     mask = key_pos[None, :] <= row_pos[:, None]
     if sliding_window is not None:
         mask &= key_pos[None, :] > row_pos[:, None] - sliding_window
@@ -54,23 +81,26 @@ def _attend_page(q, k, v, carry, key_pos0, row_pos, k_scale=None, v_scale=None, 
     p = jnp.exp(s - m_next[:, None])
     correction = jnp.exp(m_prev - m_next)
     weights = p if v_scale is None else p * v_scale[None, :]  # the row sum below stays that of p
-    pv = lax.dot_general(weights.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_precision(v.dtype),
-                         preferred_element_type=jnp.float32)
-    return acc * correction[:, None] + pv, m_next, l_prev * correction + p.sum(axis=1)
+    accs = tuple(acc * correction[:, None] + lax.dot_general(
+        weights.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_precision(v.dtype),
+        preferred_element_type=jnp.float32) for acc, v in zip(accs, vs, strict=True))
+    return accs, m_next, l_prev * correction + p.sum(axis=1)
 
 
-def _kernel(seq_ref, q_pos_ref, kv_end_ref, page_table_ref, q_ref, k_ref, v_ref, *refs,
+def _kernel(seq_ref, q_pos_ref, kv_end_ref, page_table_ref, *refs, chunks: tuple[tuple[int, int], ...],
             scale: float, block_q: int, pages_per_step: int, kv_splits: int, sliding_window: int | None,
             soft_cap: float | None, compute_dtype: jnp.dtype | None, has_sinks: bool):
-    # compute_dtype is set for quantized pages: two scale refs ([N, B, Hkv] float32) precede the outputs, then
-    # with has_sinks (kv_splits == 1 only) the [M] sinks of the tile's rows.
+    # refs: one q tile per head_dim chunk, the K and V pages; for quantized pages (compute_dtype set) two scale refs
+    # ([N, B, Hkv] float32); with has_sinks (kv_splits == 1 only) the [M] sinks of the tile's rows; then the
+    # outputs: one tile per chunk, or with kv_splits > 1 one acc partial per chunk, m and denom.
+    q_refs, (k_ref, v_ref, *refs) = refs[:len(chunks)], refs[len(chunks):]
     k_scale_ref, v_scale_ref, *refs = refs if compute_dtype is not None else (None, None, *refs)
     sink_ref, *out_refs = refs if has_sinks else (None, *refs)
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq, q_pos, kv_end = seq_ref[b], q_pos_ref[b], kv_end_ref[b]
     page_size = k_ref.shape[1]
-    q = q_ref[...]
-    rows, head_dim = q.shape
+    qs = tuple(q_ref[...] for q_ref in q_refs)
+    rows = qs[0].shape[0]
     row_pos = q_pos + jnp.arange(rows, dtype=jnp.int32) % block_q
     first_page = 0 if sliding_window is None else jnp.maximum(q_pos - sliding_window + 1, 0) // page_size
     last_page = (kv_end + page_size - 1) // page_size
@@ -87,31 +117,33 @@ def _kernel(seq_ref, q_pos_ref, kv_end_ref, page_table_ref, q_ref, k_ref, v_ref,
         # Past the last page, re-read it: the load stays in bounds with finite data, and the mask drops it.
         js = jnp.minimum(first + jnp.arange(pages_per_step, dtype=jnp.int32), last_page - 1)
         pages = page_table_ref[seq, js]
-        k = k_ref[pages, :, h, :].reshape(block_k, head_dim)  # a gather of whole pages: one [block_k, D] tile
-        v = v_ref[pages, :, h, :].reshape(block_k, head_dim)
+        # A gather of whole pages: one [block_k, width] tile per chunk, a static slice of the last axis.
+        ks = tuple(k_ref[pages, :, h, pl.ds(offset, width)].reshape(block_k, width) for offset, width in chunks)
+        vs = tuple(v_ref[pages, :, h, pl.ds(offset, width)].reshape(block_k, width) for offset, width in chunks)
         if compute_dtype is None:
-            return attend(q, k, v, carry, first * page_size, row_pos)
+            return attend(qs, ks, vs, carry, first * page_size, row_pos)
         # int8 / e4m3 values convert exactly to the compute dtype; their scales apply to the score columns
         k_scale = k_scale_ref[pages, :, h].reshape(block_k)
         v_scale = v_scale_ref[pages, :, h].reshape(block_k)
-        return attend(q, k.astype(compute_dtype), v.astype(compute_dtype), carry, first * page_size, row_pos,
-                      k_scale, v_scale)
+        ks, vs = (tuple(x.astype(compute_dtype) for x in xs) for xs in (ks, vs))
+        return attend(qs, ks, vs, carry, first * page_size, row_pos, k_scale, v_scale)
 
-    init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), MASK_VALUE, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
-    acc, m, denom = lax.fori_loop(begin, end, body, init)
-    if kv_splits == 1 and sink_ref is not None:
-        (o_ref,) = out_refs
-        weight, sink_term = sink_weights(m, sink_ref[...])
-        o_ref[...] = acc * (weight / (denom * weight + sink_term))[:, None]
-    elif kv_splits == 1:
-        (o_ref,) = out_refs
-        o_ref[...] = acc / jnp.where(denom == 0, 1.0, denom)[:, None]  # padding blocks (no keys) write zeros
-    else:  # unnormalized partials, merged by _merge_splits
-        acc_ref, m_ref, denom_ref = out_refs
-        acc_ref[...] = acc
+    init = (tuple(jnp.zeros((rows, width), jnp.float32) for _, width in chunks),
+            jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32))
+    accs, m, denom = lax.fori_loop(begin, end, body, init)
+    if kv_splits > 1:  # unnormalized partials, merged by _merge_splits
+        *acc_refs, m_ref, denom_ref = out_refs
+        for acc_ref, acc in zip(acc_refs, accs, strict=True):
+            acc_ref[...] = acc
         m_ref[...] = m
         denom_ref[...] = denom
+    elif sink_ref is not None:
+        weight, sink_term = sink_weights(m, sink_ref[...])
+        for o_ref, acc in zip(out_refs, accs, strict=True):
+            o_ref[...] = acc * (weight / (denom * weight + sink_term))[:, None]
+    else:
+        for o_ref, acc in zip(out_refs, accs, strict=True):
+            o_ref[...] = acc / jnp.where(denom == 0, 1.0, denom)[:, None]  # padding blocks (no keys) write zeros
 
 
 def _merge_splits(acc: jax.Array, m: jax.Array, denom: jax.Array, sinks: jax.Array | None = None) -> jax.Array:
@@ -164,6 +196,7 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array | QuantizedPages
     if quantized:
         k_pages, v_pages = k_pages.values, v_pages.values
     num_tokens, num_heads, head_dim = q.shape
+    chunks = head_dim_chunks(head_dim)
     num_kv_heads = k_pages.shape[2]
     num_seqs = seq_lens.shape[0]
     page_size = k_pages.shape[1]
@@ -182,31 +215,35 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array | QuantizedPages
     packed_sinks = None if sinks is None else pack_sinks(sinks, num_kv_heads, block_q, group_pad)
     # With one split the kernel normalizes, so it reads its KV head's row of the sinks; splits leave it to the merge.
     kernel_sinks = (packed_sinks,) if packed_sinks is not None and kv_splits == 1 else ()
-    tile = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0))
+    # One q tile and one output (or acc partial) per head_dim chunk; the wrapper splits q and joins the outputs.
+    q_chunks = jnp.split(q_packed, [offset for offset, _ in chunks[1:]], axis=-1)
+    tiles = [pl.BlockSpec((None, None, rows, width), lambda b, h, s: (b, h, 0, 0)) for _, width in chunks]
     whole = pl.no_block_spec
     if kv_splits == 1:
-        out_specs = tile
-        out_shape = jax.ShapeDtypeStruct(q_packed.shape, jnp.float32)
+        out_specs = tiles
+        out_shape = [jax.ShapeDtypeStruct((nb, num_kv_heads, rows, width), jnp.float32) for _, width in chunks]
     else:
-        out_specs = [pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
-                     pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
-                     pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0))]
-        out_shape = [jax.ShapeDtypeStruct((nb, num_kv_heads, kv_splits, rows, head_dim), jnp.float32),
-                     jax.ShapeDtypeStruct((nb, num_kv_heads, kv_splits, rows), jnp.float32),
-                     jax.ShapeDtypeStruct((nb, num_kv_heads, kv_splits, rows), jnp.float32)]
+        row_partial = pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0))
+        out_specs = [pl.BlockSpec((None, None, None, rows, width), lambda b, h, s: (b, h, s, 0, 0))
+                     for _, width in chunks] + [row_partial, row_partial]
+        per_row = (nb, num_kv_heads, kv_splits, rows)
+        out_shape = [jax.ShapeDtypeStruct((*per_row, width), jnp.float32) for _, width in chunks] \
+            + [jax.ShapeDtypeStruct(per_row, jnp.float32)] * 2
     out = pl.pallas_call(
-        functools.partial(_kernel, scale=scale, block_q=block_q, pages_per_step=pages_per_step,
+        functools.partial(_kernel, chunks=chunks, scale=scale, block_q=block_q, pages_per_step=pages_per_step,
                           kv_splits=kv_splits, sliding_window=sliding_window, soft_cap=soft_cap,
                           compute_dtype=compute_dtype, has_sinks=bool(kernel_sinks)),
         grid=(nb, num_kv_heads, kv_splits),
-        in_specs=[whole, whole, whole, whole, tile, whole, whole] + [whole] * len(scales)
+        in_specs=[whole] * 4 + tiles + [whole] * (2 + len(scales))
         + [pl.BlockSpec((None, rows), lambda b, h, s: (h, 0))] * len(kernel_sinks),
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention_triton",
-    )(meta.seq, meta.q_pos, meta.kv_end, page_table, q_packed, k_pages, v_pages, *scales, *kernel_sinks)
-    if kv_splits > 1:
-        out = _merge_splits(*out, packed_sinks)
+    )(meta.seq, meta.q_pos, meta.kv_end, page_table, *q_chunks, k_pages, v_pages, *scales, *kernel_sinks)
+    if kv_splits == 1:
+        out = jnp.concatenate(out, axis=-1)
+    else:
+        out = _merge_splits(jnp.concatenate(out[:-2], axis=-1), *out[-2:], packed_sinks)
     return unpack_out(out, query_start, num_tokens, num_heads, block_q)

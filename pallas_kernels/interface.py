@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 import cpu_kernels
 from pallas_kernels.blocks import row_of
-from pallas_kernels.gpu import ragged_paged_attention_gpu
+from pallas_kernels.gpu import ragged_paged_attention_gpu, takes_head_dim
 from pallas_kernels.quantized import QuantizedPages
 from pallas_kernels.reference import from_stored, ragged_paged_attention_chunked, write_kv_ref
 from pallas_kernels.tpu import ragged_paged_attention_tpu
@@ -145,6 +145,10 @@ def _attention(q: jax.Array, k_pages: jax.Array | QuantizedPages, v_pages: jax.A
         # gets that platform's kernel (and lowering for CPU fails: there is no branch for it). Every branch is
         # traced; cuda and rocm share one callable so that the Triton kernel is traced once.
         triton = functools.partial(ragged_paged_attention_gpu, **kwargs)
+        if not takes_head_dim(q.shape[-1]):  # a head_dim Triton cannot tile (e.g. 72 = 64 + 8): the reference there
+            def triton(*_: jax.Array) -> jax.Array:
+                return _attention(q, k_pages, v_pages, page_table, query_start, seq_lens, sinks, backend="reference",
+                                  scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
         return jax.lax.platform_dependent(*args, tpu=functools.partial(ragged_paged_attention_tpu, **kwargs),
                                           cuda=triton, rocm=triton)
     if backend in ("pallas-interpret", "pallas-interpret-tpu"):
@@ -161,9 +165,10 @@ def _kernel_pages(pages: jax.Array | QuantizedPages) -> jax.Array | QuantizedPag
     return pages
 
 
-def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
-             slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Write new K/V [T, Hkv, D] into flat slots (page * B + offset); slot N * B (padding) is dropped.
+def write_kv(k_pages: jax.Array, v_pages: jax.Array | None, k: jax.Array, v: jax.Array | None,
+             slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """Write new K/V [T, Hkv, D] into flat slots (page * B + offset); slot N * B (padding) is dropped. Without
+    v_pages (latent attention, whose values are its keys' pages) only the keys are written.
 
     Every backend uses this XLA scatter: inside the jitted step the caches are donated, so XLA updates them in
     place (no copy of the cache), and it fuses with the K/V projection. A kernel would save nothing: the write

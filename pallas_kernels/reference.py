@@ -65,10 +65,13 @@ def gather_pages(pages: jax.Array | QuantizedPages, index: jax.Array) -> tuple[j
     return from_stored(pages[index]), None
 
 
-def write_kv_ref(k_pages: jax.Array | QuantizedPages, v_pages: jax.Array | QuantizedPages, k: jax.Array,
-                 v: jax.Array, slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
+def write_kv_ref(k_pages: jax.Array | QuantizedPages, v_pages: jax.Array | QuantizedPages | None, k: jax.Array,
+                 v: jax.Array | None, slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array | None]:
     """Scatter new k/v [T, Hkv, D] into flat slots; out-of-range slots (padding tokens) are dropped. A quantized
-    cache quantizes each (token, KV head) row with its own scale as it writes it."""
+    cache quantizes each (token, KV head) row with its own scale as it writes it. v_pages None (a cache whose values
+    are its keys): only the keys are written."""
+    if v_pages is None:
+        return write_kv_ref(k_pages, k_pages, k, k, slot_mapping)[0], None
     if isinstance(k_pages, QuantizedPages):
         return write_quantized(k_pages, k, slot_mapping), write_quantized(v_pages, v, slot_mapping)
     num_pages, page_size, kv_heads, head_dim = k_pages.shape

@@ -20,7 +20,20 @@ converter, a Qwen MoE checkpoint with a dense layer (mlp_only_layers, decoder_sp
 gpt-oss as GptOssModel writes it: its sliding window and expert width, the sinks as attn_sinks.weight, the router as
 ffn_gate_inp, each interleaved gate|up stack split into gate (even rows of the [E, out, in] matrix) and up (odd), the
 float stacks transposed from [E, in, out], MXFP4 ones repacked (repack_mxfp4: each block's scale byte, then its 32
-values re-paired as ggml pairs them, value i with value i + 16) and written as GGML MXFP4."""
+values re-paired as ggml pairs them, value i with value i + 16) and written as GGML MXFP4.
+
+DeepSeek-V2 and V3 as DeepseekV2Model writes them (arch deepseek2): the rotary rows in Hugging Face's interleaved
+order, kv_lora_rank, q_lora_rank (where the queries are low-rank), rope.dimension_count (qk_rope_head_dim),
+leading_dense_block_count, the expert keys (count, used count, width, shared count, routed_scaling_factor as
+expert_weights_scale, norm_topk_prob as expert_weights_norm where true), the gating function of the checkpoint's
+scoring_func (the tiny checkpoints have none: softmax for V2, sigmoid for V3, as the real ones' config.json say),
+YaRN's mscale_all_dim as yarn_log_multiplier (times 0.1), the router's e_score_correction_bias as exp_probs_b and the
+experts stacked. kv_b="split" writes the converter's current form: one KV head of kv_lora_rank + rope
+(key_length) and kv_lora_rank (value_length), the heads' widths as key_length_mla / value_length_mla, n_group and
+topk_group as expert_group_count / expert_group_used_count, and kv_b_proj split per head into attn_k_b (the key
+rows, transposed: [heads, kv_lora_rank, qk_nope]) and attn_v_b ([heads, v_head, kv_lora_rank]). kv_b="whole" writes
+the older form Ollama's DeepSeek-V2 files have: head_count_kv the heads, their widths as key_length / value_length,
+no group keys, no gating function for softmax, and the whole attn_kv_b."""
 
 from __future__ import annotations
 
@@ -37,7 +50,8 @@ from safetensors.numpy import load_file
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
              "granite": "granite", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3",
              "smollm3": "smollm3", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
-             "olmo2": "olmo2", "olmo3": "olmo2", "olmoe": "olmoe", "glm4": "glm4", "gpt_oss": "gpt-oss"}
+             "olmo2": "olmo2", "olmo3": "olmo2", "olmoe": "olmoe", "glm4": "glm4", "gpt_oss": "gpt-oss",
+             "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
 GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 T = gguf.GGMLQuantizationType
 
@@ -70,13 +84,14 @@ def llama3_rope_factors(rope: dict, theta: float, dim: int) -> np.ndarray:
 
 def write_gguf(model_dir: Path, out: Path, matrix_type: str | Callable[[str], str] = "F32",
                name: str = "tiny", extra_tensors: dict[str, np.ndarray] | None = None,
-               skip: tuple[str, ...] = (), metadata: dict | None = None, drop: tuple[str, ...] = ()) -> Path:
+               skip: tuple[str, ...] = (), metadata: dict | None = None, drop: tuple[str, ...] = (),
+               kv_b: str = "split") -> Path:
     """Write model_dir's checkpoint and tokenizer as the GGUF file `out`.
 
     matrix_type: the GGML type of every 2-D tensor ("F32", "F16", "BF16", "Q8_0", "Q4_0", ...), or a function of
     the GGUF tensor name giving it (a type gguf-py cannot quantize to is written as zero blocks). extra_tensors, skip,
     metadata ({key: (value, GGUFValueType)}) and drop (metadata keys left out) bend the file for the error tests and
-    for the defaults a reader takes."""
+    for the defaults a reader takes. kv_b: a DeepSeek's form, "split" or "whole" (see the module docstring)."""
     config = json.loads((model_dir / "config.json").read_text())
     arch = GGUF_ARCH[config["model_type"]]
     layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
@@ -89,7 +104,8 @@ def write_gguf(model_dir: Path, out: Path, matrix_type: str | Callable[[str], st
     w.add_embedding_length(config["hidden_size"])
     w.add_feed_forward_length(config["intermediate_size"])
     w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
+    if arch != "deepseek2":
+        w.add_head_count_kv(kv_heads)
     params = config.get("rope_scaling") or config.get("rope_parameters") or {}
     rope = params.get("full_attention", params)  # Gemma 3: its global layers' (TextModel.set_gguf_parameters)
     theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
@@ -100,7 +116,7 @@ def write_gguf(model_dir: Path, out: Path, matrix_type: str | Callable[[str], st
     w.add_layer_norm_rms_eps(1e-5 if arch == "olmoe" else config["rms_norm_eps"])  # OlmoeModel writes 1e-5
     w.add_vocab_size(config["vocab_size"])
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    if arch not in GEMMA_ARCHS:
+    if arch not in (*GEMMA_ARCHS, "deepseek2"):
         w.add_rope_dimension_count(int(head_dim * partial))  # Phi3MiniModel: the rotated dimensions
     if arch == "gemma2":  # Gemma2Model.set_gguf_parameters
         w.add_attn_logit_softcapping(config["attn_logit_softcapping"])
@@ -126,7 +142,9 @@ def write_gguf(model_dir: Path, out: Path, matrix_type: str | Callable[[str], st
         scale = config["max_position_embeddings"] / original
         w.add_rope_scaling_attn_factors(1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(original)))
         w.add_rope_scaling_orig_ctx_len(original)
-    if config.get("head_dim"):
+    if arch == "deepseek2":
+        _deepseek2_metadata(w, config, kv_b)
+    elif config.get("head_dim"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     if rope.get("rope_type") == "linear":
@@ -167,6 +185,8 @@ def write_gguf(model_dir: Path, out: Path, matrix_type: str | Callable[[str], st
     checkpoint = load_file(model_dir / "model.safetensors")
     if arch == "gpt-oss":
         checkpoint, raw_tensors = _gpt_oss_tensors(checkpoint, names)
+    if arch == "deepseek2":
+        checkpoint = _deepseek2_tensors(checkpoint, config, kv_b)
     for hf_name, array in _stacked_experts(checkpoint).items():
         stem, suffix = hf_name.rsplit(".", 1)
         if arch in GEMMA_ARCHS and hf_name == "lm_head.weight":
@@ -207,6 +227,66 @@ def write_gguf(model_dir: Path, out: Path, matrix_type: str | Callable[[str], st
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return out
+
+
+def _deepseek2_metadata(w: gguf.GGUFWriter, config: dict, kv_b: str) -> None:
+    """DeepseekV2Model.set_gguf_parameters (and TextModel's expert and group keys) in either form."""
+    heads, rank, rope = config["num_attention_heads"], config["kv_lora_rank"], config["qk_rope_head_dim"]
+    qk, v_head = config["qk_nope_head_dim"] + rope, config["v_head_dim"]
+    if kv_b == "split":  # the latent attention as multi-query attention over [latent | rotary key]
+        w.add_head_count_kv(1)
+        w.add_key_length(rank + rope)
+        w.add_value_length(rank)
+        w.add_key_length_mla(qk)
+        w.add_value_length_mla(v_head)
+    else:
+        w.add_head_count_kv(config.get("num_key_value_heads") or heads)
+        w.add_key_length(qk)
+        w.add_value_length(v_head)
+    w.add_leading_dense_block_count(config.get("first_k_dense_replace") or 0)
+    if config.get("q_lora_rank") is not None:
+        w.add_q_lora_rank(config["q_lora_rank"])
+    w.add_kv_lora_rank(rank)
+    w.add_expert_count(config["n_routed_experts"])
+    w.add_expert_used_count(config["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    w.add_expert_shared_count(config.get("n_shared_experts") or 0)
+    if config.get("routed_scaling_factor") is not None:
+        w.add_expert_weights_scale(config["routed_scaling_factor"])
+    if config.get("norm_topk_prob"):
+        w.add_expert_weights_norm(True)
+    scoring = config.get("scoring_func", "sigmoid" if config["model_type"] == "deepseek_v3" else "softmax")
+    sigmoid = scoring == "sigmoid"
+    if kv_b == "split" or sigmoid:
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if sigmoid else gguf.ExpertGatingFuncType.SOFTMAX)
+    if kv_b == "split" and config.get("n_group") is not None:
+        w.add_expert_group_count(config["n_group"])
+        w.add_expert_group_used_count(config["topk_group"])
+    w.add_rope_dimension_count(rope)
+    params = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if params.get("mscale_all_dim") is not None:
+        w.add_rope_scaling_yarn_log_mul(0.1 * params["mscale_all_dim"])
+
+
+def _deepseek2_tensors(checkpoint: dict[str, np.ndarray], config: dict, kv_b: str) -> dict[str, np.ndarray]:
+    """DeepseekV2Model.modify_tensors: the router's e_score_correction_bias under the name gguf-py maps to
+    exp_probs_b, multi-token-prediction layers left out, and in the split form kv_b_proj as k_b_proj (each head's
+    key rows, transposed) and v_b_proj (its value rows)."""
+    heads, nope, v_head = config["num_attention_heads"], config["qk_nope_head_dim"], config["v_head_dim"]
+    out = {}
+    for name, array in checkpoint.items():
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        if m and int(m[1]) >= config["num_hidden_layers"]:
+            continue
+        if name.endswith("e_score_correction_bias"):
+            out[name.replace("e_score_correction_bias", "e_score_correction.bias")] = array
+        elif kv_b == "split" and name.endswith("kv_b_proj.weight"):
+            per_head = array.reshape(heads, nope + v_head, array.shape[-1])
+            out[name.replace("kv_b_proj", "k_b_proj")] = np.ascontiguousarray(per_head[:, :nope].transpose(0, 2, 1))
+            out[name.replace("kv_b_proj", "v_b_proj")] = np.ascontiguousarray(per_head[:, nope:])
+        else:
+            out[name] = array
     return out
 
 

@@ -27,7 +27,10 @@ VOCAB = 512
 # norms, q, k and v clipped, top-2 of 4 experts (not renormalized); glm4: interleaved rotary pairs over half the
 # head, sandwich norms named its own way, q/k/v biases, a fused gate|up; gpt_oss: attention sinks, a window on every
 # other layer, YaRN, top-2 of 4 experts weighted by the softmax of their logits, biases on the router and the experts,
-# a SwiGLU clamped where the tiny model's activations reach.
+# a SwiGLU clamped where the tiny model's activations reach; deepseek_v2: latent attention with a plain q_proj and
+# interleaved rotary pairs, a dense first layer, then top-3 of 8 experts by softmax within the 2 best of 4 groups by
+# their best score, scaled by 1.5, beside 2 shared experts' worth of ungated columns; deepseek_v3: latent attention
+# with low-rank queries, experts chosen as GLM-4.5's.
 VARIANTS: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", dict(num_key_value_heads=2)),
     "llama3_rope": ("LlamaConfig", dict(num_key_value_heads=2, rope_scaling={
@@ -72,6 +75,16 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "olmoe": ("OlmoeConfig", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, clip_qkv=1.5)),
     "gpt_oss": ("GptOssConfig", dict(num_key_value_heads=2, head_dim=16, sliding_window=12, num_local_experts=4,
                                      num_experts_per_tok=2, intermediate_size=48, swiglu_limit=0.6)),
+    "deepseek_v2": ("DeepseekV2Config", dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
+                                             qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=12,
+                                             n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
+                                             n_shared_experts=2, first_k_dense_replace=1, n_group=4, topk_group=2,
+                                             topk_method="group_limited_greedy", routed_scaling_factor=1.5)),
+    "deepseek_v3": ("DeepseekV3Config", dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24,
+                                             qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=12,
+                                             n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
+                                             n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+                                             routed_scaling_factor=2.5)),
 }
 
 _MODEL_CLASSES = {"LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
@@ -83,7 +96,8 @@ _MODEL_CLASSES = {"LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralFo
                   "Qwen3MoeConfig": "Qwen3MoeForCausalLM", "Glm4MoeConfig": "Glm4MoeForCausalLM",
                   "Olmo2Config": "Olmo2ForCausalLM", "Olmo3Config": "Olmo3ForCausalLM",
                   "Glm4Config": "Glm4ForCausalLM", "OlmoeConfig": "OlmoeForCausalLM",
-                  "GptOssConfig": "GptOssForCausalLM"}
+                  "GptOssConfig": "GptOssForCausalLM", "DeepseekV2Config": "DeepseekV2ForCausalLM",
+                  "DeepseekV3Config": "DeepseekV3ForCausalLM"}
 
 
 def make_config(variant: str, **overrides) -> transformers.PretrainedConfig:

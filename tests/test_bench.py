@@ -273,11 +273,26 @@ def test_roofline_of_a_mixture_of_experts_counts_the_experts_a_step_reaches():
     assert two == pytest.approx(cfg.num_layers * expert * 8 * 120 / 128)
 
 
+def test_roofline_of_latent_attention_against_deepseek_v2_lites_model_card():
+    """DeepSeek-V2-Lite, the GPU check's latent-attention shape: 15.7B parameters, 2.4B activated, which DeepSeek
+    counts without the embedding table (a token's reads but its embedding row; cut after one decimal)."""
+    from benchmarks.gpu_check.common import DEEPSEEK_V2_LITE
+
+    cfg = ModelConfig.from_hf_dict(DEEPSEEK_V2_LITE)
+    table = cfg.vocab_size * cfg.hidden_size
+    billions = lambda params: int(params / 1e8) / 10  # noqa: E731
+    assert billions(weight_params_read_per_token(cfg, tokens=10**6) + table - cfg.hidden_size) == 15.7
+    assert billions(weight_params_read_per_token(cfg) - cfg.hidden_size) == 2.4
+    assert kv_bytes_per_token(cfg, "bfloat16", 1) == 27 * 576 * 2  # the latent, once a layer
+
+
 # qwen2_moe: its dense and expert layers, router and shared expert, read whole by a token choosing every expert or
-# by a step of many tokens; gemma2's four norms a layer; olmoe's q/k norms over all heads
+# by a step of many tokens; gemma2's four norms a layer; olmoe's q/k norms over all heads; deepseek_v2 / v3: latent
+# attention (plain and low-rank queries, kv_b_proj kept in float), float32 routers (V3's with its correction bias),
+# ungated shared experts
 @pytest.mark.parametrize("variant, overrides, tokens", [
     ("llama", {}, 1), ("qwen2_moe", {"num_experts_per_tok": 4}, 1), ("qwen2_moe", {}, 1000), ("gemma2", {}, 1),
-    ("olmoe", {}, 1000)])
+    ("olmoe", {}, 1000), ("deepseek_v2", {}, 1000), ("deepseek_v3", {}, 1000)])
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_roofline_weight_bytes_are_the_loaded_arrays_bytes(hf_model_dir, quantization, variant, overrides, tokens):
     """The bytes a decode step reads, against the loaded model's own arrays: the same parameters, less the
@@ -290,6 +305,9 @@ def test_roofline_weight_bytes_are_the_loaded_arrays_bytes(hf_model_dir, quantiz
     cfg = loaded.config
     # norms (and qwen2_moe's q/k/v biases) in float32
     norms = cfg.num_layers * (layer_norm_params(cfg) + (cfg.q_size + 2 * cfg.kv_size) * cfg.qkv_bias) + cfg.hidden_size
+    if cfg.moe_routing in ("sigmoid_groups", "softmax_groups"):  # routers held in float32 (and V3's router bias)
+        router = cfg.num_experts * (cfg.hidden_size + (cfg.moe_routing == "sigmoid_groups"))
+        norms += router * sum(cfg.layer_moe(i) for i in range(cfg.num_layers))
     table = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * 2
     read = weight_bytes_read_per_token(cfg, "bfloat16", quantization, tokens)
     assert read - cfg.hidden_size * 2 + table + norms * 2 == pytest.approx(resident_bytes(loaded.state), rel=1e-12)

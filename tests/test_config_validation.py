@@ -170,6 +170,12 @@ def test_a_granite_multiplier_that_is_not_a_positive_number_is_named(hf_model_di
     ("olmo3", lambda c: c.update(layer_types=["sliding_attention"] * 3), r"layer_types must list 4 layer kinds"),
     ("smollm3", lambda c: c.update(no_rope_layers=[1]), r"no_rope_layers must list 2 flags"),
     ("smollm3", lambda c: c.update(no_rope_layers=[1, 2]), r"no_rope_layers must list 2 flags"),
+    ("deepseek_v2", lambda c: c.update(topk_method="noaux_tc"),
+     r"topk_method must be greedy or group_limited_greedy, got 'noaux_tc'"),
+    ("deepseek_v2", lambda c: c.update(qk_rope_head_dim=7), r"qk_rope_head_dim must be even"),
+    ("deepseek_v3", lambda c: c.update(n_group=3), r"8 experts in n_group=3 groups"),
+    ("deepseek_v3", lambda c: c.update(kv_lora_rank=0), r"kv_lora_rank must be a positive integer, got 0"),
+    ("deepseek_v3", lambda c: c.update(first_k_dense_replace=-1), r"first_k_dense_replace must be a non-negative"),
 ])
 def test_a_gemma_or_smollm3_config_jserve_cannot_run_names_the_field(hf_model_dir, tmp_path, variant, bend, message):
     config = json.loads((hf_model_dir(variant) / "config.json").read_text())

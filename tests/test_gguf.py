@@ -153,6 +153,105 @@ def test_moe_config_equals_the_config_json_one(hf_model_dir, gguf_file, variant)
          "gpt_oss": ("gpt_oss", 4, 2, None)}[variant]
 
 
+
+# DeepSeek files as llama.cpp's converter writes them, in its current form (kv_b_proj split per head into attn_k_b and
+# attn_v_b) and its older one (the whole attn_kv_b). llama.cpp ranks a softmax-gated model's expert groups by their
+# two best scores, not by DeepSeek-V2's best one (such a file is refused), so the V2 files are written from a
+# checkpoint that chooses among all its experts, as DeepSeek-V2-Lite's does.
+DEEPSEEKS = {"deepseek_v2": {"topk_method": "greedy", "n_group": 1, "topk_group": 1}, "deepseek_v3": {}}
+
+
+@pytest.mark.parametrize("kv_b", ["split", "whole"])
+@pytest.mark.parametrize("variant", list(DEEPSEEKS))
+def test_deepseek_config_equals_the_config_json_one(hf_model_dir, tmp_path, variant, kv_b):
+    """Every ModelConfig field of a deepseek2 file is its config.json's: the latent attention's ranks and head
+    widths from either form's keys, the dense leading layers, experts, top-k, widths, shared experts, scaling and
+    renormalization, V3's sigmoid gating (its model type) and expert groups (rms_norm_eps as the float32 GGUF stores
+    it). A file of the older form stores no expert groups: llama.cpp chooses among all the experts."""
+    checkpoint = hf_model_dir(variant, **DEEPSEEKS[variant])
+    ours, theirs = gguf_model_config(write_gguf(checkpoint, tmp_path / "ds.gguf", kv_b=kv_b)), model_config(checkpoint)
+    assert np.float32(ours.rms_norm_eps) == np.float32(theirs.rms_norm_eps)
+    if kv_b == "whole":
+        theirs = dataclasses.replace(theirs, num_expert_groups=1, topk_expert_groups=1)
+    assert dataclasses.replace(ours, rms_norm_eps=theirs.rms_norm_eps) == theirs
+    assert (ours.model_type, ours.kv_lora_rank, ours.qk_nope_head_dim, ours.v_head_dim, ours.moe_routing) == (
+        variant, 32, 16, 12, "sigmoid_groups" if variant == "deepseek_v3" else "softmax_groups")
+
+
+def test_deepseek_yarn_file_config_equals_the_config_json_one(hf_model_dir, tmp_path):
+    """YaRN with DeepSeek's mscale_all_dim, stored as yarn_log_multiplier = 0.1 * mscale_all_dim: the scores' scale
+    and the rotary embedding's (unscaled, mscale being mscale_all_dim, as in DeepSeek's configs) are config.json's."""
+    rope = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
+            "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}
+    checkpoint = hf_model_dir("deepseek_v3", rope_scaling=rope)
+    ours, theirs = gguf_model_config(write_gguf(checkpoint, tmp_path / "yarn.gguf")), model_config(checkpoint)
+    assert ours.rope_scaling.kind == "yarn" and ours.rope_attention_factor == 1.0
+    assert ours.attention_multiplier == pytest.approx(theirs.attention_multiplier, rel=1e-6)
+    assert ours.attention_multiplier == pytest.approx((1 + 0.0707 * np.log(40.0)) ** 2 / np.sqrt(32), rel=1e-6)
+    assert dataclasses.replace(ours, rms_norm_eps=theirs.rms_norm_eps,
+                               attention_multiplier=theirs.attention_multiplier) == theirs
+
+
+@pytest.mark.parametrize("kv_b", ["split", "whole"])
+def test_deepseek_file_loads_the_checkpoints_exact_state(hf_model_dir, tmp_path, kv_b):
+    """attn_k_b (transposed back) and attn_v_b reassembled into kv_b_proj head by head, or attn_kv_b as it is; the
+    router's exp_probs_b, the stacked and shared experts and the dense first layer land where the safetensors loader
+    puts the checkpoint's."""
+    checkpoint = hf_model_dir("deepseek_v3")
+    ours = _flat(load_model(write_gguf(checkpoint, tmp_path / "ds.gguf", kv_b=kv_b), "float32").state)
+    theirs = _flat(load_model(checkpoint, "float32").state)
+    assert ours.keys() == theirs.keys()
+    for key, value in ours.items():
+        np.testing.assert_array_equal(value, theirs[key], err_msg=key)
+
+
+@pytest.mark.parametrize("executor", list(EXECUTORS))
+@pytest.mark.parametrize("variant, kv_b", [("deepseek_v2", "whole"), ("deepseek_v3", "split")])
+def test_deepseek_file_logits_match_the_original_checkpoint(hf_model_dir, tmp_path, variant, kv_b, executor):
+    """DeepSeek-V2 (plain queries, softmax gating, no gating function stored) from an older file and V3 (low-rank
+    queries, sigmoid gating in groups with exp_probs_b) from a current one, with their interleaved rotary rows as
+    Hugging Face stores them, against the checkpoint each was written from."""
+    checkpoint = hf_model_dir(variant, **DEEPSEEKS[variant])
+    path = write_gguf(checkpoint, tmp_path / "ds.gguf", kv_b=kv_b)
+    hf = load_hf(checkpoint)
+    prompts = _prompts()
+    for prompt, ours in zip(prompts, jserve_logits(path, prompts, "float32", EXECUTORS[executor]), strict=True):
+        np.testing.assert_allclose(ours, hf_logits(hf, prompt), atol=1e-4, rtol=0)
+
+
+def _deepseek_bends():
+    def meta(name, value, vtype=gguf.GGUFValueType.FLOAT32):
+        return {f"deepseek2.{name}": (value, vtype)}
+
+    yarn = {**meta("rope.scaling.type", "yarn", gguf.GGUFValueType.STRING),
+            **meta("rope.scaling.original_context_length", 64, gguf.GGUFValueType.UINT32)}
+    return [
+        ("deepseek_v2", {}, r"deepseek2.expert_group_count 4 with expert_group_used_count 2 under softmax gating is "
+                            r"not supported: llama.cpp ranks the groups by their two best scores' sum"),
+        ("deepseek_v3", dict(drop=("deepseek2.expert_gating_func",)),
+         r"exp_probs_b \(an expert selection bias\) with softmax gating \(deepseek2.expert_gating_func\)"),
+        ("deepseek_v3", dict(metadata=meta("expert_gating_func", 3, gguf.GGUFValueType.UINT32)),
+         r"deepseek2.expert_gating_func 3 is not supported"),
+        ("deepseek_v3", dict(skip=("blk.1.attn_v_b.weight",)), r"blk.1.attn_k_b.weight without blk.1.attn_v_b.weight"),
+        ("deepseek_v3", dict(drop=("deepseek2.attention.key_length_mla",)),
+         r"attn_k_b / attn_v_b tensors without deepseek2.attention.key_length_mla"),
+        ("deepseek_v3", dict(drop=("deepseek2.attention.kv_lora_rank",)),
+         r"GGUF metadata has no deepseek2.attention.kv_lora_rank \(a deepseek2 model needs it\)"),
+        ("deepseek_v3", dict(metadata=yarn), r"deepseek2 YaRN without deepseek2.rope.scaling.yarn_log_multiplier"),
+        ("deepseek_v3", dict(extra_tensors={"blk.0.attn_k_b.weight": np.zeros((4, 32, 8), np.float32),
+                                            "blk.0.attn_v_b.weight": np.zeros((4, 12, 32), np.float32)}),
+         r"tensor blk.0.attn_k_b.weight has shape \[4, 32, 8\], expected \[4, 32, 16\]"),
+    ]
+
+
+@pytest.mark.parametrize("variant, bend, message", _deepseek_bends(),
+                         ids=["v2-groups", "bias-softmax", "gating", "k-without-v", "no-mla-keys", "no-rank",
+                              "yarn-no-log-mul", "k_b-shape"])
+def test_deepseek_files_jserve_cannot_serve_are_named(hf_model_dir, tmp_path, variant, bend, message):
+    checkpoint = hf_model_dir(variant, **(DEEPSEEKS[variant] if variant == "deepseek_v3" else {}))
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(write_gguf(checkpoint, tmp_path / "bent.gguf", **bend))
+
 def test_moe_files_take_llama_cpps_readings(hf_model_dir, gguf_file, tmp_path):
     """A shared expert gate stored as a [hidden] vector loads as the [1, hidden] one; a Qwen3-MoE file renormalizes
     its experts' weights whatever config.json said, a Qwen2-MoE one does not (llama.cpp stores no norm_topk_prob);

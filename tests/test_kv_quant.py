@@ -210,7 +210,7 @@ def test_kv_blocks_at_a_fixed_budget_nearly_double(hf_model_dir, llm_factory):
     from jserve.executors.xla import kv_bytes_per_block
 
     class SmolLM2:
-        num_layers, num_kv_heads, head_dim, kv_size = 30, 3, 64, 192
+        num_layers, num_kv_heads, head_dim, kv_size, values_in_key_pages = 30, 3, 64, 192, False
 
     bf16 = kv_bytes_per_block(SmolLM2, 16, "bfloat16")
     int8 = kv_bytes_per_block(SmolLM2, 16, "bfloat16", "int8")
@@ -224,6 +224,24 @@ def test_kv_blocks_at_a_fixed_budget_nearly_double(hf_model_dir, llm_factory):
     head_dim = config.head_dim
     assert blocks["int8"] == (4 << 20) // kv_bytes_per_block(config, 16, "bfloat16", "int8")
     assert blocks["int8"] / blocks["auto"] == pytest.approx(2 * head_dim / (head_dim + 4), rel=0.01)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_latent_attention_caches_one_page_array_a_layer(hf_model_dir, llm_factory, kv_cache_dtype):
+    """DeepSeek's latent attention reads its values from the key pages: the cache has no value pages, so a budget
+    holds as many blocks as one page array a layer allows (the latent once a token), and the cache's arrays add up
+    to the blocks' bytes."""
+    from jserve.executors.xla import kv_bytes_per_block
+
+    engine = llm_factory(hf_model_dir("deepseek_v3"), dtype="bfloat16", executor="xla",
+                         kv_cache_dtype=kv_cache_dtype).engine
+    config, runner = engine.model_config, engine.executor
+    assert all(v is None for v in runner.kv_cache.v)
+    row = config.head_dim * 2 if kv_cache_dtype == "auto" else config.head_dim + 4  # int8: a float32 scale a row
+    assert kv_bytes_per_block(config, 16, "bfloat16", kv_cache_dtype) == config.num_layers * 16 * row
+    assert engine.block_manager.num_blocks == (4 << 20) // kv_bytes_per_block(config, 16, "bfloat16", kv_cache_dtype)
+    held = sum(a.nbytes for a in jax.tree.leaves(runner.kv_cache))
+    assert held == engine.block_manager.num_blocks * kv_bytes_per_block(config, 16, "bfloat16", kv_cache_dtype)
 
 
 def test_step_holds_no_float_copy_of_the_cache(hf_model_dir):

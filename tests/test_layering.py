@@ -38,8 +38,8 @@ JSERVE_LAYERS = [
      "jserve.engine.rejection"],
     # what builds and runs a model: the checkpoint loader (and its GGUF names and config, its Orbax checkpoints and
     # their writer, LoRA adapters), the executors, the multi-host executor
-    ["jserve.loading", "jserve.gguf_loading", "jserve.orbax_io", "jserve.convert", "jserve.lora", "jserve.executors",
-     "jserve.distributed"],
+    ["jserve.loading", "jserve.gguf_loading", "jserve.gguf_deepseek", "jserve.orbax_io", "jserve.convert",
+     "jserve.lora", "jserve.executors", "jserve.distributed"],
     # the engine: scheduler, KV blocks, output processing, the step, data parallelism
     ["jserve.engine"],
     # the Python API and batch jobs; `jserve` re-exports the API (LLM lazily)

@@ -77,13 +77,13 @@ def test_float32_logits_match_transformers(hf_model_dir, variant):
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="the C++ kernels do not build here")
 @pytest.mark.parametrize("variant", ["gemma", "gemma2", "gemma3", "smollm3", "glm4", "mixtral", "qwen2_moe",
-                                     "glm4_moe", "olmo2", "olmoe", "gpt_oss"])
+                                     "glm4_moe", "olmo2", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3"])
 def test_float32_logits_of_the_layer_kernel_match_transformers(hf_model_dir, variant):
     """The C++ layer kernel's GELU, sandwich norms (GLM-4's too) and score soft cap, and its one call per run of
     alike layers (Gemma 2's alternating windows, Gemma 3's local rotary base, SmolLM3's NoPE layers); for a mixture
     of experts and OLMo's blocks, which the layer kernel does not take, the Flax model on that executor's packed
-    matmuls (experts read in place from their stacks, a shared expert, a dense layer; gpt-oss's attention sinks in
-    the C++ attention)."""
+    matmuls (experts read in place from their stacks, a shared expert, a dense layer; gpt-oss's attention sinks and
+    DeepSeek's latent attention in the C++ attention)."""
     model_dir = hf_model_dir(variant)
     hf = load_hf(model_dir)
     prompts = _prompts()
@@ -102,12 +102,16 @@ def test_gpt_oss_mxfp4_checkpoint_logits_match_transformers(tmp_path_factory, at
         np.testing.assert_allclose(ours, hf_logits(hf, prompt), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("variant", ["llama", "qwen3", "gemma2", "gemma3"])
-def test_bfloat16_logits_within_tolerance(hf_model_dir, variant):
+# deepseek_v3 with dense MLPs only: its latent attention in bfloat16, without a mixture of experts, whose routing a
+# near tie may flip between two roundings (then one token's logits differ by far more than rounding)
+@pytest.mark.parametrize(("variant", "overrides"), [("llama", {}), ("qwen3", {}), ("gemma2", {}), ("gemma3", {}),
+                                                    ("deepseek_v3", {"first_k_dense_replace": 2})],
+                         ids=["llama", "qwen3", "gemma2", "gemma3", "deepseek_v3-dense"])
+def test_bfloat16_logits_within_tolerance(hf_model_dir, variant, overrides):
     """bfloat16 logits within BF16_LOGIT_TOLERANCE of transformers' bfloat16 ones, and no further from its float32
     logits than its bfloat16 ones are (with a little slack: the two round differently, and on AMX machines XLA's
     dots round differently again)."""
-    model_dir = hf_model_dir(variant)
+    model_dir = hf_model_dir(variant, **overrides)
     hf, hf32 = load_hf(model_dir, torch.bfloat16), load_hf(model_dir)
     prompts = _prompts(1)
     for prompt, ours in zip(prompts, jserve_logits(model_dir, prompts, "bfloat16"), strict=True):
@@ -139,6 +143,10 @@ YARN_CASES = {
     # OLMo 3: YaRN on its full-attention layer only, its windowed layers unscaled (the factor folds into that
     # layer's q/k norms, which span all heads)
     "olmo3": dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}),
+    # DeepSeek-V3: the attention factor on the rotary rows of its latent attention only, and the scores scaled by
+    # mscale(factor, mscale_all_dim) squared
+    "deepseek_v3": dict(rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 256,
+                                      "mscale": 1.0, "mscale_all_dim": 0.7}),
 }
 
 
@@ -177,8 +185,9 @@ def test_sliding_window_is_exercised(hf_model_dir):
 # there: the rest (windows, NoPE layers, experts) also decode through their own XLA paths.
 PREFILL_CHECKS_XLA = {"llama3_rope", "llama_linear_rope", "qwen2", "qwen3", "granite", "gemma", "olmo2", "glm4"}
 # Mixtures of experts run the Flax model on both executors: their decode on the CPU layer executor's matmuls is
-# checked on Qwen2-MoE (dense and expert layers, a shared expert); the others decode on the XLA path.
-XLA_CHECKS_CPU = {"mixtral", "qwen3_moe", "glm4_moe", "olmoe", "gpt_oss"}
+# checked on Qwen2-MoE (dense and expert layers, a shared expert) and DeepSeek-V2 (its latent attention in the C++
+# attention); the others decode on the XLA path.
+XLA_CHECKS_CPU = {"mixtral", "qwen3_moe", "glm4_moe", "olmoe", "gpt_oss", "deepseek_v3"}
 GREEDY_EXECUTORS = {"auto": "cpu-kernels", "reference": "xla"}
 
 

@@ -97,12 +97,15 @@ def multi_device(hf_model_dir, tmp_path_factory):
     # phi3 at TP 4: its fused checkpoint tensors split and laid out per device, its 2 KV heads replicated; gemma3 at
     # TP 2: layers with their own windows and rotary bases, sandwich norms; qwen2_moe at TP 2: every expert's columns
     # and the shared expert's fused gate|up split between the devices; olmo2 at TP 2: q/k norms over heads that
-    # live on two devices; gpt_oss at TP 2 on the Pallas kernel: each device's heads with their attention sinks
+    # live on two devices; gpt_oss at TP 2 on the Pallas kernel: each device's heads with their attention sinks;
+    # deepseek_v3 at TP 4: one query head a device, each keeping its own copy of the latent cache
     gpt_oss = str(hf_model_dir("gpt_oss"))
     spec = {"logits": {"llama8": llama8, "qwen2": str(hf_model_dir("qwen2")),
                        "phi3": str(hf_model_dir("phi3")), "gemma3": str(hf_model_dir("gemma3")),
-                       "qwen2_moe": str(hf_model_dir("qwen2_moe")), "olmo2": str(hf_model_dir("olmo2"))},
-            "tp": {"llama8": [2, 8], "qwen2": [4], "phi3": [4], "gemma3": [2], "qwen2_moe": [2], "olmo2": [2]},
+                       "qwen2_moe": str(hf_model_dir("qwen2_moe")), "olmo2": str(hf_model_dir("olmo2")),
+                       "deepseek_v3": str(hf_model_dir("deepseek_v3"))},
+            "tp": {"llama8": [2, 8], "qwen2": [4], "phi3": [4], "gemma3": [2], "qwen2_moe": [2], "olmo2": [2],
+                   "deepseek_v3": [4]},
             "kernel_model": llama8, "kernel_tp": [8], "sinks_model": gpt_oss, "sinks_tp": 2,
             "greedy": llama8, "greedy_tp": [2, 8], "dp": True, "draft": True,
             "sharding_model": llama8, "sharding_tp": [2, 4, 8],
@@ -123,7 +126,7 @@ def multi_device(hf_model_dir, tmp_path_factory):
 
 # TP 2 splits whole KV heads; TP 4 and 8 replicate them (qwen2: with its q/k/v biases)
 @pytest.mark.parametrize("model, tp", [("llama8", 2), ("llama8", 8), ("qwen2", 4), ("phi3", 4),
-                                       ("gemma3", 2), ("qwen2_moe", 2), ("olmo2", 2)])
+                                       ("gemma3", 2), ("qwen2_moe", 2), ("olmo2", 2), ("deepseek_v3", 4)])
 def test_tp_logits_match_single_device(multi_device, model, tp):
     assert multi_device[f"logits/{model}"][str(tp)] < 1e-4
 

@@ -40,11 +40,18 @@ class Shape:
 
 
 # Llama-3-8B (bf16, 32 q heads over 8 KV heads, head_dim 128, 8k context) and the benchmark's 135M-shaped model
-# (9 heads over 3 KV heads, head_dim 64) in both dtypes it is measured in.
+# (9 heads over 3 KV heads, head_dim 64) in both dtypes it is measured in; then head dims that are not powers of two,
+# which the Triton kernel runs as power-of-two chunks, lowered at the buckets only (VARIANTS change no chunking):
+# Phi-3-mini (32 heads over 32 KV heads, head_dim 96 = 64 + 32: one key split) and DeepSeek-V2-Lite's latent
+# attention (16 heads over one KV head of 576 = 512 + 64: several key splits, merged after the kernel).
 SHAPES = [
     Shape("llama3-8b", 32, 8, 128, "bfloat16", 16, 4096, 8192 // 16),
     Shape("bench-135m", 9, 3, 64, "bfloat16", 16, 2048, 2048 // 16),
     Shape("bench-135m", 9, 3, 64, "float32", 16, 2048, 2048 // 16),
+]
+CHUNKED_HEAD_DIM_SHAPES = [
+    Shape("phi3-mini", 32, 32, 96, "bfloat16", 16, 4096, 4096 // 16),
+    Shape("deepseek-v2-lite", 16, 1, 576, "bfloat16", 16, 4096, 8192 // 16),
 ]
 # (tokens T, sequence rows S, page-table width P) buckets as the runner pads them: the smallest decode bucket, a
 # mid-size mixed one and the largest (max_num_batched_tokens 512, max_num_seqs 32, widest page table).
@@ -75,10 +82,11 @@ def lower(platform: str, shape: Shape, tokens: int, seqs: int, pages: int, *, si
 
 
 def cases():
-    for shape in SHAPES:
+    for shape in SHAPES + CHUNKED_HEAD_DIM_SHAPES:
         for tokens, seqs, pages in BUCKETS:
             pages = pages or shape.max_pages_per_seq
-            for features in VARIANTS if (tokens, seqs) == (64, 32) else VARIANTS[:1]:
+            with_features = (tokens, seqs) == (64, 32) and shape in SHAPES
+            for features in VARIANTS if with_features else VARIANTS[:1]:
                 yield shape, tokens, seqs, pages, features
 
 

@@ -1,7 +1,8 @@
 """Run the check's sections one process each, under one overall deadline; merge their results; write the report.
 
     PYTHONPATH=. python -m benchmarks.gpu_check --out DIR [--device gpu|cpu] [--sections env,kernels,parity,speed,hf]
-                                                [--model llama3-8b|qwen3-30b-a3b|demo|PATH] [--deadline 560]
+                                                [--model llama3-8b|qwen3-30b-a3b|deepseek-v2-lite|demo|PATH]
+                                                [--deadline 560]
     PYTHONPATH=. python -m benchmarks.gpu_check --out DIR --sections env,profile [--profile-tokens 64] [--keep-trace]
                                                 [--profile-command-buffers]
     PYTHONPATH=. python -m benchmarks.gpu_check --out DIR --sections env,quant [--quant-settings bf16,int8,kv_int8,f32]
@@ -45,8 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
     parser.add_argument("--model", default=None,
-                        help="llama3-8b (default on gpu), qwen3-30b-a3b (a mixture of experts; both shapes with dummy "
-                        "weights), demo (default on cpu) or a path")
+                        help="llama3-8b (default on gpu), qwen3-30b-a3b (a mixture of experts), deepseek-v2-lite "
+                        "(latent attention and experts; the three shapes with dummy weights), demo (default on cpu) "
+                        "or a path")
     parser.add_argument("--sections", default=",".join(SECTIONS[:6]),
                         help=f"of {','.join(SECTIONS)} (the decode, gemm, profile, quant and lora sections only when "
                         "named)")

@@ -32,8 +32,25 @@ QWEN3_30B_A3B = {
     "use_sliding_window": False, "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu",
     "torch_dtype": "bfloat16",
 }
+# DeepSeek-V2-Lite's config.json (deepseek-ai/DeepSeek-V2-Lite): latent attention (one 576-wide KV head a token),
+# a dense first layer, then 64 experts of which a token reaches 6 beside 2 shared ones; 15.7B parameters of which a
+# token reads 2.4B (its model card's figures).
+DEEPSEEK_V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
+    "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "n_shared_experts": 2, "n_routed_experts": 64,
+    "num_experts_per_tok": 6, "routed_scaling_factor": 1.0, "kv_lora_rank": 512, "q_lora_rank": None,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "greedy", "n_group": 1,
+    "topk_group": 1, "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": False,
+    "scoring_func": "softmax", "hidden_act": "silu", "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000, "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1,
+                                          "mscale": 0.707, "mscale_all_dim": 0.707,
+                                          "original_max_position_embeddings": 4096},
+    "attention_bias": False, "tie_word_embeddings": False, "bos_token_id": 100000, "eos_token_id": 100001,
+    "torch_dtype": "bfloat16",
+}
 # --model names whose config.json the check writes itself (with dummy weights)
-SHAPES = {"llama3-8b": LLAMA3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B}
+SHAPES = {"llama3-8b": LLAMA3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "deepseek-v2-lite": DEEPSEEK_V2_LITE}
 
 
 class Results:

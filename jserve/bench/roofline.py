@@ -31,22 +31,41 @@ def layer_norm_params(cfg: ModelConfig) -> int:
     """A layer's norm weights: two (Gemma 2/3's sandwich: four) of the hidden size, and q/k norms per head or over
     all heads (OLMo)."""
     qk = cfg.q_size + cfg.kv_size if cfg.qk_norm_across_heads else 2 * cfg.head_dim * cfg.qk_norm
-    return (4 if cfg.sandwich_norms else 2) * cfg.hidden_size + qk
+    latent = cfg.q_lora_rank + cfg.kv_lora_rank  # DeepSeek's q_a_layernorm and kv_a_layernorm
+    return (4 if cfg.sandwich_norms else 2) * cfg.hidden_size + qk + latent
+
+
+def _latent_attention_reads(cfg: ModelConfig) -> tuple[float, float, int]:
+    """(matrix parameters, their rows, other parameters) of DeepSeek's latent attention: q (low-rank or not),
+    kv_a_proj_with_mqa, o_proj, and kv_b_proj, which stays in float under weight quantization."""
+    hidden, heads, rank, rope = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    q_rows = heads * (cfg.qk_nope_head_dim + rope)
+    shapes = [(q_rows, cfg.q_lora_rank), (cfg.q_lora_rank, hidden)] if cfg.q_lora_rank else [(q_rows, hidden)]
+    shapes += [(rank + rope, hidden), (hidden, heads * cfg.v_head_dim)]
+    biases = (cfg.q_lora_rank + rank + rope) * cfg.qkv_bias + hidden * cfg.o_bias
+    return (sum(r * c for r, c in shapes), sum(r for r, _ in shapes),
+            biases + heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * rank)
 
 
 def _layer_reads(cfg: ModelConfig, layer: int, tokens: int = 1) -> tuple[float, float, int]:
     """(parameters of the projection matrices, their rows, other parameters) a decode step of `tokens` tokens reads
     in a layer: a mixture of experts' layer reads the router, the experts its tokens chose and any shared expert."""
     hidden, inter, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
-    params, rows = hidden * (q + 2 * kv) + q * hidden, (q + 2 * kv) + hidden
-    other = layer_norm_params(cfg) + (q + 2 * kv) * cfg.qkv_bias + hidden * cfg.o_bias
+    if cfg.kv_lora_rank:
+        params, rows, other = _latent_attention_reads(cfg)
+        other += layer_norm_params(cfg)
+    else:
+        params, rows = hidden * (q + 2 * kv) + q * hidden, (q + 2 * kv) + hidden
+        other = layer_norm_params(cfg) + (q + 2 * kv) * cfg.qkv_bias + hidden * cfg.o_bias
     if not cfg.layer_moe(layer):
         return params + 3 * hidden * inter, rows + 2 * inter + hidden, other + (2 * inter + hidden) * cfg.mlp_bias
     width, shared = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
     reached = experts_reached(cfg, tokens)
     params += 3 * hidden * (reached * width + shared)
     rows += reached * (2 * width + hidden) + (2 * shared + hidden if shared else 0)
-    return params, rows, other + hidden * (cfg.num_experts + (1 if shared else 0))  # the router (and shared gate)
+    router = hidden * cfg.num_experts + cfg.num_experts * (cfg.moe_routing == "sigmoid_groups")  # and its bias
+    gate = hidden if shared and cfg.shared_expert_gated else 0
+    return params, rows, other + router + gate
 
 
 def weight_params_read_per_token(cfg: ModelConfig, tokens: int = 1) -> float:
@@ -76,7 +95,8 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: str, context_len: float, kv_cach
     """KV cache read by one decode step attending over context_len tokens (keys and values, all layers); a quantized
     cache holds a byte a value and a float32 scale a (token, KV head) row."""
     row = cfg.head_dim * DTYPE_BYTES[dtype] if kv_cache_dtype == "auto" else cfg.head_dim + SCALE_BYTES
-    return 2 * cfg.num_layers * cfg.num_kv_heads * row * context_len
+    arrays = 1 if cfg.values_in_key_pages else 2  # latent attention reads its values from the key pages
+    return arrays * cfg.num_layers * cfg.num_kv_heads * row * context_len
 
 
 def decode_bytes_per_token(cfg: ModelConfig, dtype: str, context_len: float, quantization: str | None = None,

@@ -292,7 +292,8 @@ def _layer_weights(layer: nnx.Module, paths: cpu_kernels.LayerWeights) -> cpu_ke
 def _matrices_in_parts(model: LoadedModel) -> bool:
     """The layers' own matrices are empty placeholders: the weights lie only in the per-thread parts."""
     layers = nnx.to_pure_dict(model.state).get("layers")
-    return bool(layers) and layers[0]["self_attn"]["qkv_proj"]["weight"].size == 0
+    return bool(layers) and "qkv_proj" in layers[0]["self_attn"] and layers[0]["self_attn"]["qkv_proj"][
+        "weight"].size == 0
 
 
 def _matrix_shapes(config: ModelConfig) -> list[tuple[int, int]]:
@@ -319,10 +320,10 @@ def _layer_stack(stacks: LayerStacks, config: ModelConfig) -> cpu_kernels.LayerW
 
 def layer_kernel_takes(config: ModelConfig) -> bool:
     """Whether the C++ layer kernel runs this model's layers: dense MLPs, pre-norm or sandwich-norm blocks, q/k
-    normalized per head if at all, no attention sinks. A mixture of experts and OLMo's blocks run as the Flax model
-    on packed matmuls."""
+    normalized per head if at all, no attention sinks, no latent attention. A mixture of experts and OLMo's blocks
+    run as the Flax model on packed matmuls."""
     return not (config.num_experts or config.qk_norm_across_heads or config.post_norms or config.clip_qkv
-                or config.attention_sinks)
+                or config.attention_sinks or config.kv_lora_rank)
 
 
 def _load_packed_for_flax(model_dir: str | Path, config: ModelConfig, dtype: str, attention_backend: str,
@@ -360,8 +361,11 @@ def _flax_packed_paths(config: ModelConfig, dtype: jnp.dtype) -> set[tuple]:
     """What _load_packed_for_flax packs: the layers' projections (attention, dense MLPs, shared experts), the
     experts' stacks and the LM head."""
     paths = {("embed_tokens",) if config.tie_word_embeddings else ("lm_head",)}
+    # DeepSeek's latent attention: its projections but kv_b_proj, which multiplies head by head (jserve.models.mla)
+    attention = (("q_a_proj", "q_b_proj") if config.q_lora_rank else ("q_proj",)) + (
+        "kv_a_proj_with_mqa", "o_proj") if config.kv_lora_rank else ("qkv_proj", "o_proj")
     for i in range(config.num_layers):
-        paths |= {("layers", i, "self_attn", name, "weight") for name in ("qkv_proj", "o_proj")}
+        paths |= {("layers", i, "self_attn", name, "weight") for name in attention}
         mlp = ("layers", i, "mlp")
         if not config.layer_moe(i):
             paths |= {(*mlp, name, "weight") for name in ("gate_up_proj", "down_proj")}
@@ -370,7 +374,7 @@ def _flax_packed_paths(config: ModelConfig, dtype: jnp.dtype) -> set[tuple]:
         if config.shared_expert_intermediate_size:
             paths |= {(*mlp, "shared_expert", name, "weight") for name in ("gate_up_proj", "down_proj")}
     sizes = (config.hidden_size, config.q_size, config.intermediate_size, config.moe_intermediate_size,
-             config.shared_expert_intermediate_size)
+             config.shared_expert_intermediate_size, config.q_lora_rank, config.num_heads * config.v_head_dim)
     if dtype == jnp.bfloat16 and any(size % 2 for size in sizes):
         return set()  # the bfloat16 layout pairs adjacent inputs
     return paths

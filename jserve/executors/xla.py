@@ -48,7 +48,7 @@ from jserve.loading import LoadedModel, load_model
 from jserve.lora import LoraAdapter
 from jserve.models.batch import KVCache, StepBatch
 from jserve.models.layers import LoraWeight
-from pallas_kernels.quantized import QuantizedPages, kv_bytes_per_token_head, zeros_pages
+from pallas_kernels.quantized import kv_bytes_per_token_head, zeros_pages
 from pallas_kernels.reference import kv_storage_dtype
 from sharding import KV_CACHE_AXES, logical_sharding, replicated
 
@@ -96,9 +96,11 @@ def holds_quantized_weights(params: list) -> bool:
 
 
 def kv_bytes_per_block(config, block_size: int, dtype: str, kv_cache_dtype: str = "auto") -> int:
-    """Bytes of one KV block over every layer, K and V, a quantized cache's scales included."""
+    """Bytes of one KV block over every layer, K and V (K alone where the values are read from the key pages), a
+    quantized cache's scales included."""
     per_token_head = kv_bytes_per_token_head(config.head_dim, dtype, kv_cache_dtype)
-    return 2 * config.num_layers * block_size * config.num_kv_heads * per_token_head
+    arrays = 1 if config.values_in_key_pages else 2
+    return arrays * config.num_layers * block_size * config.num_kv_heads * per_token_head
 
 
 class XlaExecutor(Executor):
@@ -205,8 +207,14 @@ class XlaExecutor(Executor):
                     return jax.jit(lambda: jnp.zeros(array_shape, dtype),
                                    out_shardings=logical_sharding(mesh, axes, array_shape))()
                 return zeros_pages(shape, self.dtype, self.kv_cache_dtype, jax.default_backend(), sharded_zeros)
+        return self._kv_cache_of(zeros)
+
+    def _kv_cache_of(self, zeros: Callable[[], object]) -> KVCache:
+        """A cache of one `zeros()` a layer for K and one for V; no V where the values are read from the key pages
+        (latent attention), whose layers get None."""
         layers = self.config.num_layers
-        return KVCache(k=[zeros() for _ in range(layers)], v=[zeros() for _ in range(layers)])
+        values = [None] * layers if self.config.values_in_key_pages else [zeros() for _ in range(layers)]
+        return KVCache(k=[zeros() for _ in range(layers)], v=values)
 
     def reset_kv_cache(self) -> None:
         """Replace the KV cache with a zeroed one of the same shapes and shardings. A step donates the cache, so
@@ -221,13 +229,9 @@ class XlaExecutor(Executor):
     def _new_kv_cache(self, shape: tuple[int, ...], dtype: jnp.dtype) -> KVCache:
         """A single device's cache: one [num_blocks, block_size, num_kv_heads, head_dim] array a layer (or a
         QuantizedPages of that shape)."""
-        layers = self.config.num_layers
         if self.kv_cache_dtype != "auto":
-            def zeros() -> QuantizedPages:
-                return zeros_pages(shape, self.dtype, self.kv_cache_dtype, jax.default_backend())
-            return KVCache(k=[zeros() for _ in range(layers)], v=[zeros() for _ in range(layers)])
-        return KVCache(k=[jnp.zeros(shape, dtype) for _ in range(layers)],
-                       v=[jnp.zeros(shape, dtype) for _ in range(layers)])
+            return self._kv_cache_of(lambda: zeros_pages(shape, self.dtype, self.kv_cache_dtype, jax.default_backend()))
+        return self._kv_cache_of(lambda: jnp.zeros(shape, dtype))
 
     def _forward(self, params: list, kv_cache: KVCache, batch: StepBatch) -> tuple[KVCache, jax.Array]:
         """The model over one batch (traced) -> (kv_cache, logits [S, V] float32)."""

@@ -1,15 +1,15 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, Granite, Gemma 1/2/3, SmolLM3, OLMo 2/3, GLM-4, and
-the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, OLMoE and gpt-oss): one decoder whose differences are
-config flags.
+the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, OLMoE, gpt-oss and DeepSeek-V2/V3): one decoder whose
+differences are config flags.
 
 Qwen2 adds q/k/v biases, Qwen3 normalizes q and k per head before rotary, Mistral may use a sliding window; Gemma
 scales its embeddings, uses GELU, windows some layers and not others (Gemma 3 rotating them with their own base),
 soft-caps scores and logits (Gemma 2) and normalizes each block's output too (Gemma 2/3); SmolLM3 leaves rotary
 embedding out of every fourth layer; OLMo normalizes q and k over all heads at once, OLMo 2/3 each block's output
-instead of its input; gpt-oss adds attention sinks; the MoE families' MLP is a mixture of experts
-(jserve.models.moe). Everything else is shared, so one module serves them all (Phi-3's, Granite's and GLM-4's
-differences are folded into the weights at load). q/k/v and gate/up projections are fused into one matmul each (the
-checkpoint loader concatenates them) because small dots pay a fixed cost on XLA CPU.
+instead of its input; gpt-oss adds attention sinks; DeepSeek attends through a latent (jserve.models.mla); the MoE
+families' MLP is a mixture of experts (jserve.models.moe). Everything else is shared, so one module serves them all
+(Phi-3's, Granite's and GLM-4's differences are folded into the weights at load). q/k/v and gate/up projections are
+fused into one matmul each (the checkpoint loader concatenates them) because small dots pay a fixed cost on XLA CPU.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from jserve.models.layers import (
     soft_cap,
     split_fused,
 )
+from jserve.models.mla import LatentAttention
 from jserve.models.moe import SparseMoeBlock
 from jserve.models.quantization import quantized_matmul
 from pallas_kernels import ragged_paged_attention, write_kv
@@ -111,7 +112,8 @@ class DecoderLayer(nnx.Module):
         norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps)  # noqa: E731
         # OLMo 2 normalizes each block's output only; the other families normalize its input.
         self.input_layernorm = None if config.post_norms else norm()
-        self.self_attn = Attention(config, dtype, attention_backend, layer)
+        self.self_attn = (LatentAttention(config, dtype, attention_backend) if config.kv_lora_rank
+                          else Attention(config, dtype, attention_backend, layer))
         # Llama's post_attention_layernorm is the MLP's input norm; with Gemma 2/3's sandwich norms and OLMo 2's post
         # norms it normalizes the attention output, and post_feedforward_layernorm the MLP's (Gemma's
         # pre_feedforward_layernorm its input).

@@ -1,6 +1,7 @@
-"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, OLMoE, gpt-oss): a router picks each token's
-top-k experts, each a SwiGLU MLP of its own, and the token's output is their weighted sum (plus a shared expert:
-Qwen2-MoE's gated, GLM-4.5's not). gpt-oss adds biases to the router and the experts and clamps its SwiGLU.
+"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, OLMoE, gpt-oss, DeepSeek-V2/V3): a router picks
+each token's top-k experts, each a SwiGLU MLP of its own, and the token's output is their weighted sum (plus a shared
+expert: Qwen2-MoE's gated, GLM-4.5's and DeepSeek's not). gpt-oss adds biases to the router and the experts and
+clamps its SwiGLU.
 
 Experts run grouped: every (token, chosen expert) pair is sorted by expert into tiles of `tile_rows(...)` rows,
 each tile holding one expert's tokens (a group's last tile padded), and a loop over the tiles multiplies each by
@@ -134,6 +135,25 @@ def route_sigmoid_groups(logits: jax.Array, k: int, normalize: bool, correction:
     return weights * scale, ids.astype(jnp.int32)
 
 
+def route_softmax_groups(logits: jax.Array, k: int, normalize: bool, groups: int, topk_groups: int, scale: float
+                         ) -> tuple[jax.Array, jax.Array]:
+    """DeepSeek-V2's routing: softmax scores; with groups > 1 (group_limited_greedy) each token keeps the
+    topk_groups of its `groups` expert groups whose best scores are highest and chooses its k experts there; the
+    weights (renormalized with normalize) times scale."""
+    scores = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    num_tokens, num_experts = scores.shape
+    choice = scores
+    if groups > 1:
+        _, kept = jax.lax.top_k(scores.reshape(num_tokens, groups, -1).max(-1), topk_groups)
+        mask = jnp.zeros((num_tokens, groups), bool).at[jnp.arange(num_tokens)[:, None], kept].set(True)
+        choice = jnp.where(jnp.repeat(mask, num_experts // groups, axis=1), scores, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if normalize:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * scale, ids.astype(jnp.int32)
+
+
 def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, valid: jax.Array, experts: Experts
                     ) -> jax.Array:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t with valid[t] -> float32[T, H] (zeros for
@@ -180,10 +200,10 @@ class SparseMoeBlock(nnx.Module):
 
     def __init__(self, config: ModelConfig, dtype: jnp.dtype, dense_mlp: type[nnx.Module]):
         self.config = config
-        grouped = config.moe_routing == "sigmoid_groups"
-        # GLM-4.5 routes in float32 (transformers casts x and the router's weight to it)
+        grouped = config.moe_routing in ("sigmoid_groups", "softmax_groups")
+        # GLM-4.5 and DeepSeek route in float32 (transformers casts x and the router's weight to it)
         self.gate = Router(config.hidden_size, config.num_experts, dtype=jnp.float32 if grouped else dtype,
-                           correction_bias=grouped, bias=config.moe_bias)
+                           correction_bias=config.moe_routing == "sigmoid_groups", bias=config.moe_bias)
         self.experts = Experts(config, dtype)
         shared = config.shared_expert_intermediate_size
         self.shared_expert = dense_mlp(config, dtype, shared) if shared else None
@@ -196,6 +216,10 @@ class SparseMoeBlock(nnx.Module):
             weights, ids = route_sigmoid_groups(self.gate(x), cfg.num_experts_per_tok, cfg.norm_topk_prob,
                                                 self.gate.e_score_correction_bias[...], cfg.num_expert_groups,
                                                 cfg.topk_expert_groups, cfg.routed_scaling_factor)
+        elif cfg.moe_routing == "softmax_groups":
+            weights, ids = route_softmax_groups(self.gate(x), cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                                                cfg.num_expert_groups, cfg.topk_expert_groups,
+                                                cfg.routed_scaling_factor)
         elif cfg.moe_routing == "topk_softmax":
             weights, ids = route_topk_softmax(self.gate(x), cfg.num_experts_per_tok)
         else:
