@@ -182,8 +182,10 @@ def test_sliding_window_is_exercised(hf_model_dir):
 
 
 # Variants whose decode steps on the XLA path compute what their prefill does, which the float32 logits test checks
-# there: the rest (windows, NoPE layers, experts) also decode through their own XLA paths.
-PREFILL_CHECKS_XLA = {"llama3_rope", "llama_linear_rope", "qwen2", "qwen3", "granite", "gemma", "olmo2", "glm4"}
+# there: the rest (windows, NoPE layers, experts) also decode through their own XLA paths (DeepSeek-V3's for the
+# latent attention both DeepSeeks share).
+PREFILL_CHECKS_XLA = {"llama3_rope", "llama_linear_rope", "qwen2", "qwen3", "granite", "gemma", "olmo2", "glm4",
+                      "deepseek_v2"}
 # Mixtures of experts run the Flax model on both executors: their decode on the CPU layer executor's matmuls is
 # checked on Qwen2-MoE (dense and expert layers, a shared expert) and DeepSeek-V2 (its latent attention in the C++
 # attention); the others decode on the XLA path.

@@ -1,11 +1,12 @@
 """OpenAI tool calling through the official `openai` client against a live server on the demo model: `required` and
 named tool choices give calls whose arguments validate against the function's schema (jsonschema), streamed deltas
 reassemble to the non-streamed message, tool results go back into the conversation; the `auto` parsers read the
-Hermes and Llama 3 formats."""
+Hermes, Llama 3 and DeepSeek formats."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -164,6 +165,11 @@ def test_bad_tool_requests_are_400s(client, server, kwargs, param):
     assert info.value.body["param"] == param
 
 
+DEEPSEEK_V3_CALLS = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+                     '{"city": "Beijing", "unit": "celsius"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function'
+                     '<｜tool▁sep｜>add\n```json\n{"a": 1, "b": 2}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+
+
 def tool_request(choice: str = "auto", parser: str | None = "hermes") -> ToolRequest:
     return ToolRequest(TOOLS, choice, True, parser)
 
@@ -190,6 +196,17 @@ def tool_request(choice: str = "auto", parser: str | None = "hermes") -> ToolReq
     ("hermes", '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}</tool_call>', None,
      [("add", {"a": 1, "b": 2})]),  # arguments as JSON text of an object, as some models write them
     ("llama3_json", '{"name": "add", "parameters": "x"}', '{"name": "add", "parameters": "x"}', []),
+    # DeepSeek-V3 / R1 (vLLM's DeepSeekV3ToolParser's documented output) and DeepSeek-V3.1 (its tool-call template)
+    ("deepseek_v3", DEEPSEEK_V3_CALLS, None, [("get_weather", {"city": "Beijing", "unit": "celsius"}),
+                                              ("add", {"a": 1, "b": 2})]),
+    ("deepseek_v3", "Let me check.\n" + DEEPSEEK_V3_CALLS[:DEEPSEEK_V3_CALLS.index("\n<｜tool▁call▁begin｜>")]
+     + "<｜tool▁calls▁end｜>", "Let me check.", [("get_weather", {"city": "Beijing", "unit": "celsius"})]),
+    ("deepseek_v3", DEEPSEEK_V3_CALLS.replace("add", "sub"), DEEPSEEK_V3_CALLS.replace("add", "sub"), []),
+    ("deepseek_v3", "It is sunny.", "It is sunny.", []),
+    ("deepseek_v31", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>{\"a\": 4, \"b\": 5}"
+                     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", None, [("add", {"a": 4, "b": 5})]),
+    ("deepseek_v31", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>{\"a\": 4<｜tool▁call▁end｜>",
+     "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>{\"a\": 4<｜tool▁call▁end｜>", []),
 ])
 def test_auto_parsers_read_the_model_formats(parser, text, content, calls):
     got_content, got = tool_request(parser=parser).calls(text)
@@ -202,3 +219,30 @@ def test_auto_parsers_read_the_model_formats(parser, text, content, calls):
 def test_forced_output_that_is_no_call_stays_content(choice, text):
     """Output a stop string cut (or anything else that is not the constrained JSON) is left as content."""
     assert tool_request(choice).calls(text) == (text, [])
+
+
+@pytest.fixture(scope="module")
+def deepseek_client():
+    config = EngineConfig(model=str(DEMO_MODEL_DIR), **TEST_ENGINE_ARGS)
+    srv = ServerThread(config, ServerSettings(served_model_name="demo", tool_call_parser="deepseek_v3")).start()
+    yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    srv.stop()
+
+
+def test_deepseek_v3_calls_through_the_openai_client(deepseek_client):
+    """A reply in DeepSeek-V3's format (forced by a regex, the demo model writing it character by character), read
+    by --tool-call-parser deepseek_v3 into the official client's tool_calls, streamed and not."""
+    arguments = r'\{"a": [1-9], "b": [1-9]\}'
+    regex = (r"[A-Z][a-z]{2,6}\. " + re.escape("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n"
+                                               "```json\n") + arguments
+             + re.escape("\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"))
+    kwargs = dict(model="demo", messages=MESSAGES, max_tokens=300, temperature=0, tools=TOOLS,
+                  extra_body={"structured_outputs": {"regex": regex}})
+    choice = deepseek_client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "tool_calls" and re.fullmatch(r"[A-Z][a-z]{2,6}\.", choice.message.content)
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "add" and re.fullmatch(arguments, call.function.arguments)
+    jsonschema.validate(json.loads(call.function.arguments), ADD)
+    content, calls, finish = reassemble(deepseek_client.chat.completions.create(stream=True, **kwargs))
+    assert (content, finish) == (choice.message.content, "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in calls] == [("add", call.function.arguments)]

@@ -87,9 +87,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                        help="seconds running requests may take to finish after SIGTERM")
     group.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
                        help='how tool_choice "auto" finds tool calls in the output: hermes (<tool_call> JSON blocks: '
-                            'Hermes, Qwen), llama3_json (a JSON object: Llama 3.1+) or openai (gpt-oss\'s harmony '
-                            'messages; with --reasoning-parser openai_gptoss); without it only "required" and named '
-                            "tool choices are served")
+                            'Hermes, Qwen), llama3_json (a JSON object: Llama 3.1+), openai (gpt-oss\'s harmony '
+                            'messages; with --reasoning-parser openai_gptoss), deepseek_v3 (DeepSeek-V3, R1) or '
+                            'deepseek_v31 (DeepSeek-V3.1); without it only "required" and named tool choices are '
+                            "served")
     group.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
                        help="split a chat answer's reasoning into message.reasoning_content: deepseek_r1 (up to "
                             "</think>: DeepSeek-R1, QwQ, Qwen3 thinking-2507), qwen3 (a <think> block where the "

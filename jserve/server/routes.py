@@ -39,7 +39,7 @@ from jserve.server.protocol import (
 from jserve.server.reasoning import ReasoningStream, split_reasoning
 from jserve.server.state import ModelState, ServerState
 from jserve.server.tokenizer_worker import TokenizerWorker
-from jserve.server.tools import ToolRequest, parse_tool_request
+from jserve.server.tools import READS_SPECIAL_TOKENS, ToolRequest, parse_tool_request
 
 logger = logging.getLogger(__name__)
 
@@ -262,7 +262,9 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     asked, lora = state.route(req.model), state.lora_request(req.model)
     req.tools = parse_tool_request(body, state.settings.tool_call_parser)
     req.reasoning_parser = state.settings.reasoning_parser
-    if req.reasoning_parser == "openai_gptoss":  # harmony's markers are special tokens: the parser reads them
+    # harmony's markers and DeepSeek's tool-call markers are special tokens: the parsers read them
+    if req.reasoning_parser == "openai_gptoss" or (req.tools is not None and req.tools.choice == "auto"
+                                                    and req.tools.parser in READS_SPECIAL_TOKENS):
         req.params = req.params.clone(skip_special_tokens=False, spaces_between_special_tokens=False)
     if req.tools is not None and (constraint := req.tools.constraint()) is not None:
         if req.params.structured_outputs is not None:

@@ -9,7 +9,11 @@ when the model chooses (`tool_choice: "auto"`, with `--tool-call-parser`).
   </tool_call>` blocks, as Hermes and Qwen chat templates ask for; `llama3_json`: a JSON object `{"name",
   "parameters"}` (or several separated by `;`), optionally after `<|python_tag|>`, as Llama 3.1's template asks for;
   `openai`: gpt-oss's harmony messages to `functions.NAME`, which the `openai_gptoss` reasoning parser reads out of
-  the output, server/reasoning.py).
+  the output, server/reasoning.py; `deepseek_v3`: DeepSeek-V3's and R1's `<｜tool▁call▁begin｜>function<｜tool▁sep｜>
+  NAME` lines, each followed by its arguments in a json code fence and `<｜tool▁call▁end｜>`, inside
+  `<｜tool▁calls▁begin｜>` ... `<｜tool▁calls▁end｜>`; `deepseek_v31`: DeepSeek-V3.1's `<｜tool▁call▁begin｜>NAME
+  <｜tool▁sep｜>ARGUMENTS<｜tool▁call▁end｜>` there). DeepSeek's markers are added tokens of its tokenizer: requests
+  under its parsers keep special tokens in their text, and the parser takes the markers out.
 """
 
 from __future__ import annotations
@@ -25,6 +29,15 @@ from jserve.server.reasoning import split_reasoning
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_DEEPSEEK_CALLS = "<｜tool▁calls▁begin｜>"
+_DEEPSEEK_CALL = {  # one call within the calls block
+    "deepseek_v3": re.compile(r"<｜tool▁call▁begin｜>function<｜tool▁sep｜>(?P<name>[^\n]*)\n"
+                              r"```json\n(?P<arguments>.*?)\n```<｜tool▁call▁end｜>", re.DOTALL),
+    "deepseek_v31": re.compile(r"<｜tool▁call▁begin｜>(?P<name>.*?)<｜tool▁sep｜>(?P<arguments>.*?)<｜tool▁call▁end｜>",
+                               re.DOTALL),
+}
+# parsers whose markers are special tokens, kept in the text for them (routes.create_chat_completion)
+READS_SPECIAL_TOKENS = ("openai", *_DEEPSEEK_CALL)
 
 
 @dataclass
@@ -72,6 +85,8 @@ class ToolRequest:
                 return _parse_hermes(text, self.functions)
             if self.parser == "openai":  # text: the harmony messages, markers and all
                 return _parse_harmony(text, self.functions)
+            if self.parser in _DEEPSEEK_CALL:
+                return _parse_deepseek(text, self.functions, _DEEPSEEK_CALL[self.parser])
             return _parse_llama3_json(text, self.functions)
         try:
             value = json.loads(text)
@@ -117,7 +132,8 @@ def parse_tool_request(body: dict, parser: str | None) -> ToolRequest | None:
                           '{"name": ...}}', "tool_choice")
     if choice == "auto" and parser is None:
         raise bad_request('tool_choice "auto" needs the server started with --tool-call-parser (hermes, '
-                          'llama3_json or openai); "required" and a named function work without one', "tool_choice")
+                          'llama3_json, openai, deepseek_v3 or deepseek_v31); "required" and a named function work '
+                          "without one", "tool_choice")
     if choice != "auto" and parser == "openai":
         raise bad_request('gpt-oss (--tool-call-parser openai) serves tool_choice "auto" only: a required or named '
                           "call would constrain the output to JSON outside its harmony messages", "tool_choice")
@@ -163,6 +179,19 @@ def _parse_hermes(text: str, functions: dict[str, dict]) -> tuple[str | None, li
         return text, []
     content = _HERMES.sub("", text).strip()
     return content or None, calls
+
+
+def _parse_deepseek(text: str, functions: dict[str, dict], call: re.Pattern) -> tuple[str | None, list[ToolCall]]:
+    """The calls of DeepSeek's calls block and the text before it as content; a block that holds no call, or a call
+    that is no call (an unknown name, arguments that are not a JSON object), leaves the whole text as content."""
+    start = text.find(_DEEPSEEK_CALLS)
+    if start < 0:
+        return text, []
+    calls = [_call({"name": m["name"].strip(), "arguments": m["arguments"]}, functions, "arguments")
+             for m in call.finditer(text, start)]
+    if not calls or None in calls:
+        return text, []
+    return text[:start].strip() or None, calls
 
 
 def _parse_harmony(text: str, functions: dict[str, dict]) -> tuple[str | None, list[ToolCall]]:
