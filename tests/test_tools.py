@@ -12,6 +12,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
+import transformers
+from hf_models import build_model, save_tokenizer
 from server_helpers import TEST_ENGINE_ARGS, ServerThread
 
 from checkpoints import DEMO_MODEL_DIR
@@ -221,23 +223,32 @@ def test_forced_output_that_is_no_call_stays_content(choice, text):
     assert tool_request(choice).calls(text) == (text, [])
 
 
+DEEPSEEK_TOKENS = ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                   "<｜tool▁sep｜>"]
+
+
 @pytest.fixture(scope="module")
-def deepseek_client():
-    config = EngineConfig(model=str(DEMO_MODEL_DIR), **TEST_ENGINE_ARGS)
-    srv = ServerThread(config, ServerSettings(served_model_name="demo", tool_call_parser="deepseek_v3")).start()
+def deepseek_client(tmp_path_factory):
+    """The tiny DeepSeek-V3 behind a server with --tool-call-parser deepseek_v3; its tokenizer has DeepSeek's tool-call
+    markers as special tokens, as DeepSeek's own has them as added tokens."""
+    model_dir = build_model("deepseek_v3", tmp_path_factory.mktemp("deepseek_tools"))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(save_tokenizer(model_dir))
+    tokenizer.add_special_tokens({"additional_special_tokens": DEEPSEEK_TOKENS})
+    tokenizer.save_pretrained(model_dir)
+    config = EngineConfig(model=str(model_dir), **TEST_ENGINE_ARGS)
+    srv = ServerThread(config, ServerSettings(served_model_name="deepseek", tool_call_parser="deepseek_v3")).start()
     yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
     srv.stop()
 
 
 def test_deepseek_v3_calls_through_the_openai_client(deepseek_client):
-    """A reply in DeepSeek-V3's format (forced by a regex, the demo model writing it character by character), read
-    by --tool-call-parser deepseek_v3 into the official client's tool_calls, streamed and not."""
+    """DeepSeek-V3's calls block, its markers special tokens (an llguidance grammar forces the output): the parser
+    reads it into the official client's tool_calls, streamed and not, with the text before it as content."""
     arguments = r'\{"a": [1-9], "b": [1-9]\}'
-    regex = (r"[A-Z][a-z]{2,6}\. " + re.escape("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n"
-                                               "```json\n") + arguments
-             + re.escape("\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"))
-    kwargs = dict(model="demo", messages=MESSAGES, max_tokens=300, temperature=0, tools=TOOLS,
-                  extra_body={"structured_outputs": {"regex": regex}})
+    grammar = ('start: /[A-Z][a-z]{2,6}\\./ " " <｜tool▁calls▁begin｜> <｜tool▁call▁begin｜> "function" '
+               f'<｜tool▁sep｜> "add\\n```json\\n" /{arguments}/ "\\n```" <｜tool▁call▁end｜> <｜tool▁calls▁end｜>')
+    kwargs = dict(model="deepseek", messages=MESSAGES, max_tokens=100, temperature=0, tools=TOOLS,
+                  extra_body={"structured_outputs": {"grammar": grammar}})
     choice = deepseek_client.chat.completions.create(**kwargs).choices[0]
     assert choice.finish_reason == "tool_calls" and re.fullmatch(r"[A-Z][a-z]{2,6}\.", choice.message.content)
     (call,) = choice.message.tool_calls
