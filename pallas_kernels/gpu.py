@@ -35,8 +35,15 @@ def _precision(dtype) -> tuple[lax.Precision, lax.Precision] | None:
     return (lax.Precision.HIGHEST, lax.Precision.HIGHEST) if jnp.dtype(dtype) == jnp.float32 else None
 
 
+TILE_ELEMENTS = 64 * 256  # the most elements of a query or K/V tile the default block sizes give (see below)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
+
+
+def _prev_pow2(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
 
 
 def head_dim_chunks(head_dim: int) -> tuple[tuple[int, int], ...]:
@@ -179,10 +186,12 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array | QuantizedPages
 
     block_q: query tokens per block (a power of two; raised so the tile has >= 16 rows, tl.dot's minimum). None:
     16 where the bucket has more tokens than sequence rows (prefill chunks reuse each K/V tile over 16 tokens),
-    else the fewest that fill 16 rows (a decode block holds one token: its other rows would be wasted work).
+    else the fewest that fill 16 rows (a decode block holds one token: its other rows would be wasted work); fewer
+    where the [rows, head_dim] tile would pass TILE_ELEMENTS.
     pages_per_step: pages gathered per loop step; their pages_per_step * page_size keys are the N of the QK^T
     tile (a power of two). None: 64 keys (4 pages of 16), which keeps the tensor cores fed while the registers
-    hold [M, N] scores; larger tiles of D = 128 overflow shared memory (seen: page 64 x 4 pages on an H200).
+    hold [M, N] scores; larger tiles of D = 128 overflow shared memory (seen: page 64 x 4 pages on an H200); fewer
+    where a [keys, head_dim] tile would pass TILE_ELEMENTS.
     kv_splits: programs per (block, KV head), each over its own run of the keys, merged after the kernel (flash
     decoding). None: auto_kv_splits of the grid, so small decode batches still stream at the memory's rate.
     Quantized pages (QuantizedPages, int8 or float8_e4m3fn values, not uint8 bits) are read as stored and
@@ -200,11 +209,15 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array | QuantizedPages
     num_kv_heads = k_pages.shape[2]
     num_seqs = seq_lens.shape[0]
     page_size = k_pages.shape[1]
+    # Tiles of at most TILE_ELEMENTS (64 x 256: Gemma's widest, run on an H200) elements: a head as wide as latent
+    # attention's 576 takes fewer keys a step and fewer query tokens a block, or its K/V and query tiles would not
+    # fit in shared memory (64 keys x 576 x 2 bytes is 72 KB a tile, twice for V, twice again pipelined).
+    keys = max(16, _prev_pow2(TILE_ELEMENTS // head_dim))
     if pages_per_step is None:
-        pages_per_step = max(1, 64 // page_size)
+        pages_per_step = max(1, min(64, keys) // page_size)
     group_pad = _next_pow2(num_heads // num_kv_heads)  # Triton tiles need power-of-two extents
     if block_q is None:
-        block_q = 16 if num_tokens > num_seqs else 1
+        block_q = min(16 if num_tokens > num_seqs else 1, max(1, _prev_pow2(keys // group_pad)))
     block_q = max(block_q, 16 // group_pad)  # tl.dot needs M >= 16
     meta = block_metadata(query_start, seq_lens, num_tokens, block_q)
     q_dtype = k_pages.dtype if compute_dtype is None else compute_dtype
