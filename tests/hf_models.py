@@ -204,6 +204,8 @@ def save_tokenizer(out_dir: Path) -> Path:
                        "{% if add_generation_prompt %}<s>assistant\n"
                        # a template variable, as Qwen3's enable_thinking: what chat_template_kwargs set
                        "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+                       # gpt-oss's reasoning_effort, which the request field of that name sets
+                       "{% if reasoning_effort is defined %}effort {{ reasoning_effort }}\n{% endif %}"
                        "{% endif %}"))
     fast.save_pretrained(out_dir)
     return Path(out_dir)

@@ -212,8 +212,9 @@ def test_vllm_token_restrictions_match_offline(client, offline, model_name):
 
 
 def test_chat_template_arguments_render_as_transformers_does(server, client, model_dir, model_name):
-    """chat_template_kwargs and continue_final_message reach the template (vLLM's fields): /tokenize and a chat's
-    prompt are transformers' own rendering; conflicting or reserved arguments are a 400 naming the field."""
+    """chat_template_kwargs, reasoning_effort and continue_final_message reach the template (vLLM's fields):
+    /tokenize and a chat's prompt are transformers' own rendering; conflicting, reserved or unknown arguments are a
+    400 naming the field."""
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(model_dir)
@@ -221,6 +222,8 @@ def test_chat_template_arguments_render_as_transformers_does(server, client, mod
     partial = MESSAGES + [{"role": "assistant", "content": "Hello"}]
     cases = [({"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}},
               render(MESSAGES, add_generation_prompt=True, enable_thinking=False)),
+             ({"messages": MESSAGES, "reasoning_effort": "high"},
+              render(MESSAGES, add_generation_prompt=True, reasoning_effort="high")),
              ({"messages": partial, "continue_final_message": True, "add_generation_prompt": False},
               render(partial, continue_final_message=True))]
     for body, want in cases:
@@ -230,9 +233,10 @@ def test_chat_template_arguments_render_as_transformers_does(server, client, mod
                                                extra_body=extra)
         assert reply.usage.prompt_tokens == len(want)
     # the arguments mattered
-    assert cases[0][1] != render(MESSAGES, add_generation_prompt=True)
-    assert cases[1][1] != render(partial, add_generation_prompt=False)
+    assert cases[0][1] != render(MESSAGES, add_generation_prompt=True) != cases[1][1]
+    assert cases[2][1] != render(partial, add_generation_prompt=False)
     for extra, param in [({"continue_final_message": True}, "continue_final_message"),
+                         ({"reasoning_effort": "extreme"}, "reasoning_effort"),
                          ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs")]:
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=model_name, messages=partial, max_tokens=2, extra_body=extra)

@@ -286,6 +286,10 @@ CHAT_FIELDS: dict[str, dict] = {
                              'Whether and which tool to call: "none", "auto" (needs --tool-call-parser), "required", '
                              'or {"type": "function", "function": {"name": ...}}.'),
     "parallel_tool_calls": _bool("With tool_choice \"required\": allow several calls (default true)."),
+    "reasoning_effort": _nullable({"type": "string", "enum": ["low", "medium", "high"]},
+                                  "How much a reasoning model should think (vLLM's field): the chat template's "
+                                  "reasoning_effort variable, which gpt-oss's template renders; chat_template_kwargs "
+                                  "may set it too."),
     "include_reasoning": _bool("With the server's --reasoning-parser: return the reasoning as "
                                "message.reasoning_content (default true)."),
     **SAMPLING_FIELDS,
@@ -299,6 +303,7 @@ TOKENIZE_FIELDS: dict[str, dict] = {
     "add_generation_prompt": CHAT_FIELDS["add_generation_prompt"],
     "continue_final_message": CHAT_FIELDS["continue_final_message"],
     "chat_template_kwargs": CHAT_FIELDS["chat_template_kwargs"],
+    "reasoning_effort": CHAT_FIELDS["reasoning_effort"],
 }
 
 DETOKENIZE_FIELDS: dict[str, dict] = {
@@ -475,8 +480,11 @@ def parse_chat(body: dict) -> ChatRequest:
 
 def chat_template_kwargs(values: dict[str, Any]) -> dict[str, Any]:
     """The chat template's further arguments a chat or /tokenize body sets: continue_final_message (which, as in
-    vLLM and transformers, excludes add_generation_prompt) and chat_template_kwargs."""
+    vLLM and transformers, excludes add_generation_prompt), reasoning_effort (where chat_template_kwargs leaves it
+    unset) and chat_template_kwargs."""
     kwargs = dict(values.get("chat_template_kwargs") or {})
+    if values.get("reasoning_effort") is not None:
+        kwargs.setdefault("reasoning_effort", values["reasoning_effort"])
     if values.get("continue_final_message"):
         if values.get("add_generation_prompt", True):
             raise bad_request("continue_final_message needs add_generation_prompt set to false: the prompt cannot "
