@@ -19,7 +19,7 @@ from server_helpers import TEST_ENGINE_ARGS, ServerThread
 from checkpoints import DEMO_MODEL_DIR
 from jserve.config import EngineConfig
 from jserve.server.settings import ServerSettings
-from jserve.server.tools import ToolRequest
+from jserve.server.tools import ToolRequest, ToolStream
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -148,10 +148,30 @@ def test_tool_results_go_back_into_the_conversation(client, server):
 
 
 def test_auto_returns_text_when_the_model_writes_no_call(client, server):
-    reply = client.chat.completions.create(model=server.state.model_name, messages=MESSAGES, tools=TOOLS,
-                                           temperature=0, max_tokens=12)
-    choice = reply.choices[0]
+    """A reply without a call under tool_choice "auto" streams its content as it comes (not whole at the end)."""
+    kwargs = dict(model=server.state.model_name, messages=MESSAGES, tools=TOOLS, temperature=0, max_tokens=12)
+    choice = client.chat.completions.create(**kwargs).choices[0]
     assert choice.message.tool_calls is None and choice.message.content and choice.finish_reason == "length"
+    pieces = [c.choices[0].delta.content for c in client.chat.completions.create(stream=True, **kwargs)
+              if c.choices and c.choices[0].delta.content]
+    assert len(pieces) > 1 and "".join(pieces) == choice.message.content
+
+
+def test_auto_streams_the_content_before_a_call(client, server):
+    """Content before a hermes call streams in pieces; the call, read once the output is complete, follows: the
+    stream reassembles to the non-streamed message."""
+    call = r'<tool_call>\{"name": "add", "arguments": \{"a": [1-9], "b": [1-9]\}\}</tool_call>'
+    kwargs = dict(model=server.state.model_name, messages=MESSAGES, tools=TOOLS, temperature=0, max_tokens=120,
+                  extra_body={"structured_outputs": {"regex": r"[A-Z][a-z]{3,8}( [a-z]{3,8}){3}\.\n" + call}})
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "tool_calls" and re.fullmatch(r"[A-Z][a-z]+( [a-z]+){3}\.", choice.message.content)
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    content_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(content_chunks) > 1
+    content, calls, finish = reassemble(chunks)
+    assert (content, finish) == (choice.message.content, "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in calls] == [(t.function.name, t.function.arguments)
+                                                            for t in choice.message.tool_calls]
 
 
 @pytest.mark.parametrize(("kwargs", "param"), [
@@ -176,7 +196,7 @@ def tool_request(choice: str = "auto", parser: str | None = "hermes") -> ToolReq
     return ToolRequest(TOOLS, choice, True, parser)
 
 
-@pytest.mark.parametrize(("parser", "text", "content", "calls"), [
+AUTO_CASES = [
     ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
                '"celsius"}}\n</tool_call>', "Let me check.", [("get_weather", {"city": "Paris", "unit": "celsius"})]),
     ("hermes", '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n<tool_call>{"name": "add", '
@@ -209,11 +229,34 @@ def tool_request(choice: str = "auto", parser: str | None = "hermes") -> ToolReq
                      "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", None, [("add", {"a": 4, "b": 5})]),
     ("deepseek_v31", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>{\"a\": 4<｜tool▁call▁end｜>",
      "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>{\"a\": 4<｜tool▁call▁end｜>", []),
-])
+    # text that starts as a marker or a call would, and is none
+    ("hermes", "Use <tool> tags\n", "Use <tool> tags\n", []),
+    ("llama3_json", "  <|python", "  <|python", []),
+    ("llama3_json", "{not json}", "{not json}", []),
+]
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), AUTO_CASES)
 def test_auto_parsers_read_the_model_formats(parser, text, content, calls):
     got_content, got = tool_request(parser=parser).calls(text)
     assert got_content == content
     assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+
+
+@pytest.mark.parametrize("size", [1, 3, 7])
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), AUTO_CASES)
+def test_streamed_content_is_the_replys_content(parser, text, content, calls, size):
+    """Fed in pieces, the tool stream sends exactly the content the non-streamed reply has, and none of it before
+    it is sure: where the text holds calls, what it sent is the reply's content; where it holds none, that plus the
+    rest it held back is the whole text."""
+    stream, sent = ToolStream(parser), ""
+    for i in range(0, len(text), size):
+        sent += stream.feed(text[i:i + size])
+        assert text.startswith(sent)
+    got_content, got = tool_request(parser=parser).calls(text)
+    if not got:
+        sent += stream.rest()
+    assert sent == (got_content or "") and got_content == content
 
 
 @pytest.mark.parametrize(("choice", "text"), [("add", '{"a": 1'), ("add", "[1, 2]"), ("required", '[{"name": "add"'),

@@ -219,13 +219,18 @@ def tool_chunk_choices(choice: dict) -> list[dict]:
     if message.get("content"):
         chunks.append({"index": index, "delta": {"content": message["content"]}, "logprobs": None,
                        "finish_reason": None})
-    for i, call in enumerate(message.get("tool_calls") or []):
-        chunks.append({"index": index, "delta": {"tool_calls": [{"index": i, **call}]}, "logprobs": None,
-                       "finish_reason": None})
-    chunks.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"],
-                   "stop_reason": choice.get("stop_reason")})
+    chunks += tool_call_chunks(index, message.get("tool_calls") or [], choice["finish_reason"],
+                               choice.get("stop_reason"))
     chunks[1]["logprobs"] = choice.get("logprobs")
     return chunks
+
+
+def tool_call_chunks(index: int, calls: list[dict], finish_reason: str, stop_reason: int | str | None) -> list[dict]:
+    """Each call (its id, type and name with the whole arguments) as a stream choice, then the finish reason."""
+    chunks = [{"index": index, "delta": {"tool_calls": [{"index": i, **call}]}, "logprobs": None,
+               "finish_reason": None} for i, call in enumerate(calls)]
+    return chunks + [{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason,
+                      "stop_reason": stop_reason}]
 
 
 def merge_deltas(deltas: list[ChoiceDelta]) -> list[ChoiceDelta]:

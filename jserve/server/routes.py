@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Iterator
 
@@ -39,7 +40,7 @@ from jserve.server.protocol import (
 from jserve.server.reasoning import ReasoningStream, split_reasoning
 from jserve.server.state import ModelState, ServerState
 from jserve.server.tokenizer_worker import TokenizerWorker
-from jserve.server.tools import READS_SPECIAL_TOKENS, ToolRequest, parse_tool_request
+from jserve.server.tools import READS_SPECIAL_TOKENS, STREAMED_PARSERS, ToolRequest, ToolStream, parse_tool_request
 
 logger = logging.getLogger(__name__)
 
@@ -283,7 +284,13 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
 
 async def _chat_events(gen: Generation, req: ChatRequest, header: R.ResponseHeader,
                        tokenizer: TokenizerWorker) -> AsyncIterator[bytes]:
-    if req.tools is not None:  # calls are known once the output is: sent whole at the end, as deltas OpenAI's way
+    tracker, k = _tracker(req), req.params.logprobs
+    # An auto choice's content streams as it comes, its calls once the output is complete (ToolStream); a required
+    # or named call is the whole output, and gpt-oss's are harmony messages: those, and any choice with logprobs
+    # (which ride on the message), are sent whole at the end, as deltas OpenAI's way.
+    streamed_tools = req.tools is not None and req.tools.choice == "auto" and req.tools.parser in STREAMED_PARSERS \
+        and k is None
+    if req.tools is not None and not streamed_tools:
         body = await _chat_body(gen, req, header, tokenizer)
         extra = {"usage": None} if req.include_usage else {}
         for choice in body["choices"]:
@@ -292,9 +299,9 @@ async def _chat_events(gen: Generation, req: ChatRequest, header: R.ResponseHead
         if req.include_usage:
             yield R.sse(header.obj("chat.completion.chunk", [], usage=body["usage"]))
         return
-    tracker, k = _tracker(req), req.params.logprobs
     extra = {"usage": None} if req.include_usage else {}
     reasoning: dict[int, ReasoningStream] = {}  # by choice index, with a reasoning parser
+    tool_streams: dict[int, ToolStream] = {}  # by choice index, with streamed_tools
     async for prompt_index, output in gen:
         deltas = tracker.update(prompt_index, output)
         token_bytes = await _token_bytes(tokenizer, deltas) if k is not None else {}
@@ -304,10 +311,32 @@ async def _chat_events(gen: Generation, req: ChatRequest, header: R.ResponseHead
                 stream = reasoning.setdefault(d.index, ReasoningStream(req.reasoning_parser))
                 thought, content = stream.feed(d.text, d.finish_reason is not None)
                 parts = (thought if req.include_reasoning else "", content)
-            for choice in R.chat_chunk_choices(d, token_bytes.__getitem__, k, parts):
+            if streamed_tools:
+                choices = _tool_stream_choices(d, parts, tool_streams.setdefault(d.index, ToolStream(
+                    req.tools.parser)), req.tools)
+            else:
+                choices = R.chat_chunk_choices(d, token_bytes.__getitem__, k, parts)
+            for choice in choices:
                 yield R.sse(header.obj("chat.completion.chunk", [choice], **extra))
     if req.include_usage:
         yield R.sse(header.obj("chat.completion.chunk", [], usage=tracker.usage()))
+
+
+def _tool_stream_choices(d: R.ChoiceDelta, parts: tuple[str, str] | None, stream: ToolStream,
+                         tools: ToolRequest) -> list[dict]:
+    """A chat delta's stream choices under an auto tool choice: the content the tool stream lets through, and at a
+    finish by a stop the calls the whole content holds (with finish_reason "tool_calls"), else the rest."""
+    thought, content = ("", d.text) if parts is None else parts
+    content = stream.feed(content)
+    calls = tools.calls(stream.text)[1] if d.finish_reason == "stop" else []
+    if d.finish_reason is not None and not calls:
+        content += stream.rest()
+    if not calls:
+        return R.chat_chunk_choices(d, lambda _: b"", None, (thought, content))
+    choices = R.chat_chunk_choices(dataclasses.replace(d, finish_reason=None), lambda _: b"", None, (thought, content))
+    if not (thought or content):  # nothing but the role before the calls
+        choices = choices[:-1]
+    return choices + R.tool_call_chunks(d.index, [call.body() for call in calls], "tool_calls", d.stop_reason)
 
 
 async def _chat_body(gen: Generation, req: ChatRequest, header: R.ResponseHeader,

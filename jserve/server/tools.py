@@ -165,6 +165,51 @@ def _call(obj: Any, functions: dict[str, dict], arguments_key: str) -> ToolCall 
     return ToolCall(obj["name"], json.dumps(arguments)) if isinstance(arguments, dict) else None
 
 
+# Where each parser's calls begin (llama3_json's are the whole output: ToolStream)
+_CALL_MARKERS = {"hermes": "<tool_call>", "deepseek_v3": _DEEPSEEK_CALLS, "deepseek_v31": _DEEPSEEK_CALLS}
+_PYTHON_TAG = "<|python_tag|>"
+STREAMED_PARSERS = (*_CALL_MARKERS, "llama3_json")
+
+
+class ToolStream:
+    """An auto tool choice's content streamed as it comes (STREAMED_PARSERS), holding back what may be a call: the
+    text from the parser's call marker on, an end of the text that may still become the marker, and trailing
+    whitespace (content before a call keeps none); for llama3_json, an output that starts as a call would (after
+    whitespace, `{` or `<|python_tag|>`). At the end the whole text is read (ToolRequest.calls): its calls, or the
+    rest of the text as content. What was sent is then the content a non-streamed reply gives: the text before the
+    first call, without its trailing whitespace."""
+
+    def __init__(self, parser: str):
+        self.marker = _CALL_MARKERS.get(parser)
+        self.text, self.sent = "", 0
+
+    def feed(self, piece: str) -> str:
+        """Add the next piece of content; returns what can be sent now."""
+        self.text += piece
+        end = max(self.sent, self._safe_end())
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+    def rest(self) -> str:
+        """The text held back (at the end, where it holds no call)."""
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out
+
+    def _safe_end(self) -> int:
+        if self.marker is None:  # llama3_json: all or nothing
+            body = self.text.lstrip()
+            maybe_call = not body or body.startswith(("{", _PYTHON_TAG)) or _PYTHON_TAG.startswith(body)
+            return self.sent if maybe_call else len(self.text)
+        pos = self.text.find(self.marker)
+        if pos < 0:
+            pos = len(self.text)
+            for k in range(min(len(self.marker) - 1, len(self.text)), 0, -1):
+                if self.marker.startswith(self.text[-k:]):
+                    pos -= k
+                    break
+        return len(self.text[:pos].rstrip())
+
+
 def _parse_hermes(text: str, functions: dict[str, dict]) -> tuple[str | None, list[ToolCall]]:
     calls = []
     for block in _HERMES.findall(text):
@@ -177,13 +222,13 @@ def _parse_hermes(text: str, functions: dict[str, dict]) -> tuple[str | None, li
         calls.append(call)
     if not calls:
         return text, []
-    content = _HERMES.sub("", text).strip()
-    return content or None, calls
+    return text[:text.index("<tool_call>")].rstrip() or None, calls
 
 
 def _parse_deepseek(text: str, functions: dict[str, dict], call: re.Pattern) -> tuple[str | None, list[ToolCall]]:
-    """The calls of DeepSeek's calls block and the text before it as content; a block that holds no call, or a call
-    that is no call (an unknown name, arguments that are not a JSON object), leaves the whole text as content."""
+    """The calls of DeepSeek's calls block and the text before it as content (ToolStream's); a block that holds no
+    call, or a call that is no call (an unknown name, arguments that are not a JSON object), leaves the whole text as
+    content."""
     start = text.find(_DEEPSEEK_CALLS)
     if start < 0:
         return text, []
@@ -191,7 +236,7 @@ def _parse_deepseek(text: str, functions: dict[str, dict], call: re.Pattern) -> 
              for m in call.finditer(text, start)]
     if not calls or None in calls:
         return text, []
-    return text[:start].strip() or None, calls
+    return text[:start].rstrip() or None, calls
 
 
 def _parse_harmony(text: str, functions: dict[str, dict]) -> tuple[str | None, list[ToolCall]]:
