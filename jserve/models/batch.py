@@ -36,7 +36,8 @@ class KVCache:
     argument, so the CPU kernels, which take the whole stack in one call, get 2 arrays instead of 2 x num_layers."""
 
     k: list[jax.Array] | jax.Array  # num_layers x [num_pages, page_size, num_kv_heads, head_dim], or stacked
-    v: list[jax.Array] | jax.Array  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    v: list[jax.Array] | jax.Array  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]; a layer whose
+    # attention reads its values from the key pages (ModelConfig.values_in_key_pages) has None
 
     @property
     def stacked(self) -> bool:

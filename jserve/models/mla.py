@@ -68,9 +68,11 @@ class LatentAttention(nnx.Module):
         self.o_proj = Linear(heads * config.v_head_dim, config.hidden_size, dtype=dtype, axes=("embed", "heads"),
                              bias=config.o_bias)
 
-    def __call__(self, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: StepBatch,
+    def __call__(self, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array | None, batch: StepBatch,
                  inv_freq: tuple[np.ndarray, np.ndarray] | None = None, lora_slots: jax.Array | None = None
-                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """(output, key pages, value pages) as Attention's; v_pages None: the engine's cache keeps no value pages
+        (ModelConfig.values_in_key_pages), and the latent is read from the key pages as both."""
         cfg = self.config
         num_tokens, heads = x.shape[0], cfg.num_heads
         nope, rank = cfg.qk_nope_head_dim, cfg.kv_lora_rank
