@@ -120,19 +120,7 @@ def route_sigmoid_groups(logits: jax.Array, k: int, normalize: bool, correction:
     chooses its k experts there by corrected score; their weights are the uncorrected scores (renormalized with
     normalize), times scale."""
     scores = jax.nn.sigmoid(logits.astype(jnp.float32))  # [T, E]
-    choice = scores + correction
-    num_tokens, num_experts = scores.shape
-    per_group = num_experts // groups
-    if groups > 1:
-        best = jax.lax.top_k(choice.reshape(num_tokens, groups, per_group), min(2, per_group))[0].sum(-1)
-        _, kept = jax.lax.top_k(best, topk_groups)  # [T, topk_groups]
-        mask = jnp.zeros((num_tokens, groups), bool).at[jnp.arange(num_tokens)[:, None], kept].set(True)
-        choice = jnp.where(jnp.repeat(mask, per_group, axis=1), choice, -jnp.inf)
-    _, ids = jax.lax.top_k(choice, k)
-    weights = jnp.take_along_axis(scores, ids, axis=-1)
-    if normalize:
-        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-    return weights * scale, ids.astype(jnp.int32)
+    return _route_in_groups(scores, scores + correction, k, normalize, groups, topk_groups, 2, scale)
 
 
 def route_softmax_groups(logits: jax.Array, k: int, normalize: bool, groups: int, topk_groups: int, scale: float
@@ -141,12 +129,20 @@ def route_softmax_groups(logits: jax.Array, k: int, normalize: bool, groups: int
     topk_groups of its `groups` expert groups whose best scores are highest and chooses its k experts there; the
     weights (renormalized with normalize) times scale."""
     scores = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    num_tokens, num_experts = scores.shape
-    choice = scores
+    return _route_in_groups(scores, scores, k, normalize, groups, topk_groups, 1, scale)
+
+
+def _route_in_groups(scores: jax.Array, choice: jax.Array, k: int, normalize: bool, groups: int, topk_groups: int,
+                     group_best: int, scale: float) -> tuple[jax.Array, jax.Array]:
+    """The k experts of highest `choice` [T, E] within each token's topk_groups of `groups` groups whose group_best
+    highest choices sum highest, weighted by their `scores` (renormalized with normalize) times scale."""
+    num_tokens, num_experts = choice.shape
+    per_group = num_experts // groups
     if groups > 1:
-        _, kept = jax.lax.top_k(scores.reshape(num_tokens, groups, -1).max(-1), topk_groups)
+        best = jax.lax.top_k(choice.reshape(num_tokens, groups, per_group), min(group_best, per_group))[0].sum(-1)
+        _, kept = jax.lax.top_k(best, topk_groups)  # [T, topk_groups]
         mask = jnp.zeros((num_tokens, groups), bool).at[jnp.arange(num_tokens)[:, None], kept].set(True)
-        choice = jnp.where(jnp.repeat(mask, num_experts // groups, axis=1), scores, -jnp.inf)
+        choice = jnp.where(jnp.repeat(mask, per_group, axis=1), choice, -jnp.inf)
     _, ids = jax.lax.top_k(choice, k)
     weights = jnp.take_along_axis(scores, ids, axis=-1)
     if normalize:
