@@ -453,6 +453,7 @@ def _deepseek_v2_moe_fields(cfg: dict, source: str) -> dict:
 
 def _deepseek_moe_fields(cfg: dict, source: str, *, experts: int, per_token: int, groups: int, topk_groups: int,
                          width: int, dense: int, shared: int, scale: float, norm: bool) -> dict:
+    """The experts' fields GLM-4.5 and both DeepSeeks name alike (the keyword arguments: the family's defaults)."""
     num_layers = positive_int(cfg, "num_hidden_layers", source)
     key = "num_local_experts" if "num_local_experts" in cfg else "n_routed_experts"
     experts = positive_int(cfg, key, source, experts)

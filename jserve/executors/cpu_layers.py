@@ -292,8 +292,8 @@ def _layer_weights(layer: nnx.Module, paths: cpu_kernels.LayerWeights) -> cpu_ke
 def _matrices_in_parts(model: LoadedModel) -> bool:
     """The layers' own matrices are empty placeholders: the weights lie only in the per-thread parts."""
     layers = nnx.to_pure_dict(model.state).get("layers")
-    return bool(layers) and "qkv_proj" in layers[0]["self_attn"] and layers[0]["self_attn"]["qkv_proj"][
-        "weight"].size == 0
+    attention = layers[0]["self_attn"] if layers else {}  # latent attention has no qkv_proj, and is never in parts
+    return "qkv_proj" in attention and attention["qkv_proj"]["weight"].size == 0
 
 
 def _matrix_shapes(config: ModelConfig) -> list[tuple[int, int]]:
@@ -361,9 +361,10 @@ def _flax_packed_paths(config: ModelConfig, dtype: jnp.dtype) -> set[tuple]:
     """What _load_packed_for_flax packs: the layers' projections (attention, dense MLPs, shared experts), the
     experts' stacks and the LM head."""
     paths = {("embed_tokens",) if config.tie_word_embeddings else ("lm_head",)}
-    # DeepSeek's latent attention: its projections but kv_b_proj, which multiplies head by head (jserve.models.mla)
-    attention = (("q_a_proj", "q_b_proj") if config.q_lora_rank else ("q_proj",)) + (
-        "kv_a_proj_with_mqa", "o_proj") if config.kv_lora_rank else ("qkv_proj", "o_proj")
+    attention = ("qkv_proj", "o_proj")
+    if config.kv_lora_rank:  # latent attention: its projections but kv_b_proj, multiplied head by head (models.mla)
+        attention = ("q_a_proj", "q_b_proj") if config.q_lora_rank else ("q_proj",)
+        attention += ("kv_a_proj_with_mqa", "o_proj")
     for i in range(config.num_layers):
         paths |= {("layers", i, "self_attn", name, "weight") for name in attention}
         mlp = ("layers", i, "mlp")

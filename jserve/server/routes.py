@@ -284,7 +284,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
 
 async def _chat_events(gen: Generation, req: ChatRequest, header: R.ResponseHeader,
                        tokenizer: TokenizerWorker) -> AsyncIterator[bytes]:
-    tracker, k = _tracker(req), req.params.logprobs
+    k = req.params.logprobs
     # An auto choice's content streams as it comes, its calls once the output is complete (ToolStream); a required
     # or named call is the whole output, and gpt-oss's are harmony messages: those, and any choice with logprobs
     # (which ride on the message), are sent whole at the end, as deltas OpenAI's way.
@@ -299,7 +299,7 @@ async def _chat_events(gen: Generation, req: ChatRequest, header: R.ResponseHead
         if req.include_usage:
             yield R.sse(header.obj("chat.completion.chunk", [], usage=body["usage"]))
         return
-    extra = {"usage": None} if req.include_usage else {}
+    tracker, extra = _tracker(req), {"usage": None} if req.include_usage else {}
     reasoning: dict[int, ReasoningStream] = {}  # by choice index, with a reasoning parser
     tool_streams: dict[int, ToolStream] = {}  # by choice index, with streamed_tools
     async for prompt_index, output in gen:
