@@ -29,6 +29,7 @@ from checkpoints.tensor_views import llama_layout, take
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,  # FP8 checkpoints (checkpoints.fp8)
 }
 
 # A destination for one checkpoint tensor: the model-state path, and which part of a fused weight it is
@@ -262,8 +263,10 @@ def fused_row_map(config: CheckpointShape, dest: str, rows: int) -> dict[str, tu
 
 def load_state(model_dir: str | Path, config: CheckpointShape,
                shapes: dict[tuple, tuple[tuple[int, ...], np.dtype]],
-               place: Callable[[tuple, ParamSource], object]) -> dict[tuple, object]:
-    """Fill every parameter of `shapes` ({path: (shape, dtype)}) from the checkpoint directory's safetensors.
+               place: Callable[[tuple, ParamSource], object],
+               transform: Callable[[Iterable], Iterator] | None = None) -> dict[tuple, object]:
+    """Fill every parameter of `shapes` ({path: (shape, dtype)}) from the checkpoint directory's safetensors;
+    transform: what (name, tensor, origin) of the files pass through first (an FP8 checkpoint's checkpoints.fp8).
 
     First every tensor is located (headers only; the data stay memory-mapped), then each parameter is handed to
     `place` (which builds the device or mesh array from `source.read`) one at a time, so host memory holds at
@@ -271,6 +274,8 @@ def load_state(model_dir: str | Path, config: CheckpointShape,
     Missing, unexpected and mis-shaped tensors raise CheckpointError naming the tensor and file.
     """
     tensors = ((name, tensor, str(file)) for file in checkpoint_files(model_dir) for name, tensor in iter_tensors(file))
+    if transform is not None:
+        tensors = transform(tensors)
     return assemble_state(language_model_tensors(tensors), config, shapes, place, str(model_dir))
 
 

@@ -4,6 +4,7 @@ the mesh."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,13 +18,14 @@ from jax.sharding import Mesh, Sharding
 
 from checkpoints import dummy, is_gguf_file
 from checkpoints.dummy import DummySource
+from checkpoints.fp8 import fp8_tensors
 from checkpoints.safetensors_loader import ParamSource, hf_names, load_state
 from jserve.config import LOAD_FORMATS, ModelConfig, ModelLoadError
 from jserve.gguf_loading import GGUF_ARCHITECTURE_OF, find_gguf, gguf_model_config, gguf_tensor_name, load_gguf_state
 from jserve.models import model_class
 from jserve.models.layers import LoraWeight
 from jserve.models.quantization import (
-    compressed_tensors_format,
+    checkpoint_quantization,
     load_compressed_tensors_state,
     quantize_model,
     quantize_rows,
@@ -89,12 +91,27 @@ def model_config(model_path: str | Path, max_model_len: int | None = None) -> Mo
 
 def stored_quantization(model_dir: str | Path, load_format: str = "auto") -> str | None:
     """The scheme a checkpoint's weights are stored in, which serving keeps: a compressed-tensors W8A16
-    checkpoint's "int8", a quantized jserve conversion's scheme; None for float weights or dummy ones."""
+    checkpoint's "int8", a quantized jserve conversion's scheme; None for float weights (an FP8 checkpoint's are
+    dequantized as they are read) or dummy ones."""
     if load_format != "auto":
         return None
     if is_orbax_checkpoint(model_dir):
         return read_checkpoint(model_dir).quantization
-    return "int8" if compressed_tensors_format(model_dir) else None
+    stored = checkpoint_quantization(model_dir)
+    return "int8" if stored is not None and stored.method == "int8" else None
+
+
+def served_quantization(model_dir: str | Path, load_format: str, platform: str) -> str | None:
+    """The weights' scheme where none is asked for: the stored one (stored_quantization), or for an FP8 checkpoint
+    one byte a weight again, requantized per row as its float weights are read: fp8 on a GPU, int8 elsewhere (the
+    scheme each platform multiplies fast)."""
+    stored = stored_quantization(model_dir, load_format)
+    if stored is not None or load_format != "auto" or is_orbax_checkpoint(model_dir):
+        return stored
+    fp8 = checkpoint_quantization(model_dir)
+    if fp8 is None or fp8.method != "fp8":
+        return None
+    return "fp8" if platform == "gpu" else "int8"
 
 
 def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend: str = "reference",
@@ -134,8 +151,11 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
         logger.info("longrope: %s factors for every sequence (a context of %d tokens; original_max_position_embeddings "
                     "%d)", "long" if scaling.use_long_factors else "short",
                     max_model_len or config.max_position_embeddings, scaling.original_max_position_embeddings)
-    # A compressed-tensors W8A16 checkpoint loads its int8 weights and scales as they are.
-    prequantized = None if orbax is not None or gguf_file is not None else compressed_tensors_format(model_dir)
+    # A compressed-tensors W8A16 checkpoint loads its int8 weights and scales as they are; an FP8 one's are read as
+    # the float weights they stand for (checkpoints.fp8), then quantized as any float weight is, if asked.
+    stored = None if orbax is not None or gguf_file is not None else checkpoint_quantization(model_dir)
+    prequantized = stored.format if stored is not None and stored.method == "int8" else None
+    fp8 = functools.partial(fp8_tensors, block=stored.block) if stored is not None and stored.method == "fp8" else None
     if prequantized is not None and load_format == "auto":
         if quantization not in (None, "int8"):
             raise ValueError(f"{model_dir} holds int8 weights (compressed-tensors); quantization {quantization!r} "
@@ -245,7 +265,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
     elif load_format == "auto" and prequantized is not None:
         placed = load_compressed_tensors_state(model_dir, config, shapes, quantized, place_one, place_quantized_one)
     elif load_format == "auto":
-        placed = load_state(model_dir, config, shapes, place_one)
+        placed = load_state(model_dir, config, shapes, place_one, fp8)
     else:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     placed.update(placed_scales)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -174,6 +175,80 @@ def build_gpt_oss_mxfp4(out_dir: Path, seed: int = 0, **overrides) -> Path:
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (out_dir / "config.json").write_text(json.dumps(config))
     return out_dir
+
+
+_FP8_PROJECTION = re.compile(r"model\.layers\.\d+\..*_proj(_with_mqa)?\.weight$")
+
+
+def quantize_fp8(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [out, in] -> (float8_e4m3fn [out, in], float32 scales) with w ~= q * scale: one scale a block of
+    block[0] x block[1] (the grid rounded up, its last blocks partial), or one a row where block is None; each scale
+    brings its block's largest magnitude to e4m3's 448."""
+    bm, bn = block or (1, w.shape[1])
+    rows, cols = w.shape
+    grid = (-(-rows // bm), -(-cols // bn))
+    padded = torch.zeros(grid[0] * bm, grid[1] * bn)
+    padded[:rows, :cols] = w.float()
+    blocks = padded.reshape(grid[0], bm, grid[1], bn)
+    scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp_min(1e-12)
+    q = (blocks / scale[:, None, :, None]).reshape(padded.shape)[:rows, :cols].to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def build_fp8_checkpoint(src: Path, out_dir: Path, block: tuple[int, int] | None = (128, 128),
+                         layout: str = "fp8", strategy: str = "block") -> Path:
+    """An FP8 copy of a float checkpoint, every decoder projection float8_e4m3fn with its scales: layout "fp8" as
+    Hugging Face's FineGrainedFP8 (DeepSeek-V3, Qwen3-*-FP8) stores it (`weight_scale_inv` a block, the router and
+    LM head in float), or "compressed-tensors" as llm-compressor's FP8 (`weight_scale` a block, a row or a tensor,
+    by strategy; dynamic per-token activation quantization declared, or for a tensor's scale static activation
+    scales stored)."""
+    from safetensors.torch import load_file as load_torch
+    from safetensors.torch import save_file as save_torch
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True)
+    for f in Path(src).iterdir():
+        if f.name != "model.safetensors":
+            (out_dir / f.name).write_bytes(f.read_bytes())
+    tensors = {}
+    for name, w in load_torch(str(Path(src) / "model.safetensors")).items():
+        if not _FP8_PROJECTION.match(name):
+            tensors[name] = w
+            continue
+        base = name[:-len(".weight")]
+        if strategy == "tensor":  # static activation scales too, as llm-compressor's FP8 (not dynamic) stores them
+            scale = (w.abs().max() / 448.0).reshape(1)
+            tensors[name], tensors[base + ".weight_scale"] = (w / scale).to(torch.float8_e4m3fn), scale
+            tensors[base + ".input_scale"] = torch.full((1,), 0.01)
+        else:
+            q, scale = quantize_fp8(w, block if strategy == "block" else None)
+            key = ".weight_scale_inv" if layout == "fp8" else ".weight_scale"
+            tensors[name], tensors[base + key] = q, scale.contiguous()
+    save_torch(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((Path(src) / "config.json").read_text())
+    if layout == "fp8":
+        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                         "weight_block_size": list(block)}
+    else:
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": False}
+        if strategy == "block":
+            weights["block_structure"] = list(block)
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": {
+                "num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor" if strategy == "tensor"
+                else "token", "dynamic": strategy != "tensor"}}}}
+    (out_dir / "config.json").write_text(json.dumps(config))
+    return out_dir
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """What an FP8 weight stands for, as DeepSeek's weight_dequant computes it: q * the scale of its block."""
+    if scale.numel() == 1:
+        return q.float() * scale.reshape(())
+    bm, bn = block or (1, q.shape[1])
+    rows, cols = q.shape
+    return q.float() * scale.float().repeat_interleave(bm, 0)[:rows].repeat_interleave(bn, 1)[:, :cols]
 
 
 def load_hf(path: Path, dtype: torch.dtype = torch.float32):

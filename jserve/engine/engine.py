@@ -40,7 +40,7 @@ from jserve.executors import choose_executor
 from jserve.executors.base import STOP_IDS_WIDTH, no_stop_ids
 from jserve.executors.cpu_layers import MAX_BLOCK_SIZE as CPU_MAX_BLOCK_SIZE
 from jserve.executors.xla import kv_bytes_per_block
-from jserve.loading import resolve_model_path, stored_quantization
+from jserve.loading import resolve_model_path, served_quantization
 from jserve.lora import LoraAdapter, LoRARequest
 from jserve.outputs import RequestOutput
 from jserve.sampling_params import SamplingParams, default_params
@@ -145,9 +145,9 @@ class LLMEngine:
         if config.num_processes > 1 and self.mesh.size != jax.device_count():
             raise ValueError(f"multi-host: tensor_parallel_size must cover every process's devices "
                              f"({jax.device_count()} in all), got {config.tensor_parallel_size}")
-        # stored int8 weights (compressed-tensors, a quantized conversion) need the executor int8 does
-        prequantized = stored_quantization(model_dir, config.load_format)
-        quantization = config.quantization or prequantized
+        # stored int8 weights (compressed-tensors, a quantized conversion) need the executor int8 does; an FP8
+        # checkpoint's are quantized again as they are read, to the platform's own 1-byte scheme
+        quantization = config.quantization or served_quantization(model_dir, config.load_format, jax.default_backend())
         self.quantization = quantization  # the weights' scheme as served (None: dtype)
         executor_class, attention, why = choose_executor(config.executor, config.attention_backend,
                                                          sharded=self.mesh is not None, quantization=quantization,

@@ -25,6 +25,7 @@ declared parameters keeps the sharding rules, the loader and the step's flat par
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Callable, Iterable, Iterator
@@ -157,7 +158,7 @@ def resident_bytes(state: nnx.State) -> int:
                    if hasattr(leaf, "dtype")))
 
 
-# ----- pre-quantized Hugging Face checkpoints (compressed-tensors W8A16) -----
+# ----- pre-quantized Hugging Face checkpoints -----
 #
 # config.json's quantization_config {"quant_method": "compressed-tensors", "format": "int-quantized" |
 # "pack-quantized", "config_groups": {name: {"weights": {"num_bits": 8, "type": "int", "symmetric": true,
@@ -165,15 +166,29 @@ def resident_bytes(state: nnx.State) -> int:
 # `X.weight` (int8; int-quantized) or `X.weight_packed` (int32, four offset-by-128 bytes per word along the input
 # axis, value j*4 + i in bits 8i..8i+7 of word j; pack-quantized) plus `X.weight_scale` ([out, 1]) and, for
 # pack-quantized, `X.weight_shape` ([out, in]); the weight is q * scale.
+#
+# FP8 checkpoints (checkpoints.fp8): {"quant_method": "fp8", "weight_block_size": [bm, bn]} (Hugging Face's, as
+# DeepSeek-V3 and Qwen3-*-FP8 publish them) or compressed-tensors' "float-quantized" format (weights num_bits 8, type
+# float, strategy tensor, channel or block with its block_structure). Their weights are dequantized as they are read;
+# activation quantization, where the checkpoint asks for it, is not applied (weight-only, as vLLM runs such
+# checkpoints on GPUs without FP8 matmuls).
 
 CT_FORMATS = ("int-quantized", "pack-quantized")
+CT_FP8_FORMAT = "float-quantized"
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def compressed_tensors_format(model_dir: str | Path) -> str | None:
-    """The compressed-tensors format of a checkpoint directory's W8A16 int8 per-channel weights; None when its
-    config.json has no quantization_config or gpt-oss's MXFP4. ModelLoadError for any quantization jserve does not
-    load."""
+@dataclasses.dataclass(frozen=True)
+class StoredQuantization:
+    """How a Hugging Face checkpoint's quantization_config says its weights are stored."""
+    method: str  # "int8": compressed-tensors W8A16, read as stored | "fp8": float8 with scales, dequantized as read
+    format: str = ""  # int8: "int-quantized" | "pack-quantized"
+    block: tuple[int, int] | None = None  # fp8: one scale a block of [rows, columns]; None: a row's or a tensor's
+
+
+def checkpoint_quantization(model_dir: str | Path) -> StoredQuantization | None:
+    """How a checkpoint directory's weights are stored (see above); None for float weights or gpt-oss's MXFP4
+    experts. ModelLoadError for any quantization jserve does not load."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         return None
@@ -183,27 +198,52 @@ def compressed_tensors_format(model_dir: str | Path) -> str | None:
     if qc is None:
         return None
     where = f"{path}: quantization_config"
-    if isinstance(qc, dict) and qc.get("quant_method") == "mxfp4" and cfg.get("model_type") == "gpt_oss":
+    method = qc.get("quant_method") if isinstance(qc, dict) else qc
+    if method == "mxfp4" and cfg.get("model_type") == "gpt_oss":
         return None  # gpt-oss's MXFP4 experts are dequantized as they load (checkpoints.gpt_oss)
-    if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
-        method = qc.get("quant_method") if isinstance(qc, dict) else qc
+    if method == "fp8":
+        if qc.get("fmt", "e4m3") != "e4m3":
+            raise ModelLoadError(f"{where}: fmt {qc.get('fmt')!r} is not supported (jserve reads e4m3 weights)")
+        return StoredQuantization("fp8", block=_block(qc.get("weight_block_size"), f"{where}: weight_block_size"))
+    if method != "compressed-tensors":
         raise ModelLoadError(f"{where}: quant_method {method!r} is not supported (jserve loads compressed-tensors "
-                             "W8A16 int8 checkpoints and gpt-oss's MXFP4 experts, or quantizes float ones itself "
-                             "with --quantization int8)")
+                             "W8A16 int8 and FP8 checkpoints, Hugging Face FP8 ones and gpt-oss's MXFP4 experts, "
+                             "or quantizes float ones itself with --quantization int8)")
     fmt = qc.get("format")
-    if fmt not in CT_FORMATS:
-        raise ModelLoadError(f"{where}: format {fmt!r} is not supported; expected one of {CT_FORMATS}")
+    if fmt not in (*CT_FORMATS, CT_FP8_FORMAT):
+        raise ModelLoadError(f"{where}: format {fmt!r} is not supported; expected one of "
+                             f"{(*CT_FORMATS, CT_FP8_FORMAT)}")
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise ModelLoadError(f"{where}: no config_groups")
+    blocks = set()
     for name, group in groups.items():
         w = (group or {}).get("weights") or {}
-        got = (w.get("num_bits"), w.get("type"), w.get("symmetric"), w.get("strategy"))
-        if got != (8, "int", True, "channel") or (group or {}).get("input_activations"):
+        got = (w.get("num_bits"), w.get("type"), w.get("symmetric", True), w.get("strategy"))
+        if fmt == CT_FP8_FORMAT:
+            if got[:3] != (8, "float", True) or got[3] not in ("tensor", "channel", "block"):
+                raise ModelLoadError(f"{where}: group {name!r} is not 8-bit float symmetric weights by tensor, "
+                                     f"channel or block (weights num_bits/type/symmetric/strategy = {got})")
+            if got[3] == "block":
+                blocks.add(_block(w.get("block_structure"), f"{where}: group {name!r}'s block_structure"))
+        elif got != (8, "int", True, "channel") or (group or {}).get("input_activations"):
             raise ModelLoadError(f"{where}: group {name!r} is not W8A16 int8 symmetric per-channel (weights "
                                  f"num_bits/type/symmetric/strategy = {got}, input_activations "
                                  f"{(group or {}).get('input_activations')!r})")
-    return fmt
+    if len(blocks) > 1:
+        raise ModelLoadError(f"{where}: groups of different block_structure {sorted(blocks)}")
+    if fmt == CT_FP8_FORMAT:
+        return StoredQuantization("fp8", block=next(iter(blocks), None))
+    return StoredQuantization("int8", format=fmt)
+
+
+def _block(value, where: str) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    if not (isinstance(value, (list, tuple)) and len(value) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+        raise ModelLoadError(f"{where} must be two positive integers [rows, columns], got {value!r}")
+    return int(value[0]), int(value[1])
 
 
 def unpack_int32(packed: np.ndarray, columns: int) -> np.ndarray:
