@@ -281,8 +281,10 @@ def load_state(model_dir: str | Path, config: CheckpointShape,
 
 # An image-text checkpoint (Gemma 3's Gemma3ForConditionalGeneration) holds its language model under a prefix:
 # "language_model.model." as published, "model.language_model." as transformers >= 5 saves it.
+# A base model saved without its head (transformers' AutoModel: Qwen3-Embedding) names its tensors without "model.".
 _LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
-                            ("language_model.lm_head.", "lm_head."))
+                            ("language_model.lm_head.", "lm_head."), ("layers.", "model.layers."),
+                            ("embed_tokens.", "model.embed_tokens."), ("norm.", "model.norm."))
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 

@@ -2,7 +2,8 @@
 
 from jserve.config import EngineConfig, ModelConfig
 from jserve.lora_request import LoRARequest
-from jserve.outputs import CompletionOutput, Logprob, RequestOutput
+from jserve.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+from jserve.pooling_params import PoolingParams
 from jserve.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
@@ -18,4 +19,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["LLM", "LoRARequest", "SamplingParams", "EngineConfig", "ModelConfig", "RequestOutput", "CompletionOutput",
-           "Logprob"]
+           "Logprob", "PoolingParams", "EmbeddingOutput", "EmbeddingRequestOutput"]

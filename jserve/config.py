@@ -43,6 +43,8 @@ LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights of config.json's shape
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "pallas", "pallas-interpret", "pallas-interpret-gpu")
 EXECUTORS = ("auto", "xla", "cpu-layers")  # what runs the model (jserve.executors)
 QUANTIZATIONS = ("int8", "fp8")  # weight-only quantization schemes (jserve.models.quantization)
+RUNNERS = ("generate", "pooling")  # what an engine serves: text, or embeddings (jserve.engine.pooling)
+POOLING_TYPES = ("LAST", "MEAN", "CLS")  # how a pooling engine makes one vector of a prompt's hidden states
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # see pallas_kernels/quantized.py
 
 
@@ -162,6 +164,9 @@ class ModelConfig:
     # slots of rank up to max_lora_rank (jserve.lora); 0: none, and no adapter weights.
     max_loras: int = 0
     max_lora_rank: int = 0
+    # Set where the engine serves embeddings (runner "pooling"): the model's output is its final norm's hidden
+    # states, with no LM head (jserve.engine.pooling).
+    pooling: bool = False
 
     def lora_shape(self, parts: int) -> tuple[int, int] | None:
         """(slots, rank width) of the adapter stacks of a projection fusing `parts` matrices, or None."""
@@ -494,6 +499,11 @@ class EngineConfig:
       max_loras: adapters resident at once, each in a slot of every decoder projection; a step's sequences may mix
         them.
       max_lora_rank: the largest adapter rank served (every slot is this wide).
+      runner: "generate" (text) | "pooling" (embeddings: each prompt's final hidden states pooled into one vector,
+        LLM.embed and /v1/embeddings; vLLM's --runner pooling).
+      pooling_type: how a pooling engine pools: "LAST" (the last token's hidden state) | "MEAN" (the mean over the
+        prompt) | "CLS" (the first token's); None: what the checkpoint's sentence-transformers Pooling module says,
+        else LAST.
     """
 
     model: str | None = None
@@ -527,6 +537,8 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    runner: str = "generate"
+    pooling_type: str | None = None
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -565,6 +577,14 @@ class EngineConfig:
             raise ValueError("enable_lora is not supported in multi-host serving (num_processes > 1)")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        if self.pooling_type is not None:
+            if not isinstance(self.pooling_type, str) or self.pooling_type.upper() not in POOLING_TYPES:
+                raise ValueError(f"pooling_type must be one of {POOLING_TYPES} or None, got {self.pooling_type!r}")
+            self.pooling_type = self.pooling_type.upper()
+        if self.runner == "pooling" and (self.speculative_config is not None or self.enable_lora):
+            raise ValueError("runner 'pooling' serves embeddings: speculative_config and enable_lora do not apply")
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)

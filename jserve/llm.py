@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -12,7 +13,8 @@ from tqdm.auto import tqdm
 from jserve.config import EngineConfig
 from jserve.engine.data_parallel import create_engine
 from jserve.lora import LoRARequest
-from jserve.outputs import RequestOutput
+from jserve.outputs import EmbeddingRequestOutput, RequestOutput
+from jserve.pooling_params import PoolingParams
 from jserve.sampling_params import (
     SAMPLING_FIELDS,
     InvalidParameterError,
@@ -63,17 +65,7 @@ class LLM:
         SamplingParams' fields. use_tqdm: a progress bar from 8 prompts on, or a tqdm-like class to show one with.
         lora_request: the LoRA adapter of every prompt, or one per prompt (None: the base model); the LLM needs
         enable_lora."""
-        if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
-            prompts = [prompts]  # one prompt's token ids, as a tokenizer's NumPy output gives them
-        elif isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and _is_token_id(prompts[0])):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise InvalidParameterError("prompt", f"prompt must be a string, a list of token ids, a dict or a list "
-                                                  f"of those, got {type(prompts).__name__}")
-        prompts = list(prompts)
-        if self._broken is not None:
-            raise RuntimeError(f"this LLM's engine could not be restored after a failed step ({self._broken}); "
-                               "build a new LLM")
+        prompts = self._prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = [_sampling_params(p) for p in _per_prompt(sampling_params, len(prompts), "sampling_params")]
@@ -81,6 +73,34 @@ class LLM:
         loras = [lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, LoRARequest) \
             else _per_prompt(lora_request, len(prompts), "lora_request")
         return self._run(prompts, params, priorities, use_tqdm, loras)
+
+    def embed(self, prompts: PromptType | Seq[PromptType], pooling_params: PoolingParams | Seq[PoolingParams] | None
+              = None, *, use_tqdm: bool | Callable[..., tqdm] = True,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding for every prompt, in input order (vLLM's `LLM.embed`; the LLM needs runner="pooling"):
+        `out[i].outputs.embedding` is the prompt's pooled final hidden state (EngineConfig.pooling_type), normalized
+        unless pooling_params says otherwise."""
+        prompts = self._prompt_list(prompts)
+        params = [p or PoolingParams() for p in (pooling_params if isinstance(pooling_params, (list, tuple))
+                                                 else [pooling_params] * len(prompts))]
+        if len(params) != len(prompts):
+            raise ValueError(f"pooling_params has {len(params)} entries for {len(prompts)} prompts")
+        if truncate_prompt_tokens is not None:
+            params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
+        return self._run(prompts, params, [0] * len(prompts), use_tqdm, [None] * len(prompts), "Embedding")
+
+    def _prompt_list(self, prompts) -> list:
+        if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
+            prompts = [prompts]  # one prompt's token ids, as a tokenizer's NumPy output gives them
+        elif isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and _is_token_id(prompts[0])):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise InvalidParameterError("prompt", f"prompt must be a string, a list of token ids, a dict or a list "
+                                                  f"of those, got {type(prompts).__name__}")
+        if self._broken is not None:
+            raise RuntimeError(f"this LLM's engine could not be restored after a failed step ({self._broken}); "
+                               "build a new LLM")
+        return list(prompts)
 
     def chat(self, messages: list[dict] | Seq[list[dict]],
              sampling_params: SamplingParams | dict | Seq[SamplingParams | dict] | None = None, *,
@@ -109,16 +129,21 @@ class LLM:
                    for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority, lora_request=lora_request)
 
-    def _run(self, prompts: list, params: list[SamplingParams], priorities: list[int],
-             use_tqdm: bool | Callable[..., tqdm], loras: list[LoRARequest | None]) -> list[RequestOutput]:
+    def _run(self, prompts: list, params: list[SamplingParams | PoolingParams], priorities: list[int],
+             use_tqdm: bool | Callable[..., tqdm], loras: list[LoRARequest | None],
+             desc: str = "Generating") -> list:
         ids = [f"offline-{next(self._request_ids)}" for _ in prompts]
         added = []
         try:
             for request_id, prompt, p, prio, lora in zip(ids, prompts, params, priorities, loras, strict=True):
-                # Only finished outputs are returned: no per-step outputs, and each text decoded once.
-                p = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-                # vLLM's offline LLM ends a request at the context rather than refusing its max_tokens.
-                self.engine.add_request(request_id, prompt, p, priority=prio, cap_max_tokens=True, lora_request=lora)
+                if isinstance(p, PoolingParams):
+                    self.engine.add_request(request_id, prompt, p, priority=prio)
+                else:
+                    # Only finished outputs are returned: no per-step outputs, and each text decoded once.
+                    p = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+                    # vLLM's offline LLM ends a request at the context rather than refusing its max_tokens.
+                    self.engine.add_request(request_id, prompt, p, priority=prio, cap_max_tokens=True,
+                                            lora_request=lora)
                 added.append(request_id)
         except Exception:
             for request_id in added:  # a bad prompt rejects the whole call, leaving nothing half-run
@@ -126,8 +151,8 @@ class LLM:
             raise
         results: dict[str, RequestOutput] = {}
         # A callable is the progress bar's class (vLLM's use_tqdm), used whatever the number of prompts.
-        bar = use_tqdm(total=len(ids), desc="Generating") if callable(use_tqdm) else \
-            tqdm(total=len(ids), desc="Generating", disable=not use_tqdm or len(ids) < _PROGRESS_BAR_MIN_PROMPTS)
+        bar = use_tqdm(total=len(ids), desc=desc) if callable(use_tqdm) else \
+            tqdm(total=len(ids), desc=desc, disable=not use_tqdm or len(ids) < _PROGRESS_BAR_MIN_PROMPTS)
         try:
             while len(results) < len(ids):
                 try:

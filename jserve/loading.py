@@ -117,7 +117,7 @@ def served_quantization(model_dir: str | Path, load_format: str, platform: str) 
 def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend: str = "reference",
                mesh: Mesh | None = None, load_format: str = "auto", place: Place | None = None,
                quantization: str | None = None, place_quantized: PlaceQuantized | None = None,
-               max_model_len: int | None = None, lora: tuple[int, int] = (0, 0)) -> LoadedModel:
+               max_model_len: int | None = None, lora: tuple[int, int] = (0, 0), pooling: bool = False) -> LoadedModel:
     """model_dir: a Hugging Face checkpoint directory, a GGUF file, or a directory holding one GGUF file (and no
     safetensors; jserve.gguf_loading). max_model_len: the context the model is loaded for (ModelConfig.for_context).
 
@@ -132,6 +132,8 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
 
     place: where an executor keeps its parameters its own way (the CPU layer executor packs and stacks them in host
     memory), the function that turns each parameter's source into the array the state holds; unsharded only.
+
+    pooling: the model of an embedding engine (pooling_config): no LM head, its output the final hidden states.
 
     lora: (max_loras, max_lora_rank) where the engine serves LoRA adapters: each decoder projection gets that many
     adapter slots (jserve.models.layers.LoraWeight), zeros until the executor writes an adapter into one.
@@ -170,6 +172,8 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
         quantization = orbax.quantization
     if lora[0]:
         config = dataclasses.replace(config, max_loras=lora[0], max_lora_rank=lora[1])
+    if pooling:
+        config = pooling_config(config)
     if mesh is not None:
         if place is not None:
             raise ValueError("load_model: a custom placement is for unsharded models only")
@@ -180,7 +184,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
         if place is not None and place_quantized is None:
             raise ValueError("load_model: a custom placement of quantized weights needs place_quantized")
         # Checkpoints quantized elsewhere keep the head they store; a conversion says whether it quantized its own.
-        head = (False if prequantized is not None and load_format == "auto"
+        head = (False if (prequantized is not None and load_format == "auto") or pooling
                 else orbax.quantized_head if stored_quantized else None)
         quantized = set(quantize_model(abstract, quantization, head))
     graphdef, state = nnx.split(abstract)
@@ -278,6 +282,12 @@ def load_model(model_dir: str | Path, dtype: str = "float32", attention_backend:
         _assign(pure, path, array)
     nnx.replace_by_pure_dict(state, pure)
     return LoadedModel(config=config, graphdef=graphdef, state=state, attention_backend=attention_backend)
+
+
+def pooling_config(config: ModelConfig) -> ModelConfig:
+    """The config of a model loaded for embeddings: its output the final norm's hidden states, no LM head (a
+    checkpoint's lm_head is left unread, as for a tied one; the embedding table is only looked up)."""
+    return dataclasses.replace(config, pooling=True, tie_word_embeddings=True)
 
 
 def place_sharded(source: ParamSource, sharding: Sharding) -> jax.Array:

@@ -79,3 +79,19 @@ class RequestOutput:
                 f"prompt_token_ids={self.prompt_token_ids}, prompt_logprobs={self.prompt_logprobs}, "
                 f"outputs={self.outputs}, finished={self.finished}, metrics={self.metrics}, "
                 f"lora_request={self.lora_request}, num_cached_tokens={self.num_cached_tokens})")
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # the pooled hidden state (normalized unless the request said not to)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What an embedding request returns (vLLM's EmbeddingRequestOutput): the prompt's pooled vector."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

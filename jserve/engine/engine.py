@@ -29,20 +29,22 @@ from jserve.engine.draft_model import DraftModelProposer, build_draft_proposer, 
 from jserve.engine.kv_cache import BlockManager
 from jserve.engine.lora_slots import LoraSlots
 from jserve.engine.output_processor import OutputProcessor
+from jserve.engine.pooling import Pooler, checkpoint_pooling_type
 from jserve.engine.rejection import logits_rows_for
 from jserve.engine.request_inputs import resolve_params, tokenize_prompt
 from jserve.engine.sampler import MetadataCache, SamplingMetadata, for_burst
 from jserve.engine.scheduler import Scheduler, SchedulerOutput
 from jserve.engine.sequence import Sequence
 from jserve.engine.speculative import expand_metadata, make_proposer, spec_layout, split_rows
+from jserve.engine.step_io import burst_stop_ids, logprob_rows, prompt_next_ids, wants_prompt_logprobs
 from jserve.engine.structured import GrammarCompiler, fill_bitmask
 from jserve.executors import choose_executor
-from jserve.executors.base import STOP_IDS_WIDTH, no_stop_ids
 from jserve.executors.cpu_layers import MAX_BLOCK_SIZE as CPU_MAX_BLOCK_SIZE
 from jserve.executors.xla import kv_bytes_per_block
 from jserve.loading import resolve_model_path, served_quantization
 from jserve.lora import LoraAdapter, LoRARequest
-from jserve.outputs import RequestOutput
+from jserve.outputs import EmbeddingRequestOutput, RequestOutput
+from jserve.pooling_params import PoolingParams
 from jserve.sampling_params import SamplingParams, default_params
 from jserve.tokenizer import Tokenizer, load_tokenizer
 from sharding import distributed, make_mesh
@@ -164,7 +166,7 @@ class LLMEngine:
         lora = (config.max_loras, config.max_lora_rank) if config.enable_lora else (0, 0)
         model = executor_class.load(model_dir, dtype=config.dtype, attention_backend=attention, mesh=self.mesh,
                                     load_format=config.load_format, quantization=quantization,
-                                    max_model_len=config.max_model_len, lora=lora)
+                                    max_model_len=config.max_model_len, lora=lora, pooling=config.runner == "pooling")
         if config.enable_lora and model.config.num_experts:
             raise ValueError(f"enable_lora: LoRA adapters on a mixture of experts ({model.config.model_type}) are "
                              "not supported")
@@ -179,7 +181,11 @@ class LLMEngine:
                 raise ValueError("speculative_config.method 'draft_model' runs on one host (num_processes 1)")
             draft = open_draft_model(spec, self.model_config, self.tokenizer, self.max_model_len)
         num_blocks = self._num_kv_blocks(draft.config if draft is not None else None)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # an embedding engine pools every prompt token's row: none may come from the prefix cache (engine.pooling)
+        self.pooler = None if config.runner != "pooling" else Pooler(
+            config.pooling_type or checkpoint_pooling_type(model_dir), self.model_config.hidden_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size,
+                                          config.enable_prefix_caching and self.pooler is None)
         self.executor = executor_class(model, dtype=config.dtype, num_blocks=num_blocks, block_size=config.block_size,
                                        max_num_batched_tokens=config.max_num_batched_tokens,
                                        max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
@@ -247,8 +253,10 @@ class LLMEngine:
         """Compile every step shape now, so serving never waits on the compiler."""
         start = time.perf_counter()
         proposer = self.scheduler.proposer
-        report = self.executor.warmup(self.config.decode_burst, speculative=proposer is not None,
-                                      draft_probs=isinstance(proposer, DraftModelProposer))
+        # a pooling engine's steps that pool every token take a logits row a token, as speculative ones may
+        report = self.executor.warmup(self.config.decode_burst, draft_probs=isinstance(proposer, DraftModelProposer),
+                                      speculative=proposer is not None or (self.pooler is not None and
+                                                                           self.pooler.all_rows))
         draft_shapes = proposer.warmup(self.executor.speculative_logits_rows()) if proposer is not None else 0
         stats = self.stats
         stats.warmup_seconds = time.perf_counter() - start
@@ -264,7 +272,16 @@ class LLMEngine:
                     lora_request: LoRARequest | None = None) -> None:
         """Queue a request. A max_tokens past the context raises InvalidParameterError (vLLM's OpenAI server
         answers 400), or with cap_max_tokens ends the sequence at the context, as vLLM's offline LLM does.
-        lora_request: the LoRA adapter it runs with (enable_lora); read and checked the first time its id is seen."""
+        lora_request: the LoRA adapter it runs with (enable_lora); read and checked the first time its id is seen.
+        An embedding engine (runner "pooling") takes PoolingParams (None: the defaults) and nothing else."""
+        if self.pooler is not None or isinstance(params, PoolingParams):
+            if self.pooler is None or not isinstance(params or PoolingParams(), PoolingParams):
+                raise ValueError("embeddings need an engine of runner 'pooling' (--runner pooling)" if self.pooler
+                                 is None else "this engine serves embeddings (runner 'pooling'): it takes "
+                                 "PoolingParams (LLM.embed, /v1/embeddings), not SamplingParams")
+            return self.pooler.add_request(self.scheduler, self.tokenizer, self.model_config.vocab_size,
+                                           self.max_model_len, request_id, prompt, params or PoolingParams(),
+                                           priority, arrival_time)
         params = params or default_params(self.sampling_defaults)
         if request_id in self.outputs.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -304,7 +321,9 @@ class LLMEngine:
         # n > 1 with a seed: sample i uses seed + i, so every sample is reproducible and they differ.
         return self._rng.getrandbits(32) if seed is None else seed + index
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str) -> RequestOutput | EmbeddingRequestOutput | None:
+        if self.pooler is not None:
+            return self.pooler.abort(self.scheduler, request_id)
         state = self.outputs.abort(request_id)
         if state is None:
             return None
@@ -312,7 +331,10 @@ class LLMEngine:
         return state.output()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.outputs.requests)
+        return bool(self._request_ids())
+
+    def _request_ids(self) -> list[str]:
+        return list(self.outputs.requests if self.pooler is None else self.pooler.requests)
 
     # ----- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) -----
 
@@ -341,12 +363,15 @@ class LLMEngine:
 
     def request_started(self, request_id: str) -> bool:
         """Whether the request has left the queue (some of its tokens computed or running), or is gone."""
+        if self.pooler is not None:
+            pooled = self.pooler.requests.get(request_id)
+            return pooled is None or pooled.seq.num_computed_tokens > 0 or pooled.seq in self.scheduler.running
         return self.outputs.started(request_id)
 
     def snapshot(self) -> EngineSnapshot:
         bm, sched = self.block_manager, self.scheduler
         return EngineSnapshot(num_running=sched.num_running, num_waiting=sched.num_waiting,
-                              num_unfinished_requests=len(self.outputs.requests), num_blocks=bm.num_blocks,
+                              num_unfinished_requests=len(self._request_ids()), num_blocks=bm.num_blocks,
                               num_free_blocks=bm.num_free_blocks, prefix_cache_queries=bm.prefix_cache_queries,
                               prefix_cache_hits=bm.prefix_cache_hits, num_preemptions=sched.num_preemptions,
                               prompt_tokens=self.stats.num_computed_prompt_tokens,
@@ -367,6 +392,9 @@ class LLMEngine:
         self._step_requests = {c.seq.request_id for c in plan.scheduled}
         if not plan.scheduled:
             return []
+        if self.pooler is not None:  # embeddings: prompt chunks only, their rows pooled (jserve.engine.pooling)
+            self._count_prompt_tokens(plan)
+            return self.pooler.step(plan, self.scheduler, self.executor, self._fetch)
         tokens, logprobs, step_seconds = self._execute(plan)
         appended, finished, changed = self.outputs.append(plan.scheduled, tokens, logprobs)
         self.scheduler.update(plan, appended, [(f.seq, f.reason) for f in finished], step_seconds)
@@ -384,8 +412,7 @@ class LLMEngine:
         pointed into the old one, forgotten. Raises if the engine cannot be restored (the caller must give up)."""
         logger.error("engine step failed (%s: %s): recovering", type(error).__name__, error)
         in_step = self._step_requests
-        dropped = list(self.outputs.requests) if in_step is None else \
-            [rid for rid in self.outputs.requests if rid in in_step]
+        dropped = [rid for rid in self._request_ids() if in_step is None or rid in in_step]
         for rid in dropped:
             try:
                 self.abort_request(rid)
@@ -417,13 +444,13 @@ class LLMEngine:
             meta = for_burst(self._metadata.build(seqs, self.executor.seq_rows_for(len(batch.token_ids))))
             start = time.perf_counter()
             tokens = self._fetch(self.executor.execute_burst(batch, meta, plan.burst, self.config.decode_burst,
-                                                             _burst_stop_ids(seqs, len(batch.seq_lens))))
+                                                             burst_stop_ids(seqs, len(batch.seq_lens))))
             steps = int(np.count_nonzero(tokens[:, 0] >= 0))  # fewer than the burst once every sequence stopped
             self.stats.num_steps += steps
             return tokens[:steps].T.tolist()[:len(seqs)], None, (time.perf_counter() - start) / steps
-        wanted = [_wants_prompt_logprobs(c) for c in plan.scheduled]
+        wanted = [wants_prompt_logprobs(c) for c in plan.scheduled]
         batch = self.executor.prepare(plan.scheduled, all_logits=any(wanted))
-        next_ids = _prompt_next_ids(plan, wanted, batch.query_start, len(batch.token_ids)) if any(wanted) else None
+        next_ids = prompt_next_ids(plan, wanted, batch.query_start, len(batch.token_ids)) if any(wanted) else None
         if any(c.draft_token_ids for c in plan.scheduled):
             return self._execute_speculative(plan, batch, next_ids, wanted)
         meta = self._metadata.build(seqs, pad_to=self.executor.seq_rows_for(len(batch.token_ids)))
@@ -434,7 +461,7 @@ class LLMEngine:
         if out.prompt_logprobs is not None:
             self.outputs.record_prompt_logprobs(plan.scheduled, wanted, batch.query_start, *out.prompt_logprobs)
         self.stats.num_steps += 1
-        logprobs = _logprob_rows(out.sampled) if any(s.params.logprobs is not None for s in seqs) else None
+        logprobs = logprob_rows(out.sampled) if any(s.params.logprobs is not None for s in seqs) else None
         return [[t] for t in token_ids[:len(seqs)].tolist()], logprobs, None
 
     def _execute_speculative(self, plan: SchedulerOutput, batch, next_ids: np.ndarray | None,
@@ -465,7 +492,7 @@ class LLMEngine:
         self._count_speculation(chunks, tokens)
         logprobs = None
         if any(s.params.logprobs is not None for s in seqs):
-            per_row = _logprob_rows(out.sampled)
+            per_row = logprob_rows(out.sampled)
             logprobs = [per_row[start: start + len(t)] for start, t in zip(layout.row_start, tokens, strict=True)]
         return tokens, logprobs, None
 
@@ -520,46 +547,6 @@ def run_follower(config: EngineConfig) -> None:
     (jserve.distributed)."""
     engine = LLMEngine(config.replace(warmup=False))  # warm-up batches arrive from the leader like any other
     engine.executor.follow()
-
-
-def _wants_prompt_logprobs(chunk) -> bool:
-    seq = chunk.seq
-    return seq.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens - 1
-
-
-def _prompt_next_ids(plan: SchedulerOutput, wanted: list[bool], query_start: np.ndarray,
-                     num_tokens: int) -> np.ndarray:
-    """i32[T]: the token after each batch token in its sequence, for the chunks that want prompt logprobs."""
-    next_ids = np.zeros(num_tokens, np.int32)
-    for row, chunk in enumerate(plan.scheduled):
-        if wanted[row]:
-            start, seq = query_start[row], chunk.seq
-            tokens = seq.token_ids[seq.num_computed_tokens + 1: seq.num_computed_tokens + chunk.num_new_tokens + 1]
-            next_ids[start: start + len(tokens)] = tokens
-    return next_ids
-
-
-def _burst_stop_ids(seqs: list[Sequence], rows: int) -> np.ndarray:
-    """i32[rows, STOP_IDS_WIDTH]: the tokens that end each sequence (its EOS ids unless ignore_eos, then its
-    stop_token_ids; the first STOP_IDS_WIDTH, -1 padding), for a burst to end on the device once all have ended."""
-    stop_ids = no_stop_ids(rows)
-    for row, seq in enumerate(seqs):
-        ids = seq.burst_stop_ids
-        if ids is None:  # the same every burst: built once per sequence
-            params = seq.params
-            ids = ([] if params.ignore_eos else list(params.eos_token_ids)) + list(params.stop_token_ids)
-            ids = seq.burst_stop_ids = ids[:STOP_IDS_WIDTH]
-        stop_ids[row, :len(ids)] = ids
-    return stop_ids
-
-
-def _logprob_rows(sampled) -> list[tuple[float, list[int], list[float], int]]:
-    """Per sampler row: (the chosen token's logprob, the top ids, their logprobs, the chosen token's rank)."""
-    chosen = np.asarray(sampled.logprobs).tolist()
-    top_ids = np.asarray(sampled.top_ids).tolist()
-    top_lps = np.asarray(sampled.top_logprobs).tolist()
-    ranks = np.asarray(sampled.ranks).tolist()
-    return list(zip(chosen, top_ids, top_lps, ranks, strict=True))
 
 
 def _device_kv_budget(fraction: float) -> int | None:

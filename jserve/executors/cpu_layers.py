@@ -37,7 +37,7 @@ from checkpoints.safetensors_loader import ParamSource
 from jserve.config import ModelConfig, ModelLoadError
 from jserve.executors.host_arena import HugePageArena, LayerStacks
 from jserve.executors.xla import XlaExecutor
-from jserve.loading import LoadedModel, load_model, model_config, stored_quantization
+from jserve.loading import LoadedModel, load_model, model_config, pooling_config, stored_quantization
 from jserve.models.batch import KVCache, StepBatch
 from jserve.models.layers import embed_lookup, embedding_multiplier, matmul, rms_norm, rope_inv_freq, soft_cap
 from pallas_kernels.quantized import QuantizedPages, zeros_pages
@@ -113,7 +113,7 @@ class CpuLayerExecutor(XlaExecutor):
     def load(cls, model_dir: str | Path, *, dtype: str, attention_backend: str = "cpu", mesh: Mesh | None = None,
              load_format: str = "auto", weight_parts: int | None = None,
              quantization: str | None = None, max_model_len: int | None = None,
-             lora: tuple[int, int] = (0, 0)) -> LoadedModel:
+             lora: tuple[int, int] = (0, 0), pooling: bool = False) -> LoadedModel:
         """weight_parts: where the matmul weights are packed, the layers' matrices are laid out in this many per-thread
         parts (cpu_kernels.PartLayout; None: one per CPU the kernels run on; 0: as [num_layers, ...] stacks whose
         slices are the layers' own parameters). In parts, only the layer kernel reads them (through
@@ -126,8 +126,9 @@ class CpuLayerExecutor(XlaExecutor):
                              f"{quantization!r} needs executor 'xla'")
         if mesh is not None:  # sharded: XLA partitions the dots, the attention kernel runs on each device's heads
             return load_model(model_dir, dtype, attention_backend, mesh=mesh, load_format=load_format,
-                              quantization=quantization, max_model_len=max_model_len, lora=lora)
+                              quantization=quantization, max_model_len=max_model_len, lora=lora, pooling=pooling)
         config = model_config(model_dir, max_model_len)
+        config = pooling_config(config) if pooling else config
         if not layer_kernel_takes(config) or lora[0]:
             return _load_packed_for_flax(model_dir, config, dtype, attention_backend, load_format, quantization,
                                          max_model_len, lora)
@@ -163,7 +164,7 @@ class CpuLayerExecutor(XlaExecutor):
 
         model = load_model(model_dir, dtype, attention_backend, load_format=load_format, place=place,
                            quantization=quantization, place_quantized=place_quantized, max_model_len=max_model_len,
-                      lora=lora)
+                           lora=lora, pooling=pooling)
         return CpuLoadedModel(config=model.config, graphdef=model.graphdef, state=model.state,
                               attention_backend=attention_backend, layer_stack=_layer_stack(stacks, config),
                               quantization="int8" if int8 else None)
@@ -265,6 +266,8 @@ class CpuLayerExecutor(XlaExecutor):
                 k_cache = [QuantizedPages(v, s, self.dtype) for v, s in zip(k_cache, k_scales, strict=True)]
                 v_cache = [QuantizedPages(v, s, self.dtype) for v, s in zip(v_cache, v_scales, strict=True)]
         last = rms_norm(x[batch.logits_indices], norm, cfg.rms_norm_eps)  # only the positions that predict a token
+        if cfg.pooling:  # an embedding model's output: the hidden states (jserve.engine.pooling)
+            return KVCache(k=k_cache, v=v_cache), last.astype(jnp.float32)
         head = embed if lm_head is None else lm_head
         if cpu_kernels.is_packed(head) or last.shape[0] <= cpu_kernels.max_kernel_rows():
             logits = cpu_kernels.matmul(last, head, cfg.vocab_size, self.dtype)
@@ -354,7 +357,7 @@ def _load_packed_for_flax(model_dir: str | Path, config: ModelConfig, dtype: str
 
     return load_model(model_dir, dtype, attention_backend, load_format=load_format, place=place,
                       quantization=quantization, place_quantized=place_quantized, max_model_len=max_model_len,
-                      lora=lora)
+                      lora=lora, pooling=config.pooling)
 
 
 def _flax_packed_paths(config: ModelConfig, dtype: jnp.dtype) -> set[tuple]:

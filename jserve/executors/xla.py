@@ -112,12 +112,12 @@ class XlaExecutor(Executor):
     @classmethod
     def load(cls, model_dir: str | Path, *, dtype: str, attention_backend: str, mesh: Mesh | None = None,
              load_format: str = "auto", quantization: str | None = None,
-             max_model_len: int | None = None, lora: tuple[int, int] = (0, 0)) -> LoadedModel:
+             max_model_len: int | None = None, lora: tuple[int, int] = (0, 0), pooling: bool = False) -> LoadedModel:
         """The model's parameters on the devices (sharded over the mesh by the rules table); quantization: the
         decoder layers' matrices quantized at load (jserve.models.quantization); lora: (max_loras, max_lora_rank)
-        adapter slots in every decoder projection (none where 0)."""
+        adapter slots in every decoder projection (none where 0); pooling: an embedding model (no LM head)."""
         return load_model(model_dir, dtype, attention_backend, mesh=mesh, load_format=load_format,
-                          quantization=quantization, max_model_len=max_model_len, lora=lora)
+                          quantization=quantization, max_model_len=max_model_len, lora=lora, pooling=pooling)
 
     def __init__(self, model: LoadedModel, *, dtype: str, num_blocks: int, block_size: int,
                  max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, mesh: Mesh | None = None,
@@ -443,10 +443,13 @@ class XlaExecutor(Executor):
         batches = list(self.warmup_batches())
         if speculative:  # steps whose drafts' logits rows outnumber the sequence rows take one row per token
             batches += list(self.speculative_batches())
-        bursts = [(b, for_burst(warmup_metadata(len(b.seq_lens))[0]), decode_burst) for b in self.burst_batches()]
-        vocab = self.config.vocab_size
-        rows = sorted({len(b.seq_lens) for b in batches})
-        spec_rows = self.speculative_logits_rows() if speculative else []
+        # an embedding model's steps return hidden states and sample nothing: no bursts, no sampler
+        pooling = self.config.pooling
+        bursts = [] if pooling else [(b, for_burst(warmup_metadata(len(b.seq_lens))[0]), decode_burst)
+                                     for b in self.burst_batches()]
+        vocab = self.config.hidden_size if pooling else self.config.vocab_size
+        rows = [] if pooling else sorted({len(b.seq_lens) for b in batches})
+        spec_rows = self.speculative_logits_rows() if speculative and not pooling else []
         if self.mesh is None:
             # The sampler's variants compile on a thread of their own while the steps compile (XLA releases the
             # GIL): its logits are (rows, vocab) for each token bucket's rows.

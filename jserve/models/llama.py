@@ -172,7 +172,10 @@ class LlamaForCausalLM(nnx.Module):
         return KVCache(k=k_cache, v=v_cache), self.logits(x[batch.logits_indices])
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """float32 logits [S, V] of the final hidden states [S, E] (only the positions that predict a token)."""
+        """float32 logits [S, V] of the final hidden states [S, E] (only the positions that predict a token); for
+        an embedding model (config.pooling) the normalized hidden states themselves [S, E]."""
+        if self.config.pooling:
+            return self.norm(hidden).astype(jnp.float32)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if cpu_kernels.is_packed(head[...]):  # packed by the CPU layer executor (int8: with its scales)
             logits = cpu_kernels.matmul(self.norm(hidden), head[...], self.config.vocab_size, self.head_compute_dtype)

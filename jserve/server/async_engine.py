@@ -26,7 +26,7 @@ from typing import Any
 
 from jserve.engine.engine import EngineSnapshot, LLMEngine
 from jserve.lora import LoRARequest
-from jserve.outputs import RequestOutput
+from jserve.outputs import EmbeddingRequestOutput, RequestOutput
 from jserve.sampling_params import SamplingParams
 from jserve.server.metrics import ServerMetrics
 from jserve.server.protocol import APIError
@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 def request_finish_reason(output: RequestOutput) -> str:
     """A finished request's reason for jserve:request_success_total: its samples' least complete one ("abort" over
     "length" over "stop"), so one count per request still shows any sample that was cut short."""
+    if isinstance(output, EmbeddingRequestOutput):  # pooled once its prompt is computed
+        return "stop"
     reasons = {out.finish_reason or "abort" for out in output.outputs}
     return next((r for r in ("abort", "length") if r in reasons), "stop")
 

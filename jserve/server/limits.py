@@ -366,8 +366,8 @@ class MeteredGeneration:
                 raise self._admission.timed_out() from None
             _, output = item
             self._tokens[(output.request_id, -1)] = len(output.prompt_token_ids)
-            for out in output.outputs:  # cumulative per sample; a step may report only some samples
-                self._tokens[(output.request_id, out.index)] = len(out.token_ids)
+            for out in output.outputs if isinstance(output.outputs, list) else ():  # an embedding: none
+                self._tokens[(output.request_id, out.index)] = len(out.token_ids)  # cumulative per sample
             yield item
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from jserve.pooling_params import PoolingParams
 from jserve.sampling_params import (
     MAX_CACHE_SALT_LEN,
     MAX_LOGPROBS,
@@ -312,6 +313,20 @@ DETOKENIZE_FIELDS: dict[str, dict] = {
                "description": "Token ids to turn back into text."},
 }
 
+EMBEDDING_FIELDS: dict[str, dict] = {
+    "model": SAMPLING_FIELDS["model"],
+    "input": {**COMPLETION_FIELDS["prompt"], "description": "A string, a list of strings, a list of token ids, or a "
+              "list of token-id lists: one embedding each."},
+    "encoding_format": _nullable({"type": "string", "enum": ["float", "base64"]}, "float (default): a list of "
+                                 "numbers; base64: the float32 values' little-endian bytes in base64."),
+    "dimensions": _int("Keep the first this many values (a Matryoshka model's shorter embedding), normalized.",
+                       minimum=1),
+    "user": _nullable({"type": "string"}, "Accepted and not used."),
+    "normalize": _bool("Scale each embedding to unit length (default true)."),
+    "truncate_prompt_tokens": _int("Keep only each input's last this many tokens.", minimum=1),
+    "priority": SAMPLING_FIELDS["priority"],
+}
+
 _NAME = {"type": "string", "minLength": 1, "maxLength": 256}
 LOAD_LORA_FIELDS: dict[str, dict] = {
     "lora_name": {**_NAME, "description": "The name requests give as `model` to run with the adapter."},
@@ -320,8 +335,8 @@ LOAD_LORA_FIELDS: dict[str, dict] = {
 }
 UNLOAD_LORA_FIELDS: dict[str, dict] = {"lora_name": LOAD_LORA_FIELDS["lora_name"]}
 
-REQUIRED = {"completion": ["prompt"], "chat": ["messages"], "tokenize": [], "detokenize": ["tokens"],
-            "load_lora": ["lora_name", "lora_path"], "unload_lora": ["lora_name"]}
+REQUIRED = {"completion": ["prompt"], "chat": ["messages"], "embedding": ["input"], "tokenize": [],
+            "detokenize": ["tokens"], "load_lora": ["lora_name", "lora_path"], "unload_lora": ["lora_name"]}
 
 
 def check_fields(body: dict, fields: dict[str, dict], required: list[str]) -> dict[str, Any]:
@@ -457,6 +472,25 @@ def parse_completion(body: dict) -> CompletionRequest:
     params = _sampling_params(values, max_tokens=values.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS),
                               logprobs=values.get("logprobs"))
     return CompletionRequest(params=params, prompts=prompts, **_common(values))
+
+
+@dataclass
+class EmbeddingRequest:
+    model: str | None
+    prompts: list[str | list[int]]
+    params: PoolingParams
+    encoding_format: str
+    priority: int
+
+
+def parse_embedding(body: dict) -> EmbeddingRequest:
+    values = check_fields(body, EMBEDDING_FIELDS, REQUIRED["embedding"])
+    given = values["input"]
+    prompts = [given] if isinstance(given, str) or isinstance(given[0], int) else list(given)
+    params = PoolingParams(normalize=values.get("normalize", True), dimensions=values.get("dimensions"),
+                           truncate_prompt_tokens=values.get("truncate_prompt_tokens"))
+    return EmbeddingRequest(values.get("model"), prompts, params, values.get("encoding_format", "float"),
+                            values.get("priority", 0))
 
 
 def parse_chat(body: dict) -> ChatRequest:

@@ -6,12 +6,15 @@ the new text and logprobs; the non-streaming response is the same bookkeeping re
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from jserve.outputs import CompletionOutput, Logprobs, RequestOutput
 
@@ -171,6 +174,13 @@ class ResponseHeader:
     def obj(self, kind: str, choices: list[dict], **extra) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
                 **extra}
+
+
+def encode_embedding(vector: list[float], encoding_format: str) -> list[float] | str:
+    """An embedding as OpenAI sends it: the numbers, or ("base64") their float32 little-endian bytes in base64."""
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(vector, "<f4").tobytes()).decode("ascii")
+    return vector
 
 
 def completion_choice(delta: ChoiceDelta, token_bytes: TokenBytes, k: int | None, state: ChoiceState) -> dict:

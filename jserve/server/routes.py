@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from jserve import __version__
 from jserve.lora import LoRARequest
-from jserve.sampling_params import InvalidParameterError, StructuredOutputsParams, with_defaults
+from jserve.sampling_params import InvalidParameterError, SamplingParams, StructuredOutputsParams, with_defaults
 from jserve.server import responses as R
 from jserve.server.async_engine import AsyncEngine, EngineDeadError, Generation, QueueFullError
 from jserve.server.http import EventStreamResponse, read_json, unless_disconnected
@@ -30,12 +30,14 @@ from jserve.server.protocol import (
     APIError,
     ChatRequest,
     CompletionRequest,
+    EmbeddingRequest,
     GenerationRequest,
     bad_request,
     chat_template_kwargs,
     check_fields,
     parse_chat,
     parse_completion,
+    parse_embedding,
 )
 from jserve.server.reasoning import ReasoningStream, split_reasoning
 from jserve.server.state import ModelState, ServerState
@@ -94,9 +96,10 @@ def _begin(request: Request, model: ModelState, num_prompts: int, req: Generatio
     limits: Limits = model.limits or request.state.limits
     admission = limits.begin(request.state.api_key, req.priority, num_prompts * req.params.n,
                              engine.engine.config.max_num_seqs, request.headers.get(TIMEOUT_HEADER))
-    salt = admission.cache_salt(req.params.cache_salt)
-    if salt != req.params.cache_salt:
-        req.params = req.params.clone(cache_salt=salt)
+    if isinstance(req.params, SamplingParams):  # embeddings use no prefix cache, so no salt
+        salt = admission.cache_salt(req.params.cache_salt)
+        if salt != req.params.cache_salt:
+            req.params = req.params.clone(cache_salt=salt)
     return admission
 
 
@@ -104,9 +107,10 @@ async def _admit(engine: AsyncEngine, request_id: str, prompts: list[list[int]],
                  req: GenerationRequest, admission: Admission, lora: LoRARequest | None = None) -> MeteredGeneration:
     """Admit and add the request: 429 when the server is full or the key is out of tokens, 400 when the engine
     rejects it."""
-    if req.params.structured_outputs is not None:
+    sampling = isinstance(req.params, SamplingParams)  # else PoolingParams: an embedding generates no token
+    if sampling and req.params.structured_outputs is not None:
         await _compile_constraint(engine, req.params.structured_outputs)
-    admission.reserve_tokens([len(p) for p in prompts], req.params.max_tokens, req.params.n,
+    admission.reserve_tokens([len(p) for p in prompts], req.params.max_tokens if sampling else 0, req.params.n,
                              engine.engine.max_model_len)
     with _admission_errors():
         gen = engine.generate(request_id, prompts, req.params, admission.priority, lora_request=lora)
@@ -375,6 +379,39 @@ def _tool_message(choice: dict, tools: ToolRequest, text: str | None) -> None:
 
 
 # ----- the rest of the API -----
+
+# ----- embeddings -----
+
+async def create_embedding(request: Request, state: ServerState) -> Response:
+    """OpenAI's POST /v1/embeddings, served by a model of runner "pooling" (jserve.engine.pooling)."""
+    state.ready()
+    req = parse_embedding(await read_json(request, state.settings.max_request_bytes))
+    model = state.route(req.model)
+    if model.engine.engine.config.runner != "pooling":
+        raise bad_request(f"model {model.name!r} generates text and does not serve embeddings (serve an embedding "
+                          "model with --runner pooling)", "model")
+    admission = _begin(request, model, len(req.prompts), req)  # an embedding model has no fallback
+    try:
+        prompts = [await model.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
+        header = R.ResponseHeader(R.new_id("embd"), model.name)
+        gen = await _admit(model.engine, header.id, prompts, req, admission)
+    except BaseException:
+        admission.refuse()
+        raise
+    return await _respond(request, gen, False, _embedding_body, (gen, req, header, prompts))
+
+
+async def _embedding_body(gen: Generation, req: EmbeddingRequest, header: R.ResponseHeader,
+                          prompts: list[list[int]]) -> dict:
+    vectors: list = [None] * len(prompts)
+    async for prompt_index, output in gen:
+        vectors[prompt_index] = output.outputs.embedding
+    tokens = sum(map(len, prompts))
+    return {"id": header.id, "object": "list", "created": header.created, "model": header.model,
+            "data": [{"object": "embedding", "index": i, "embedding": R.encode_embedding(v, req.encoding_format)}
+                     for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
 
 async def list_models(request: Request, state: ServerState) -> Response:
     state.ready()
