@@ -75,6 +75,7 @@ def build_app(config: EngineConfig | Sequence[ServedModel] | None = None, settin
 
     table = [("/v1/completions", ["POST"], routes.create_completion, True),
              ("/v1/chat/completions", ["POST"], routes.create_chat_completion, True),
+             ("/v1/responses", ["POST"], routes.create_response, True),
              ("/v1/embeddings", ["POST"], routes.create_embedding, True),
              ("/v1/models", ["GET"], routes.list_models, True),
              ("/tokenize", ["POST"], routes.tokenize, True),

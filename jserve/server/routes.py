@@ -17,6 +17,7 @@ from jserve import __version__
 from jserve.lora import LoRARequest
 from jserve.sampling_params import InvalidParameterError, SamplingParams, StructuredOutputsParams, with_defaults
 from jserve.server import responses as R
+from jserve.server import responses_api
 from jserve.server.async_engine import AsyncEngine, EngineDeadError, Generation, QueueFullError
 from jserve.server.http import EventStreamResponse, read_json, unless_disconnected
 from jserve.server.limits import TIMEOUT_HEADER, Admission, Limits, MeteredGeneration
@@ -262,7 +263,25 @@ async def _completion_body(gen: Generation, req: CompletionRequest, header: R.Re
 
 async def create_chat_completion(request: Request, state: ServerState) -> Response:
     state.ready()
+    return await _chat(request, state, await read_json(request, state.settings.max_request_bytes), "chatcmpl",
+                       _chat_events, _chat_body)
+
+
+async def create_response(request: Request, state: ServerState) -> Response:
+    """OpenAI's Responses API, served as a chat completion (jserve.server.responses_api)."""
+    state.ready()
     body = await read_json(request, state.settings.max_request_bytes)
+
+    def events(gen: Generation, req: ChatRequest, header: R.ResponseHeader, tokenizer: TokenizerWorker):
+        return responses_api.response_events(_chat_chunks(gen, req, header, tokenizer), body)
+
+    async def whole(gen: Generation, req: ChatRequest, header: R.ResponseHeader, tokenizer: TokenizerWorker) -> dict:
+        return responses_api.response_of(await _chat_body(gen, req, header, tokenizer), body)
+
+    return await _chat(request, state, responses_api.chat_body(body), "resp", events, whole)
+
+
+async def _chat(request: Request, state: ServerState, body: dict, id_prefix: str, events, whole) -> Response:
     req = parse_chat(body)
     asked, lora = state.route(req.model), state.lora_request(req.model)
     req.tools = parse_tool_request(body, state.settings.tool_call_parser)
@@ -282,12 +301,17 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         return [await tokenizer.chat(req.messages, req.add_generation_prompt,
                                      req.tools.tools if req.tools is not None else None, req.template_kwargs)]
 
-    return await _generate(request, req, asked, served, admission, "chatcmpl", prompts, _chat_events, _chat_body,
-                           lora)
+    return await _generate(request, req, asked, served, admission, id_prefix, prompts, events, whole, lora)
 
 
 async def _chat_events(gen: Generation, req: ChatRequest, header: R.ResponseHeader,
                        tokenizer: TokenizerWorker) -> AsyncIterator[bytes]:
+    async for chunk in _chat_chunks(gen, req, header, tokenizer):
+        yield R.sse(chunk)
+
+
+async def _chat_chunks(gen: Generation, req: ChatRequest, header: R.ResponseHeader,
+                       tokenizer: TokenizerWorker) -> AsyncIterator[dict]:
     k = req.params.logprobs
     # An auto choice's content streams as it comes, its calls once the output is complete (ToolStream); a required
     # or named call is the whole output, and gpt-oss's are harmony messages: those, and any choice with logprobs
@@ -299,9 +323,9 @@ async def _chat_events(gen: Generation, req: ChatRequest, header: R.ResponseHead
         extra = {"usage": None} if req.include_usage else {}
         for choice in body["choices"]:
             for chunk in R.tool_chunk_choices(choice):
-                yield R.sse(header.obj("chat.completion.chunk", [chunk], **extra))
+                yield header.obj("chat.completion.chunk", [chunk], **extra)
         if req.include_usage:
-            yield R.sse(header.obj("chat.completion.chunk", [], usage=body["usage"]))
+            yield header.obj("chat.completion.chunk", [], usage=body["usage"])
         return
     tracker, extra = _tracker(req), {"usage": None} if req.include_usage else {}
     reasoning: dict[int, ReasoningStream] = {}  # by choice index, with a reasoning parser
@@ -321,9 +345,9 @@ async def _chat_events(gen: Generation, req: ChatRequest, header: R.ResponseHead
             else:
                 choices = R.chat_chunk_choices(d, token_bytes.__getitem__, k, parts)
             for choice in choices:
-                yield R.sse(header.obj("chat.completion.chunk", [choice], **extra))
+                yield header.obj("chat.completion.chunk", [choice], **extra)
     if req.include_usage:
-        yield R.sse(header.obj("chat.completion.chunk", [], usage=tracker.usage()))
+        yield header.obj("chat.completion.chunk", [], usage=tracker.usage())
 
 
 def _tool_stream_choices(d: R.ChoiceDelta, parts: tuple[str, str] | None, stream: ToolStream,
