@@ -609,7 +609,7 @@ def assert_error(response, status: int, param: str | None = None):
     (b'{"prompt": "hi", "top_k": 1.5}', "top_k"),
     (b'{"prompt": "hi", "min_tokens": 50, "max_tokens": 5}', "min_tokens"),
     (b'{"prompt": "hi", "model": 7}', "model"),
-    (b'{"prompt": "hi", "echo": true}', "echo"),
+    (b'{"prompt": "hi", "max_tokens": 0}', "max_tokens"),
     (b'{"prompt": "hi", "best_of": 3}', "best_of"),
 ])
 def test_malformed_completion_requests(server, raw, param):

@@ -243,10 +243,11 @@ COMPLETION_FIELDS: dict[str, dict] = {
     "prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1},
                          _TOKEN_IDS, {"type": "array", "items": _TOKEN_IDS, "minItems": 1}],
                "description": "A string, a list of strings, a list of token ids, or a list of token-id lists."},
-    "max_tokens": _int(f"The most tokens to generate (default {COMPLETION_DEFAULT_MAX_TOKENS}).", minimum=1),
+    "max_tokens": _int(f"The most tokens to generate (default {COMPLETION_DEFAULT_MAX_TOKENS}); 0 with echo: none, "
+                       "the prompt scored alone.", minimum=0),
     "logprobs": _int("Return the log probabilities of this many most likely tokens at each position.",
                      minimum=0, maximum=MAX_LOGPROBS),
-    "echo": _bool("Not supported: only false is accepted."),
+    "echo": _bool("Return the prompt before the completion (with logprobs: the prompt tokens' too, the first null)."),
     "suffix": _nullable({"type": "string"}, "Not supported: only null or an empty string is accepted."),
     "best_of": _int("Only null or n is accepted (every sample is returned).", minimum=1),
     **SAMPLING_FIELDS,
@@ -388,6 +389,9 @@ class GenerationRequest:
 @dataclass
 class CompletionRequest(GenerationRequest):
     prompts: list[str | list[int]]
+    echo: bool = False
+    echo_only: bool = False  # max_tokens 0: the prompt alone (one token is generated and left out)
+    echo_texts: list[str] = field(default_factory=list)  # each prompt's text, set once tokenized
 
 
 @dataclass
@@ -461,17 +465,21 @@ def _common(values: dict[str, Any]) -> dict[str, Any]:
 
 def parse_completion(body: dict) -> CompletionRequest:
     values = check_fields(body, COMPLETION_FIELDS, REQUIRED["completion"])
-    if values.get("echo"):
-        raise bad_request("echo is not supported", "echo")
+    echo = bool(values.get("echo"))
+    if values.get("max_tokens") == 0 and not echo:
+        raise bad_request("max_tokens 0 needs echo: true (the prompt scored alone)", "max_tokens")
     if values.get("suffix"):
         raise bad_request("suffix is not supported", "suffix")
     if values.get("best_of") not in (None, values.get("n", 1)):
         raise bad_request("best_of must equal n: every sample is returned", "best_of")
     prompt = values["prompt"]
     prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else list(prompt)
-    params = _sampling_params(values, max_tokens=values.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS),
-                              logprobs=values.get("logprobs"))
-    return CompletionRequest(params=params, prompts=prompts, **_common(values))
+    max_tokens = values.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
+    params = _sampling_params(values, max_tokens=max_tokens or 1, logprobs=values.get("logprobs"))
+    if echo and params.logprobs is not None:  # the prompt's tokens are scored too (lm-eval-harness' loglikelihood)
+        params = params.clone(prompt_logprobs=params.logprobs)
+    return CompletionRequest(params=params, prompts=prompts, echo=echo, echo_only=max_tokens == 0,
+                             **_common(values))
 
 
 @dataclass

@@ -66,18 +66,20 @@ def _starts(raw: bytes) -> int:
     return sum((b & 0xC0) != 0x80 for b in raw)
 
 
-def completion_logprobs(entries: list[Logprobs], token_bytes: TokenBytes, k: int, state: ChoiceState) -> dict:
+def completion_logprobs(entries: list[Logprobs | int], token_bytes: TokenBytes, k: int, state: ChoiceState) -> dict:
     """The legacy completions logprobs object for consecutive positions of one choice; `state.text_offset` counts
     the characters the tokens before them start. A token's text_offset is the index of the character its first
-    byte belongs to (the character it finishes, when that byte continues one an earlier token started)."""
+    byte belongs to (the character it finishes, when that byte continues one an earlier token started). An entry
+    that is a token id alone is an echoed prompt's first token: it has no logprob (null, as OpenAI's)."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for entry in entries:
-        token_id, logprob = next(iter(entry.items()))  # the chosen token comes first
+        unscored = not isinstance(entry, dict)
+        token_id, logprob = (entry, None) if unscored else next(iter(entry.items()))  # the chosen token first
         raw = token_bytes(token_id)
         tokens.append(token_string(raw))
-        token_lps.append(_lp(logprob))
-        top: dict[str, float] = {}
-        for t, lp in _top(entry, k):
+        token_lps.append(None if unscored else _lp(logprob))
+        top: dict[str, float] | None = None if unscored else {}
+        for t, lp in () if unscored else _top(entry, k):
             top.setdefault(token_string(token_bytes(t)), _lp(lp))  # same text, same key: the likelier one stays
         tops.append(top)
         continues = bool(raw) and (raw[0] & 0xC0) == 0x80
@@ -124,6 +126,11 @@ class ChoiceTracker:
 
     n: int
     stop_token_ids: frozenset[int] = frozenset()  # the request's: an EOS (or a grammar's end) is no stop_reason
+    # completions' echo: each prompt's text, put before its choices' text (with their logprobs, the prompt's first);
+    # echo_only: the prompt alone, the token generated to score it left out (max_tokens 0)
+    echo: list[str] | None = None
+    echo_only: bool = False
+    prompt_logprobs: dict[int, list] = field(default_factory=dict)
     choices: dict[int, ChoiceState] = field(default_factory=dict)
     prompt_tokens: dict[int, int] = field(default_factory=dict)
     cached_tokens: dict[int, int] = field(default_factory=dict)
@@ -134,21 +141,28 @@ class ChoiceTracker:
         """What changed in each choice since the last update (choices with nothing new are left out)."""
         self.prompt_tokens[prompt_index] = len(output.prompt_token_ids)
         self.cached_tokens[prompt_index] = output.num_cached_tokens
+        if output.prompt_logprobs is not None:  # a request's first output carries them
+            self.prompt_logprobs[prompt_index] = [output.prompt_token_ids[0], *output.prompt_logprobs[1:]]
         deltas = []
         for out in output.outputs:
             index = prompt_index * self.n + out.index
             state = self.choices.setdefault(index, ChoiceState())
-            self.completion_tokens[index] = len(out.token_ids)
+            self.completion_tokens[index] = 0 if self.echo_only else len(out.token_ids)
             if state.finished:
                 continue
-            text = out.text[state.text_len:]
-            logprobs = (out.logprobs or [])[state.num_logprobs:]
+            text = "" if self.echo_only else out.text[state.text_len:]
+            logprobs = [] if self.echo_only else (out.logprobs or [])[state.num_logprobs:]
             reason = finish_reason(out)
+            reason = "length" if self.echo_only and reason is not None else reason  # max_tokens 0 reached
+            generated = len(logprobs)
+            if self.echo is not None and not state.started:
+                text = self.echo[prompt_index] + text
+                logprobs = self.prompt_logprobs.get(prompt_index, []) + logprobs
             if not (text or logprobs or reason):
                 continue
             deltas.append(ChoiceDelta(index, text, logprobs, reason, first=not state.started,
                                       stop_reason=self._stop_reason(out)))
-            state.text_len, state.num_logprobs = len(out.text), state.num_logprobs + len(logprobs)
+            state.text_len, state.num_logprobs = len(out.text), state.num_logprobs + generated
             state.started, state.finished = True, reason is not None
             if reason is not None:
                 self.finals[index] = out

@@ -146,8 +146,15 @@ def _tracker(req: GenerationRequest) -> R.ChoiceTracker:
     return R.ChoiceTracker(req.params.n, frozenset(req.params.stop_token_ids or ()))
 
 
+def _completion_tracker(req: CompletionRequest) -> R.ChoiceTracker:
+    tracker = _tracker(req)
+    if req.echo:
+        tracker.echo, tracker.echo_only = req.echo_texts, req.echo_only
+    return tracker
+
+
 async def _token_bytes(tokenizer: TokenizerWorker, deltas: list[R.ChoiceDelta]) -> dict[int, bytes]:
-    ids = {token for d in deltas for entry in d.logprobs for token in entry}
+    ids = {token for d in deltas for entry in d.logprobs for token in (entry if isinstance(entry, dict) else (entry,))}
     return await tokenizer.token_bytes(ids) if ids else {}
 
 
@@ -208,6 +215,8 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     served, admission = _precheck(request, state, asked, len(req.prompts), req, lora)
 
     async def prompts(tokenizer: TokenizerWorker) -> list:
+        if req.echo:  # what is echoed: the prompt as given, or its ids' text
+            req.echo_texts = [p if isinstance(p, str) else await tokenizer.decode(p) for p in req.prompts]
         return [await tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
 
     return await _generate(request, req, asked, served, admission, "cmpl", prompts, _completion_events,
@@ -236,7 +245,7 @@ async def _generate(request: Request, req, asked: str, served, admission, id_pre
 
 async def _completion_events(gen: Generation, req: CompletionRequest, header: R.ResponseHeader,
                              tokenizer: TokenizerWorker) -> AsyncIterator[bytes]:
-    tracker, k = _tracker(req), req.params.logprobs
+    tracker, k = _completion_tracker(req), req.params.logprobs
     extra = {"usage": None} if req.include_usage else {}
     async for prompt_index, output in gen:
         deltas = tracker.update(prompt_index, output)
@@ -250,7 +259,7 @@ async def _completion_events(gen: Generation, req: CompletionRequest, header: R.
 
 async def _completion_body(gen: Generation, req: CompletionRequest, header: R.ResponseHeader,
                            tokenizer: TokenizerWorker) -> dict:
-    tracker, k, deltas = _tracker(req), req.params.logprobs, []
+    tracker, k, deltas = _completion_tracker(req), req.params.logprobs, []
     async for prompt_index, output in gen:
         deltas += tracker.update(prompt_index, output)
     merged = R.merge_deltas(deltas)
