@@ -24,6 +24,7 @@ import numpy as np
 from checkpoints import CheckpointError
 from checkpoints.deepseek import deepseek_tensors
 from checkpoints.gpt_oss import gpt_oss_tensors
+from checkpoints.granite_moe import granite_moe_tensors
 from checkpoints.tensor_views import llama_layout, take
 
 _DTYPES = {
@@ -316,6 +317,8 @@ def assemble_state(tensors: Iterable[tuple[str, Tensor, str]], config: Checkpoin
     sources: dict[tuple, ParamSource] = {}
     if config.model_type == "gpt_oss":  # its router and experts under the other mixtures of experts' names
         tensors = gpt_oss_tensors(tensors)
+    if config.model_type in ("granitemoe", "granitemoeshared"):  # the same for Granite's stacked experts
+        tensors = granite_moe_tensors(tensors)
     if getattr(config, "kv_lora_rank", 0):  # DeepSeek's latent attention: its rotary rows as the model pairs them
         tensors = deepseek_tensors(tensors, config)
     for name, tensor, origin in llama_layout(tensors, config):

@@ -31,7 +31,9 @@ from checkpoints import CheckpointError
 
 _FUSED = re.compile(r"(model\.layers\.\d+)\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")
 _ROTATED = re.compile(r"model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|q_norm|k_norm)\.(weight|bias)$")
-_RESIDUAL = re.compile(r"model\.layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.(weight|bias)$")
+# a mixture's down projections too (Granite MoE): its output is their weighted sum
+_RESIDUAL = re.compile(r"model\.layers\.\d+\.(self_attn\.o_proj|mlp\.(experts\.(\d+\.)?|shared_experts?\.)?down_proj)"
+                       r"\.(weight|bias)$")
 # GLM-4 names its sandwich norms by place: the attention output's, the MLP input's and the MLP output's.
 _GLM4_NORM = re.compile(r"(model\.layers\.\d+\.)(post_self_attn_layernorm|post_attention_layernorm|post_mlp_layernorm)"
                         r"\.weight$")

@@ -36,7 +36,7 @@ from jserve.config_json import (
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3_text",
                          "smollm3", "olmo2", "olmo3", "glm4", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmoe",
-                         "gpt_oss", "deepseek_v2", "deepseek_v3")
+                         "gpt_oss", "deepseek_v2", "deepseek_v3", "granitemoe", "granitemoeshared")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights of config.json's shape (checkpoints/dummy.py)
 # See pallas_kernels/interface.py (ENGINE_BACKENDS).

@@ -305,7 +305,7 @@ def _sliding_layers(layer_types: object, num_layers: int, source: str) -> tuple[
 def granite_multipliers(cfg: dict, source: str) -> dict:
     """Granite's four multipliers as ModelConfig fields (transformers' GraniteConfig defaults: 1.0 each); none for
     another family."""
-    if cfg.get("model_type") != "granite":
+    if cfg.get("model_type") not in ("granite", "granitemoe", "granitemoeshared"):
         return {}
     return {key: positive_float(cfg.get(key, 1.0), key, source)
             for key in ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")}
@@ -372,7 +372,8 @@ def windowed_layers(cfg: dict, source: str) -> dict:
     return {"sliding_layers": _sliding_layers(layer_types, num_layers, source)}
 
 
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3",
+             "granitemoe", "granitemoeshared")
 
 
 def moe_fields(cfg: dict, source: str) -> dict:
@@ -391,14 +392,20 @@ def moe_fields(cfg: dict, source: str) -> dict:
     if model_type == "gpt_oss":
         return _gpt_oss_fields(cfg, source)
     num_layers = positive_int(cfg, "num_hidden_layers", source)
-    key = "num_local_experts" if "num_local_experts" in cfg or model_type == "mixtral" else "num_experts"
-    experts = positive_int(cfg, key, source, {"mixtral": 8, "olmoe": 64}.get(model_type, 60))
-    per_token = positive_int(cfg, "num_experts_per_tok", source, {"mixtral": 2, "olmoe": 8}.get(model_type, 4))
+    local = model_type in ("mixtral", "granitemoe", "granitemoeshared")  # their count's name; transformers' defaults
+    key = "num_local_experts" if "num_local_experts" in cfg or local else "num_experts"
+    experts = positive_int(cfg, key, source, 8 if local else {"olmoe": 64}.get(model_type, 60))
+    per_token = positive_int(cfg, "num_experts_per_tok", source, 2 if local else {"olmoe": 8}.get(model_type, 4))
     if per_token > experts:
         raise ModelLoadError(f"{source}: num_experts_per_tok ({per_token}) exceeds the {experts} experts")
     if model_type == "mixtral":
         return {"num_experts": experts, "num_experts_per_tok": per_token, "norm_topk_prob": True,
                 "moe_intermediate_size": positive_int(cfg, "intermediate_size", source)}
+    if model_type in ("granitemoe", "granitemoeshared"):  # Mixtral's routing; an ungated shared MLP (Shared)
+        shared = _count(cfg, "shared_intermediate_size", 0, source) if model_type == "granitemoeshared" else 0
+        return {"num_experts": experts, "num_experts_per_tok": per_token, "norm_topk_prob": True,
+                "moe_intermediate_size": positive_int(cfg, "intermediate_size", source),
+                "shared_expert_intermediate_size": shared, "shared_expert_gated": False}
     if model_type == "olmoe":  # every layer, experts as wide as intermediate_size
         return {"num_experts": experts, "num_experts_per_tok": per_token,
                 "norm_topk_prob": _flag(cfg, "norm_topk_prob", False, source),

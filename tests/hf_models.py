@@ -31,7 +31,8 @@ VOCAB = 512
 # a SwiGLU clamped where the tiny model's activations reach; deepseek_v2: latent attention with a plain q_proj and
 # interleaved rotary pairs, a dense first layer, then top-3 of 8 experts by softmax within the 2 best of 4 groups by
 # their best score, scaled by 1.5, beside 2 shared experts' worth of ungated columns; deepseek_v3: latent attention
-# with low-rank queries, experts chosen as GLM-4.5's.
+# with low-rank queries, experts chosen as GLM-4.5's; granitemoe: Granite's four multipliers on top-2 of 4 experts
+# stacked as Granite stores them; granitemoeshared: those with an ungated shared MLP and tied embeddings.
 VARIANTS: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", dict(num_key_value_heads=2)),
     "llama3_rope": ("LlamaConfig", dict(num_key_value_heads=2, rope_scaling={
@@ -81,6 +82,14 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                                              n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
                                              n_shared_experts=2, first_k_dense_replace=1, n_group=4, topk_group=2,
                                              topk_method="group_limited_greedy", routed_scaling_factor=1.5)),
+    "granitemoe": ("GraniteMoeConfig", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                            intermediate_size=48, embedding_multiplier=6.0, attention_multiplier=0.15,
+                                            residual_multiplier=0.3, logits_scaling=4.0)),
+    "granitemoeshared": ("GraniteMoeSharedConfig", dict(num_key_value_heads=2, num_local_experts=4,
+                                                        num_experts_per_tok=2, intermediate_size=48,
+                                                        shared_intermediate_size=96, embedding_multiplier=6.0,
+                                                        attention_multiplier=0.15, residual_multiplier=0.3,
+                                                        logits_scaling=4.0, tie_word_embeddings=True)),
     "deepseek_v3": ("DeepseekV3Config", dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24,
                                              qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=12,
                                              n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
@@ -98,7 +107,8 @@ _MODEL_CLASSES = {"LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralFo
                   "Olmo2Config": "Olmo2ForCausalLM", "Olmo3Config": "Olmo3ForCausalLM",
                   "Glm4Config": "Glm4ForCausalLM", "OlmoeConfig": "OlmoeForCausalLM",
                   "GptOssConfig": "GptOssForCausalLM", "DeepseekV2Config": "DeepseekV2ForCausalLM",
-                  "DeepseekV3Config": "DeepseekV3ForCausalLM"}
+                  "DeepseekV3Config": "DeepseekV3ForCausalLM", "GraniteMoeConfig": "GraniteMoeForCausalLM",
+                  "GraniteMoeSharedConfig": "GraniteMoeSharedForCausalLM"}
 
 
 def make_config(variant: str, **overrides) -> transformers.PretrainedConfig:

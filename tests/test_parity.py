@@ -77,7 +77,8 @@ def test_float32_logits_match_transformers(hf_model_dir, variant):
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="the C++ kernels do not build here")
 @pytest.mark.parametrize("variant", ["gemma", "gemma2", "gemma3", "smollm3", "glm4", "mixtral", "qwen2_moe",
-                                     "glm4_moe", "olmo2", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3"])
+                                     "glm4_moe", "olmo2", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3",
+                                     "granitemoeshared"])
 def test_float32_logits_of_the_layer_kernel_match_transformers(hf_model_dir, variant):
     """The C++ layer kernel's GELU, sandwich norms (GLM-4's too) and score soft cap, and its one call per run of
     alike layers (Gemma 2's alternating windows, Gemma 3's local rotary base, SmolLM3's NoPE layers); for a mixture
@@ -185,11 +186,12 @@ def test_sliding_window_is_exercised(hf_model_dir):
 # there: the rest (windows, NoPE layers, experts) also decode through their own XLA paths (DeepSeek-V3's for the
 # latent attention both DeepSeeks share).
 PREFILL_CHECKS_XLA = {"llama3_rope", "llama_linear_rope", "qwen2", "qwen3", "granite", "gemma", "olmo2", "glm4",
-                      "deepseek_v2"}
+                      "deepseek_v2", "granitemoe"}
 # Mixtures of experts run the Flax model on both executors: their decode on the CPU layer executor's matmuls is
 # checked on Qwen2-MoE (dense and expert layers, a shared expert) and DeepSeek-V2 (its latent attention in the C++
 # attention); the others decode on the XLA path.
-XLA_CHECKS_CPU = {"mixtral", "qwen3_moe", "glm4_moe", "olmoe", "gpt_oss", "deepseek_v3"}
+XLA_CHECKS_CPU = {"mixtral", "qwen3_moe", "glm4_moe", "olmoe", "gpt_oss", "deepseek_v3", "granitemoe",
+                  "granitemoeshared"}
 GREEDY_EXECUTORS = {"auto": "cpu-kernels", "reference": "xla"}
 
 

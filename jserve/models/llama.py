@@ -1,6 +1,6 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, Granite, Gemma 1/2/3, SmolLM3, OLMo 2/3, GLM-4, and
-the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, OLMoE, gpt-oss and DeepSeek-V2/V3): one decoder whose
-differences are config flags.
+the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, OLMoE, gpt-oss, DeepSeek-V2/V3 and Granite MoE): one
+decoder whose differences are config flags.
 
 Qwen2 adds q/k/v biases, Qwen3 normalizes q and k per head before rotary, Mistral may use a sliding window; Gemma
 scales its embeddings, uses GELU, windows some layers and not others (Gemma 3 rotating them with their own base),
