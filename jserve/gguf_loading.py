@@ -15,7 +15,9 @@ What is llama.cpp's own convention, and undone here:
   absence of `output.weight`, biases the presence of their tensors, and Llama 3's rope scaling a `rope_freqs`
   tensor of per-frequency divisors;
 - a Granite file is a Llama one (its q/k rows permuted alike) with its multipliers as `granite.embedding_scale`,
-  `attention.scale`, `residual_scale` and `logit_scale`;
+  `attention.scale`, `residual_scale` and `logit_scale`; a `granitemoe` one adds stacked experts as wide as
+  `feed_forward_length` (renormalized) and, where `expert_shared_feed_forward_length` is set, an ungated shared MLP
+  (`ffn_{gate,up,down}_shexp`: GraniteMoeShared);
 - a Phi-3 file keeps Hugging Face's fused `attn_qkv` and `ffn_up` (gate and up), its partial rotary embedding as
   `rope.dimension_count`, and longrope as the `rope_factors_short` / `rope_factors_long` tensors with
   `rope.scaling.attn_factor` and `rope.scaling.original_context_length`;
@@ -93,18 +95,21 @@ SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                            "granite": "granite", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text",
                            "smollm3": "smollm3", "olmo2": "olmo2", "glm4": "glm4", "qwen2moe": "qwen2_moe",
                            "qwen3moe": "qwen3_moe", "olmoe": "olmoe", "gpt-oss": "gpt_oss",
-                           "deepseek2": "deepseek_v2"}  # deepseek_v3 where its experts are sigmoid-gated
+                           "deepseek2": "deepseek_v2",  # deepseek_v3 where its experts are sigmoid-gated
+                           "granitemoe": "granitemoe"}  # granitemoeshared where it has a shared MLP
 GGUF_ARCHITECTURE_OF = {model_type: arch for arch, model_type in SUPPORTED_ARCHITECTURES.items()}
 GGUF_ARCHITECTURE_OF["mixtral"] = "llama"  # a llama file with experts (general.architecture says nothing more)
 GGUF_ARCHITECTURE_OF["deepseek_v3"] = "deepseek2"
+GGUF_ARCHITECTURE_OF["granitemoeshared"] = "granitemoe"
 # Architectures a mixture of experts may be stored as (a llama one is Mixtral where expert_count > 0); the others
 # must have none. Qwen3-MoE and Mixtral renormalize the chosen experts' weights, Qwen2-MoE does not (llama.cpp's
 # build_moe_ffn norm_w in llm_build_llama / llm_build_qwen3moe / llm_build_qwen2moe / llm_build_olmoe).
-_MOE_ARCHITECTURES = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "gpt-oss": False}
+_MOE_ARCHITECTURES = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "gpt-oss": False,
+                      "granitemoe": True}
 # Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel.undo_permute; GraniteModel and
 # SmolLM3Model inherit it). A SmolLM3 file stores no NoPE layers: llama.cpp takes every fourth (n_no_rope_layer_step),
 # as transformers' default no_rope_layer_interval does.
-_PERMUTED_QK = frozenset({"llama", "granite", "smollm3"})
+_PERMUTED_QK = frozenset({"llama", "granite", "granitemoe", "smollm3"})
 # Gemma's llama.cpp defaults (llama-model.cpp load_hparams): every n-th layer attends to all positions, the others
 # through the window (hparams.set_swa_pattern(n)); the 27B models' layer counts, whose queries are scaled by
 # 1/sqrt(hidden / heads) instead of 1/sqrt(head_dim); Gemma 2's window and soft caps where the file has none.
@@ -179,6 +184,8 @@ def _layer_names(arch: str) -> dict[str, str]:
             "llama": _LAYER_NAMES | _MOE_LAYER_NAMES, "qwen3moe": _QWEN_MOE_LAYER_NAMES,
             "olmoe": _QWEN_MOE_LAYER_NAMES, "qwen2moe": _QWEN_MOE_LAYER_NAMES | _SHARED_EXPERT_NAMES,
             "olmo2": _OLMO2_LAYER_NAMES, "glm4": _GLM4_LAYER_NAMES,
+            "granitemoe": _QWEN_MOE_LAYER_NAMES | {k: v for k, v in _SHARED_EXPERT_NAMES.items()
+                                                   if k != "ffn_gate_inp_shexp"},
             "gpt-oss": _GPT_OSS_LAYER_NAMES, "deepseek2": _DEEPSEEK2_LAYER_NAMES}.get(arch, _LAYER_NAMES)
 
 
@@ -283,7 +290,7 @@ def gguf_model_config(path: str | Path) -> ModelConfig:
         # llama.cpp ends generation at end-of-turn and end-of-message tokens too (a chat model's stop tokens)
         "eos_token_id": list(dict.fromkeys(i for i in eos if i is not None)),
     }
-    if arch == "granite":
+    if arch in ("granite", "granitemoe"):
         cfg.update({name: float(key(gguf_key)) for gguf_key, name in _GRANITE_SCALES.items()
                     if key(gguf_key, None)})
     if arch in ("gemma2", "gemma3"):
@@ -319,7 +326,8 @@ def load_gguf_state(path: str | Path, config: ModelConfig, shapes: dict[tuple, t
             hf_name = hf_tensor_name(name, file.architecture)
             if hf_name is None:
                 m = _GGUF_LAYER_RE.match(name)
-                dense = m is not None and m[2] in _DENSE_MLP and file.architecture in ("qwen2moe", "qwen3moe", "olmoe")
+                dense = m is not None and m[2] in _DENSE_MLP and file.architecture in ("qwen2moe", "qwen3moe", "olmoe",
+                                                                                        "granitemoe")
                 raise ModelLoadError(f"{file.path}: unexpected tensor {name} ({tensor.type_name}) for a GGUF "
                                      f"{file.architecture} model" + (" (llama.cpp's has experts in every layer, no "
                                                                      "dense MLP)" if dense else ""))
@@ -425,6 +433,10 @@ def _moe_config(file: GGUFFile, arch: str, cfg: dict) -> dict:
         return {"model_type": "mixtral", "num_local_experts": experts, "num_experts_per_tok": used}
     if arch == "olmoe":  # feed_forward_length wide too, the weights not renormalized
         return {"num_experts": experts, "num_experts_per_tok": used, "norm_topk_prob": False}
+    if arch == "granitemoe":  # experts feed_forward_length wide; an ungated shared MLP (GraniteMoeShared's) if any
+        shared = int(key("expert_shared_feed_forward_length", 0) or 0)
+        return {"num_local_experts": experts, "num_experts_per_tok": used,
+                **({"model_type": "granitemoeshared", "shared_intermediate_size": shared} if shared else {})}
     if arch == "gpt-oss":  # its config.json reads its experts' width from intermediate_size
         return {"num_local_experts": experts, "num_experts_per_tok": used,
                 "intermediate_size": int(key("expert_feed_forward_length", 0) or cfg["intermediate_size"])}

@@ -51,7 +51,8 @@ GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "q
              "granite": "granite", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3",
              "smollm3": "smollm3", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
              "olmo2": "olmo2", "olmo3": "olmo2", "olmoe": "olmoe", "glm4": "glm4", "gpt_oss": "gpt-oss",
-             "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
+             "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "granitemoe": "granitemoe",
+             "granitemoeshared": "granitemoe"}
 GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 T = gguf.GGMLQuantizationType
 
@@ -127,7 +128,7 @@ def write_gguf(model_dir: Path, out: Path, matrix_type: str | Callable[[str], st
             w.add_final_logit_softcapping(config["final_logit_softcapping"])
         if config.get("sliding_window_pattern") != 1:
             w.add_sliding_window(config["sliding_window"])
-    if arch == "granite":  # GraniteModel.set_gguf_parameters: each multiplier, renamed, where not zero
+    if arch in ("granite", "granitemoe"):  # GraniteModel.set_gguf_parameters: each multiplier, renamed, where not 0
         w.add_attention_scale(config["attention_multiplier"])
         w.add_embedding_scale(config["embedding_multiplier"])
         w.add_residual_scale(config["residual_multiplier"])
@@ -170,6 +171,8 @@ def write_gguf(model_dir: Path, out: Path, matrix_type: str | Callable[[str], st
         w.add_expert_feed_forward_length(config["moe_intermediate_size"])
         if config.get("shared_expert_intermediate_size") is not None:
             w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    if arch == "granitemoe" and config.get("shared_intermediate_size"):  # GraniteMoeModel.set_gguf_parameters
+        w.add_expert_shared_feed_forward_length(config["shared_intermediate_size"])
     if arch == "gpt-oss":  # GptOssModel.set_gguf_parameters
         w.add_sliding_window(config["sliding_window"])
         w.add_expert_feed_forward_length(config["intermediate_size"])
@@ -187,6 +190,8 @@ def write_gguf(model_dir: Path, out: Path, matrix_type: str | Callable[[str], st
         checkpoint, raw_tensors = _gpt_oss_tensors(checkpoint, names)
     if arch == "deepseek2":
         checkpoint = _deepseek2_tensors(checkpoint, config, kv_b)
+    if arch == "granitemoe":
+        checkpoint = _granite_moe_tensors(checkpoint, config)
     for hf_name, array in _stacked_experts(checkpoint).items():
         stem, suffix = hf_name.rsplit(".", 1)
         if arch in GEMMA_ARCHS and hf_name == "lm_head.weight":
@@ -196,9 +201,9 @@ def write_gguf(model_dir: Path, out: Path, matrix_type: str | Callable[[str], st
         gguf_name = f"{names.get_name(stem)}.{suffix}"
         if arch in GEMMA_ARCHS and hf_name.endswith("norm.weight"):
             array = array + np.float32(1)  # GemmaModel.modify_tensors, Gemma3Model.norm_shift
-        if arch in ("llama", "granite", "smollm3") and stem.endswith("q_proj"):
+        if arch in ("llama", "granite", "granitemoe", "smollm3") and stem.endswith("q_proj"):
             array = llama_cpp_permute(array, heads, heads)
-        elif arch in ("llama", "granite", "smollm3") and stem.endswith("k_proj"):
+        elif arch in ("llama", "granite", "granitemoe", "smollm3") and stem.endswith("k_proj"):
             array = llama_cpp_permute(array, heads, kv_heads)
         tensors[gguf_name] = array.astype(np.float32)
     if rope.get("rope_type") == "llama3":
@@ -319,6 +324,23 @@ def _gpt_oss_tensors(checkpoint: dict[str, np.ndarray], names) -> tuple[dict, di
         for part, data in splits.items():
             raw[f"{names.get_name(f'{stem}.{part}')}.weight"] = np.ascontiguousarray(data)
     return out, raw
+
+
+def _granite_moe_tensors(checkpoint: dict[str, np.ndarray], config: dict) -> dict[str, np.ndarray]:
+    """GraniteMoeModel.modify_tensors: each input_linear (the experts' stack, or the shared MLP's) split into its gate
+    and up rows, under the names gguf-py maps to ffn_{gate,up}_exps and ffn_{gate,up}_shexp."""
+    out = {}
+    for name, array in checkpoint.items():
+        m = re.match(r"(model\.layers\.\d+\.)(block_sparse_moe|shared_mlp)\.input_linear\.weight$", name)
+        if m is None:
+            out[name] = array
+            continue
+        stacked = m[2] == "block_sparse_moe"
+        width = config["intermediate_size" if stacked else "shared_intermediate_size"]
+        gate, up = np.split(array, [width], axis=-2)
+        dest = f"{m[1]}mlp.{'experts' if stacked else 'shared_expert'}"
+        out[f"{dest}.gate_proj.weight"], out[f"{dest}.up_proj.weight"] = gate, up
+    return out
 
 
 def _stacked_experts(checkpoint: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -166,6 +166,41 @@ def test_embeddings_through_the_openai_client(embedding_server, base_model_dir):
         client.embeddings.create(model=model, input="hello", encoding_format="int8")
 
 
+def test_score_and_rerank_are_cosine_similarities(embedding_server, base_model_dir):
+    """vLLM's /score (one text against several, and pairwise) and /rerank (Jina's and Cohere's shape): each score is
+    the cosine similarity of transformers' embeddings of the two texts."""
+    import httpx
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(base_model_dir)
+    texts = ["what is jax?", "JAX is a Python library", "a recipe for soup", "def f(x): return x"]
+    unit = {}
+    for text in texts:
+        v = hf_pooled(base_model_dir, tokenizer(text)["input_ids"], "LAST")
+        unit[text] = v / np.linalg.norm(v)
+    url = embedding_server.url
+    one = httpx.post(f"{url}/score", json={"text_1": texts[0], "text_2": texts[1:]}, timeout=60).json()
+    assert [d["index"] for d in one["data"]] == [0, 1, 2]
+    np.testing.assert_allclose([d["score"] for d in one["data"]], [unit[texts[0]] @ unit[t] for t in texts[1:]],
+                               atol=1e-5)
+    pairs = httpx.post(f"{url}/v1/score", json={"text_1": texts[:2], "text_2": texts[2:]}, timeout=60).json()
+    np.testing.assert_allclose([d["score"] for d in pairs["data"]], [unit[texts[0]] @ unit[texts[2]],
+                                                                     unit[texts[1]] @ unit[texts[3]]], atol=1e-5)
+    ranked = httpx.post(f"{url}/v1/rerank", json={"query": texts[0], "top_n": 2, "documents": [
+        texts[1], {"text": texts[2]}, texts[3]]}, timeout=60).json()["results"]
+    expected = sorted(range(3), key=lambda i: -(unit[texts[0]] @ unit[texts[i + 1]]))[:2]
+    assert [r["index"] for r in ranked] == expected
+    assert [r["document"]["text"] for r in ranked] == [texts[i + 1] for i in expected]
+    np.testing.assert_allclose([r["relevance_score"] for r in ranked],
+                               [unit[texts[0]] @ unit[texts[i + 1]] for i in expected], atol=1e-5)
+    bare = httpx.post(f"{url}/rerank", json={"query": "q", "documents": ["a"], "return_documents": False},
+                      timeout=60).json()["results"]
+    assert "document" not in bare[0]
+    for body, message in [({"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "give text_1 one text"),
+                          ({"text_1": "a", "text_2": []}, "text_2 must be")]:
+        response = httpx.post(f"{url}/score", json=body, timeout=60)
+        assert response.status_code == 400 and message in response.json()["error"]["message"]
+
+
 def test_a_text_model_refuses_embeddings():
     import httpx
     from server_helpers import TEST_ENGINE_ARGS, ServerThread
@@ -177,7 +212,9 @@ def test_a_text_model_refuses_embeddings():
     srv = ServerThread(EngineConfig(model=str(DEMO_MODEL_DIR), **TEST_ENGINE_ARGS), ServerSettings()).start()
     try:
         response = httpx.post(f"{srv.url}/v1/embeddings", json={"input": "hello"}, timeout=60)
+        reranked = httpx.post(f"{srv.url}/rerank", json={"query": "a", "documents": ["b"]}, timeout=60)
     finally:
         srv.stop()
-    assert response.status_code == 400
-    assert "does not serve embeddings" in response.json()["error"]["message"]
+    for refused in (response, reranked):
+        assert refused.status_code == 400
+        assert "does not serve embeddings" in refused.json()["error"]["message"]

@@ -48,7 +48,7 @@ LLAMA_CPP_ALIKE = {"gemma2": {"query_pre_attn_scalar": 16}, "gemma3": {"query_pr
                    "olmoe": {"rms_norm_eps": 1e-5, "clip_qkv": None},  # OlmoeModel writes no clip_qkv
                    "gpt_oss": {"swiglu_limit": 7.0}}  # llama.cpp's SwiGLU clamp is a constant: gpt-oss's 7
 GEMMAS = ["gemma", "gemma2", "gemma3"]
-MOES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"]
+MOES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "granitemoeshared"]
 
 
 @pytest.fixture(scope="module")
@@ -142,15 +142,17 @@ def test_gemma_config_equals_the_config_json_one(hf_model_dir, gguf_file, varian
 def test_moe_config_equals_the_config_json_one(hf_model_dir, gguf_file, variant):
     """Every ModelConfig field of a Mixtral (a llama file with expert_count), Qwen2-MoE, Qwen3-MoE, OLMoE or gpt-oss
     file is the one its config.json gives: experts, top-k, expert and shared expert widths, renormalization, gpt-oss's
-    routing, biases, sinks, windowed layers and YaRN (rms_norm_eps as the float32 GGUF stores it)."""
+    routing, biases, sinks, windowed layers and YaRN, Granite MoE's shared MLP and multipliers (rms_norm_eps and the
+    multipliers as the float32 GGUF stores them)."""
     overrides = LLAMA_CPP_ALIKE.get(variant, {})
     ours, theirs = gguf_model_config(gguf_file(variant, **overrides)), model_config(hf_model_dir(variant, **overrides))
-    assert np.float32(ours.rms_norm_eps) == np.float32(theirs.rms_norm_eps)
-    assert dataclasses.replace(ours, rms_norm_eps=theirs.rms_norm_eps) == theirs
+    floats = ("rms_norm_eps", "embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")
+    assert all(np.float32(getattr(ours, f)) == np.float32(getattr(theirs, f)) for f in floats)
+    assert dataclasses.replace(ours, **{f: getattr(theirs, f) for f in floats}) == theirs
     assert (ours.model_type, ours.num_experts, ours.num_experts_per_tok, ours.moe_layers) == \
         {"mixtral": ("mixtral", 4, 2, None), "qwen2_moe": ("qwen2_moe", 4, 2, None),
          "qwen3_moe": ("qwen3_moe", 8, 3, None), "olmoe": ("olmoe", 4, 2, None),
-         "gpt_oss": ("gpt_oss", 4, 2, None)}[variant]
+         "gpt_oss": ("gpt_oss", 4, 2, None), "granitemoeshared": ("granitemoeshared", 4, 2, None)}[variant]
 
 
 
@@ -390,7 +392,8 @@ def test_float32_file_logits_match_the_original_checkpoint(hf_model_dir, gguf_fi
     norms, Gemma 2's sandwich norms, soft caps and alternating window, Gemma 3's q/k norms, windowed layers and their
     own rotary base; SmolLM3's NoPE layers; OLMo 2's q/k norms over all heads and block-output norms, OLMo 3's
     windowed layers; GLM-4's interleaved partial rotary, fused gate|up and sandwich norms; Mixtral's,
-    Qwen2-MoE's, Qwen3-MoE's and OLMoE's experts, top-k and renormalization, Qwen2-MoE's gated shared expert;
+    Qwen2-MoE's, Qwen3-MoE's, OLMoE's and Granite MoE's experts, top-k and renormalization, Qwen2-MoE's gated
+    shared expert and Granite's ungated one;
     gpt-oss's sinks, biased router and experts split from their interleaved stacks, and YaRN untruncated) checked
     against the checkpoint the file was written from."""
     overrides = {"sliding_window": None} if variant == "mistral" else LLAMA_CPP_ALIKE.get(variant, {})

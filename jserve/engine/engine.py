@@ -170,7 +170,8 @@ class LLMEngine:
         if config.enable_lora and model.config.num_experts:
             raise ValueError(f"enable_lora: LoRA adapters on a mixture of experts ({model.config.model_type}) are "
                              "not supported")
-        logger.info("resident weight bytes %d (dtype %s, quantization %s)", model.resident_bytes(), config.dtype,
+        self.resident_weight_bytes = model.resident_bytes()
+        logger.info("resident weight bytes %d (dtype %s, quantization %s)", self.resident_weight_bytes, config.dtype,
                     quantization or "none")
         self.model_config = model.config
         self.max_model_len = self._max_model_len()

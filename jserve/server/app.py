@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from jserve.config import EngineConfig
-from jserve.server import routes
+from jserve.server import ollama_api, routes, scoring
 from jserve.server.auth import KeyRing, load_api_keys
 from jserve.server.http import EventStreamResponse, RequestContextMiddleware, error_response
 from jserve.server.limits import Limits
@@ -85,7 +85,9 @@ def build_app(config: EngineConfig | Sequence[ServedModel] | None = None, settin
              ("/health", ["GET"], routes.health, False),
              ("/metrics", ["GET"], routes.metrics, False),
              ("/version", ["GET"], routes.version, False),
-             ("/openapi.json", ["GET"], openapi, False)]
+             ("/openapi.json", ["GET"], openapi, False),
+             *scoring.ROUTES,  # vLLM's /score and /rerank, on an embedding model
+             *ollama_api.ROUTES]  # Ollama's API, for the tools written against it
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -190,10 +190,11 @@ def _mark_fallback(response: Response | EventStreamResponse, asked: ModelState, 
     return response
 
 
-async def _respond(request: Request, gen: Generation, stream: bool, make, args: tuple) -> Response:
-    """Stream SSE events from make(*args), or await its JSON body (aborting if the client goes away)."""
+async def _respond(request: Request, gen: Generation, stream: bool, make, args: tuple, streamer=None) -> Response:
+    """Stream SSE events from make(*args) (through `streamer`, for another framing), or await its JSON body
+    (aborting if the client goes away)."""
     if stream:
-        return _stream(gen, make(*args))
+        return (streamer or _stream)(gen, make(*args))
     try:
         return JSONResponse(await unless_disconnected(request, make(*args)))
     except asyncio.CancelledError:
@@ -224,7 +225,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
 
 
 async def _generate(request: Request, req, asked: str, served, admission, id_prefix: str, prompts_of, events,
-                    body, lora: LoRARequest | None) -> Response:
+                    body, lora: LoRARequest | None, streamer=None) -> Response:
     """Tokenize (prompts_of), admit into the served model's engine (with the LoRA adapter `lora` where the request
     names one), and answer streamed (events) or whole (body); the admission is given back if anything before the
     engine fails."""
@@ -239,7 +240,7 @@ async def _generate(request: Request, req, asked: str, served, admission, id_pre
         admission.refuse()
         raise
     response = await _respond(request, gen, req.stream, events if req.stream else body,
-                              (gen, req, header, served.tokenizer))
+                              (gen, req, header, served.tokenizer), streamer)
     return _mark_fallback(response, asked, served)
 
 
@@ -272,8 +273,8 @@ async def _completion_body(gen: Generation, req: CompletionRequest, header: R.Re
 
 async def create_chat_completion(request: Request, state: ServerState) -> Response:
     state.ready()
-    return await _chat(request, state, await read_json(request, state.settings.max_request_bytes), "chatcmpl",
-                       _chat_events, _chat_body)
+    return await serve_chat(request, state, await read_json(request, state.settings.max_request_bytes), "chatcmpl",
+                            _chat_events, chat_body)
 
 
 async def create_response(request: Request, state: ServerState) -> Response:
@@ -282,15 +283,19 @@ async def create_response(request: Request, state: ServerState) -> Response:
     body = await read_json(request, state.settings.max_request_bytes)
 
     def events(gen: Generation, req: ChatRequest, header: R.ResponseHeader, tokenizer: TokenizerWorker):
-        return responses_api.response_events(_chat_chunks(gen, req, header, tokenizer), body)
+        return responses_api.response_events(chat_chunks(gen, req, header, tokenizer), body)
 
     async def whole(gen: Generation, req: ChatRequest, header: R.ResponseHeader, tokenizer: TokenizerWorker) -> dict:
-        return responses_api.response_of(await _chat_body(gen, req, header, tokenizer), body)
+        return responses_api.response_of(await chat_body(gen, req, header, tokenizer), body)
 
-    return await _chat(request, state, responses_api.chat_body(body), "resp", events, whole)
+    return await serve_chat(request, state, responses_api.chat_body(body), "resp", events, whole)
 
 
-async def _chat(request: Request, state: ServerState, body: dict, id_prefix: str, events, whole) -> Response:
+async def serve_chat(request: Request, state: ServerState, body: dict, id_prefix: str, events, whole,
+                     streamer=None) -> Response:
+    """A chat completions body served: admitted, then answered by events(gen, req, header, tokenizer) (streamed,
+    through `streamer` where the framing is not OpenAI's SSE) or whole(...) (its JSON body). chat_chunks and
+    chat_body are the OpenAI shapes other APIs (Responses, Ollama) build theirs from."""
     req = parse_chat(body)
     asked, lora = state.route(req.model), state.lora_request(req.model)
     req.tools = parse_tool_request(body, state.settings.tool_call_parser)
@@ -310,16 +315,16 @@ async def _chat(request: Request, state: ServerState, body: dict, id_prefix: str
         return [await tokenizer.chat(req.messages, req.add_generation_prompt,
                                      req.tools.tools if req.tools is not None else None, req.template_kwargs)]
 
-    return await _generate(request, req, asked, served, admission, id_prefix, prompts, events, whole, lora)
+    return await _generate(request, req, asked, served, admission, id_prefix, prompts, events, whole, lora, streamer)
 
 
 async def _chat_events(gen: Generation, req: ChatRequest, header: R.ResponseHeader,
                        tokenizer: TokenizerWorker) -> AsyncIterator[bytes]:
-    async for chunk in _chat_chunks(gen, req, header, tokenizer):
+    async for chunk in chat_chunks(gen, req, header, tokenizer):
         yield R.sse(chunk)
 
 
-async def _chat_chunks(gen: Generation, req: ChatRequest, header: R.ResponseHeader,
+async def chat_chunks(gen: Generation, req: ChatRequest, header: R.ResponseHeader,
                        tokenizer: TokenizerWorker) -> AsyncIterator[dict]:
     k = req.params.logprobs
     # An auto choice's content streams as it comes, its calls once the output is complete (ToolStream); a required
@@ -328,7 +333,7 @@ async def _chat_chunks(gen: Generation, req: ChatRequest, header: R.ResponseHead
     streamed_tools = req.tools is not None and req.tools.choice == "auto" and req.tools.parser in STREAMED_PARSERS \
         and k is None
     if req.tools is not None and not streamed_tools:
-        body = await _chat_body(gen, req, header, tokenizer)
+        body = await chat_body(gen, req, header, tokenizer)
         extra = {"usage": None} if req.include_usage else {}
         for choice in body["choices"]:
             for chunk in R.tool_chunk_choices(choice):
@@ -376,8 +381,8 @@ def _tool_stream_choices(d: R.ChoiceDelta, parts: tuple[str, str] | None, stream
     return choices + R.tool_call_chunks(d.index, [call.body() for call in calls], "tool_calls", d.stop_reason)
 
 
-async def _chat_body(gen: Generation, req: ChatRequest, header: R.ResponseHeader,
-                     tokenizer: TokenizerWorker) -> dict:
+async def chat_body(gen: Generation, req: ChatRequest, header: R.ResponseHeader,
+                    tokenizer: TokenizerWorker) -> dict:
     tracker, k, deltas = _tracker(req), req.params.logprobs, []
     async for prompt_index, output in gen:
         deltas += tracker.update(prompt_index, output)
@@ -417,8 +422,24 @@ def _tool_message(choice: dict, tools: ToolRequest, text: str | None) -> None:
 
 async def create_embedding(request: Request, state: ServerState) -> Response:
     """OpenAI's POST /v1/embeddings, served by a model of runner "pooling" (jserve.engine.pooling)."""
-    state.ready()
     req = parse_embedding(await read_json(request, state.settings.max_request_bytes))
+    header = R.ResponseHeader(R.new_id("embd"), "")
+    result = await embed(request, state, req)
+    if isinstance(result, Response):  # the client went away
+        return result
+    name, vectors, tokens = result
+    return JSONResponse({"id": header.id, "object": "list", "created": header.created, "model": name,
+                         "data": [{"object": "embedding", "index": i,
+                                   "embedding": R.encode_embedding(v, req.encoding_format)}
+                                  for i, v in enumerate(vectors)],
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+async def embed(request: Request, state: ServerState, req: EmbeddingRequest
+                ) -> tuple[str, list[list[float]], int] | Response:
+    """An embedding request admitted and run on the model it names -> (the model's name, each input's vector, the
+    prompt tokens), or the 499 response where the client went away."""
+    state.ready()
     model = state.route(req.model)
     if model.engine.engine.config.runner != "pooling":
         raise bad_request(f"model {model.name!r} generates text and does not serve embeddings (serve an embedding "
@@ -426,24 +447,25 @@ async def create_embedding(request: Request, state: ServerState) -> Response:
     admission = _begin(request, model, len(req.prompts), req)  # an embedding model has no fallback
     try:
         prompts = [await model.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
-        header = R.ResponseHeader(R.new_id("embd"), model.name)
-        gen = await _admit(model.engine, header.id, prompts, req, admission)
+        gen = await _admit(model.engine, R.new_id("embd"), prompts, req, admission)
     except BaseException:
         admission.refuse()
         raise
-    return await _respond(request, gen, False, _embedding_body, (gen, req, header, prompts))
 
+    async def vectors() -> list:
+        found: list = [None] * len(prompts)
+        async for prompt_index, output in gen:
+            found[prompt_index] = output.outputs.embedding
+        return found
 
-async def _embedding_body(gen: Generation, req: EmbeddingRequest, header: R.ResponseHeader,
-                          prompts: list[list[int]]) -> dict:
-    vectors: list = [None] * len(prompts)
-    async for prompt_index, output in gen:
-        vectors[prompt_index] = output.outputs.embedding
-    tokens = sum(map(len, prompts))
-    return {"id": header.id, "object": "list", "created": header.created, "model": header.model,
-            "data": [{"object": "embedding", "index": i, "embedding": R.encode_embedding(v, req.encoding_format)}
-                     for i, v in enumerate(vectors)],
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    try:
+        return model.name, await unless_disconnected(request, vectors()), sum(map(len, prompts))
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():
+            raise
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    finally:
+        gen.close()
 
 
 async def list_models(request: Request, state: ServerState) -> Response:
