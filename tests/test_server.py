@@ -653,20 +653,32 @@ _json = st.recursive(st.none() | st.booleans() | st.integers(-10**20, 10**20) | 
                      | st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=6)
 _FIELDS = ["model", "prompt", "messages", "n", "temperature", "top_p", "stop", "seed", "logit_bias", "stream",
            "stream_options", "logprobs", "top_logprobs", "top_k", "min_p", "repetition_penalty", "min_tokens",
-           "ignore_eos", "stop_token_ids", "priority", "presence_penalty", "frequency_penalty", "echo"]
+           "ignore_eos", "stop_token_ids", "priority", "presence_penalty", "frequency_penalty", "echo",
+           # the Responses API's, Ollama's, and /score's and /rerank's own
+           "input", "instructions", "tools", "tool_choice", "text", "reasoning", "max_output_tokens", "options",
+           "format", "system", "think", "text_1", "text_2", "query", "documents"]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]),
+@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/responses",
+                             "/v1/embeddings", "/api/chat", "/api/generate", "/api/embed", "/api/show", "/score",
+                             "/rerank"]),
        body=st.dictionaries(st.sampled_from(_FIELDS), _json, max_size=6),
        max_tokens=st.one_of(st.integers(-3, 4), _json.filter(lambda v: not isinstance(v, int))))
 def test_fuzzed_bodies_never_500(server, path, body, max_tokens):
     body = {**body, "max_tokens": max_tokens}
     if isinstance(body.get("n"), int) and body["n"] > 4:
         body["n"] = 4  # keep the fuzz cheap: large n is covered above
+    if isinstance(body.get("max_output_tokens"), int) and body["max_output_tokens"] > 4:
+        body["max_output_tokens"] = 4
+    if path.startswith("/api/"):  # Ollama streams unless told not to, and counts tokens in its options
+        body = {**body, "stream": False, "options": {"num_predict": 4} if not isinstance(body.get("options"), dict)
+                else {**body["options"], "num_predict": 4}}
     r = post_raw(server, json.dumps(body).encode(), path)
     assert r.status_code in (200, 400, 404), r.text
-    if r.status_code != 200:
+    if r.status_code != 200 and path.startswith("/api/"):  # Ollama's shape: {"error": "..."}
+        assert set(r.json()) == {"error"} and isinstance(r.json()["error"], str) and r.json()["error"]
+    elif r.status_code != 200:
         assert_error(r, r.status_code)
 
 
