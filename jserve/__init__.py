@@ -2,7 +2,15 @@
 
 from jserve.config import EngineConfig, ModelConfig
 from jserve.lora_request import LoRARequest
-from jserve.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+from jserve.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from jserve.pooling_params import PoolingParams
 from jserve.sampling_params import SamplingParams
 
@@ -19,4 +27,5 @@ def __getattr__(name: str):
 
 
 __all__ = ["LLM", "LoRARequest", "SamplingParams", "EngineConfig", "ModelConfig", "RequestOutput", "CompletionOutput",
-           "Logprob", "PoolingParams", "EmbeddingOutput", "EmbeddingRequestOutput"]
+           "Logprob", "PoolingParams", "EmbeddingOutput", "EmbeddingRequestOutput", "ScoringOutput",
+           "ScoringRequestOutput"]

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from jserve.config import EngineConfig
 from jserve.engine.data_parallel import create_engine
 from jserve.lora import LoRARequest
-from jserve.outputs import EmbeddingRequestOutput, RequestOutput
+from jserve.outputs import EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
 from jserve.pooling_params import PoolingParams
 from jserve.sampling_params import (
     SAMPLING_FIELDS,
@@ -88,6 +88,21 @@ class LLM:
         if truncate_prompt_tokens is not None:
             params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
         return self._run(prompts, params, [0] * len(prompts), use_tqdm, [None] * len(prompts), "Embedding")
+
+    def score(self, data_1: PromptType | Seq[PromptType], data_2: PromptType | Seq[PromptType], *,
+              use_tqdm: bool | Callable[..., tqdm] = True,
+              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
+        """The cosine similarity of each pair's embeddings (vLLM's `LLM.score` on an embedding model; the LLM needs
+        runner="pooling"): data_1 one prompt against each of data_2, or as many as data_2, pair by pair."""
+        firsts, seconds = self._prompt_list(data_1), self._prompt_list(data_2)
+        if len(firsts) != 1 and len(firsts) != len(seconds):
+            raise ValueError(f"data_1 has {len(firsts)} prompts and data_2 {len(seconds)}: give data_1 one prompt, "
+                             "or as many as data_2")
+        outputs = self.embed(firsts + seconds, use_tqdm=use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens)
+        vectors = [np.asarray(o.outputs.embedding, np.float64) for o in outputs]
+        left = vectors[:len(firsts)] * (len(seconds) if len(firsts) == 1 else 1)
+        return [ScoringRequestOutput(out.request_id, out.prompt_token_ids, ScoringOutput(float(a @ b)))
+                for a, b, out in zip(left, vectors[len(firsts):], outputs[len(firsts):], strict=True)]
 
     def _prompt_list(self, prompts) -> list:
         if isinstance(prompts, np.ndarray) and prompts.ndim == 1:

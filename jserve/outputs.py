@@ -95,3 +95,18 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
     finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float  # the cosine similarity of the pair's embeddings
+
+
+@dataclass
+class ScoringRequestOutput:
+    """What LLM.score returns for one pair (vLLM's ScoringRequestOutput)."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # the second text's
+    outputs: ScoringOutput
+    finished: bool = True

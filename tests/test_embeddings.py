@@ -61,6 +61,19 @@ def test_embeddings_match_transformers(base_model_dir, llm_factory, executor, po
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
+def test_llm_score_is_the_cosine_of_the_embeddings(base_model_dir, llm_factory):
+    llm = _embed_llm(llm_factory, base_model_dir, executor="xla", pooling_type="MEAN")
+    unit = [v / np.linalg.norm(v) for v in (hf_pooled(base_model_dir, p, "MEAN") for p in PROMPTS)]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    one = llm.score(prompts[0], prompts[1:], use_tqdm=False)
+    np.testing.assert_allclose([o.outputs.score for o in one], [unit[0] @ u for u in unit[1:]], atol=1e-5)
+    assert [o.prompt_token_ids for o in one] == PROMPTS[1:]
+    pairs = llm.score(prompts[:2], prompts[2:], use_tqdm=False)
+    np.testing.assert_allclose([o.outputs.score for o in pairs], [unit[0] @ unit[2], unit[1] @ unit[3]], atol=1e-5)
+    with pytest.raises(ValueError, match="give data_1 one prompt"):
+        llm.score(prompts[:2], prompts[1:], use_tqdm=False)
+
+
 def test_embedding_engine_compiles_nothing_after_warmup(base_model_dir):
     """MEAN pooling takes a row a token: warm-up compiles those steps, and chunked prompts of every length compile
     nothing new."""
