@@ -25,6 +25,7 @@ from checkpoints import CheckpointError
 from checkpoints.deepseek import deepseek_tensors
 from checkpoints.gpt_oss import gpt_oss_tensors
 from checkpoints.granite_moe import granite_moe_tensors
+from checkpoints.llama4 import llama4_tensors
 from checkpoints.tensor_views import llama_layout, take
 
 _DTYPES = {
@@ -286,7 +287,8 @@ def load_state(model_dir: str | Path, config: CheckpointShape,
 _LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                             ("language_model.lm_head.", "lm_head."), ("layers.", "model.layers."),
                             ("embed_tokens.", "model.embed_tokens."), ("norm.", "model.norm."))
-_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
+                    "vision_model.", "model.vision_model.")  # Llama 4's
 
 
 def language_model_tensors(tensors: Iterable[tuple[str, Tensor, str]]) -> Iterator[tuple[str, Tensor, str]]:
@@ -319,6 +321,8 @@ def assemble_state(tensors: Iterable[tuple[str, Tensor, str]], config: Checkpoin
         tensors = gpt_oss_tensors(tensors)
     if config.model_type in ("granitemoe", "granitemoeshared"):  # the same for Granite's stacked experts
         tensors = granite_moe_tensors(tensors)
+    if config.model_type == "llama4_text":  # and for Llama 4's feed_forward
+        tensors = llama4_tensors(tensors)
     if getattr(config, "kv_lora_rank", 0):  # DeepSeek's latent attention: its rotary rows as the model pairs them
         tensors = deepseek_tensors(tensors, config)
     for name, tensor, origin in llama_layout(tensors, config):

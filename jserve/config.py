@@ -33,10 +33,11 @@ from jserve.config_json import (
     smollm3_rope_layers,
     windowed_layers,
 )
+from jserve.config_llama4 import llama4_config, llama4_fields, llama4_text_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3_text",
                          "smollm3", "olmo2", "olmo3", "glm4", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "olmoe",
-                         "gpt_oss", "deepseek_v2", "deepseek_v3", "granitemoe", "granitemoeshared")
+                         "gpt_oss", "deepseek_v2", "deepseek_v3", "granitemoe", "granitemoeshared", "llama4_text")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights of config.json's shape (checkpoints/dummy.py)
 # See pallas_kernels/interface.py (ENGINE_BACKENDS).
@@ -138,6 +139,12 @@ class ModelConfig:
     # attention_sinks: each query head has a learned logit that joins its softmax's denominator (see
     # pallas_kernels.interface).
     moe_bias: bool = False
+    # Llama 4: moe_routing "sigmoid_input" scales each chosen expert's input by the sigmoid of its logit (the output
+    # is their sum); qk_l2_norm: q and k normalized per head (no weight) after rotary, in rotary layers;
+    # attention_temperature (floor_scale, attn_scale): NoPE layers scale q by log1p(floor((position + 1) /
+    # floor_scale)) * attn_scale + 1.
+    qk_l2_norm: bool = False
+    attention_temperature: tuple[float, float] | None = None
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.0
     attention_sinks: bool = False
@@ -236,6 +243,10 @@ class ModelConfig:
             cfg = gemma3_text_config(cfg)
         if cfg.get("model_type") == "mistral3" and isinstance(cfg.get("text_config"), dict):
             cfg = mistral3_text_config(cfg)
+        if cfg.get("model_type") == "llama4" and isinstance(cfg.get("text_config"), dict):
+            cfg = llama4_text_config(cfg)
+        if cfg.get("model_type") == "llama4_text":
+            cfg = llama4_config(cfg, source)
         model_type = cfg.get("model_type")
         if model_type == "gemma3_text":
             cfg = layer_type_rope(cfg, source, theta=1_000_000.0, local_theta=10_000.0)
@@ -282,7 +293,9 @@ class ModelConfig:
             qkv_bias=model_type in ("qwen2", "qwen2_moe") or attention_bias,
             o_bias=model_type not in ("qwen2", "qwen2_moe", "glm4", "glm4_moe") and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text") or bool(cfg.get("use_qk_norm", False)),
+            # Llama 4's use_qk_norm is its weightless norm after rotary (qk_l2_norm)
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text") or (bool(cfg.get("use_qk_norm", False))
+                                                                           and model_type != "llama4_text"),
             sliding_window=sliding_window(cfg, source),
             rotary_dim=rotary_dim(cfg, head_dim, source),
             hidden_act=hidden_act,
@@ -291,6 +304,7 @@ class ModelConfig:
             **windowed_layers(cfg, source),
             **smollm3_rope_layers(cfg, source),
             **moe_fields(cfg, source),
+            **llama4_fields(cfg, source),
             **olmo_fields(cfg, source),
             **latent_attention_fields(cfg, source),
             # GLM-4 (dense): each block's input and output normalized, as Gemma 2's sandwich norms

@@ -32,7 +32,10 @@ VOCAB = 512
 # interleaved rotary pairs, a dense first layer, then top-3 of 8 experts by softmax within the 2 best of 4 groups by
 # their best score, scaled by 1.5, beside 2 shared experts' worth of ungated columns; deepseek_v3: latent attention
 # with low-rank queries, experts chosen as GLM-4.5's; granitemoe: Granite's four multipliers on top-2 of 4 experts
-# stacked as Granite stores them; granitemoeshared: those with an ungated shared MLP and tied embeddings.
+# stacked as Granite stores them; granitemoeshared: those with an ungated shared MLP and tied embeddings; llama4:
+# a dense layer then a MoE one (top-1 of 4 experts, their inputs scaled, a shared expert), interleaved rotary with
+# q/k L2 norms on three layers, the fourth NoPE with its query temperature (floor_scale 4, so that short prompts
+# reach it).
 VARIANTS: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", dict(num_key_value_heads=2)),
     "llama3_rope": ("LlamaConfig", dict(num_key_value_heads=2, rope_scaling={
@@ -90,6 +93,10 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                                                         shared_intermediate_size=96, embedding_multiplier=6.0,
                                                         attention_multiplier=0.15, residual_multiplier=0.3,
                                                         logits_scaling=4.0, tie_word_embeddings=True)),
+    "llama4": ("Llama4TextConfig", dict(num_key_value_heads=2, head_dim=16, num_hidden_layers=4, intermediate_size=48,
+                                        intermediate_size_mlp=96, num_local_experts=4, num_experts_per_tok=1,
+                                        interleave_moe_layer_step=2, floor_scale=4, attn_scale=0.5,
+                                        attention_chunk_size=2048)),
     "deepseek_v3": ("DeepseekV3Config", dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24,
                                              qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=12,
                                              n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
@@ -108,7 +115,7 @@ _MODEL_CLASSES = {"LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralFo
                   "Glm4Config": "Glm4ForCausalLM", "OlmoeConfig": "OlmoeForCausalLM",
                   "GptOssConfig": "GptOssForCausalLM", "DeepseekV2Config": "DeepseekV2ForCausalLM",
                   "DeepseekV3Config": "DeepseekV3ForCausalLM", "GraniteMoeConfig": "GraniteMoeForCausalLM",
-                  "GraniteMoeSharedConfig": "GraniteMoeSharedForCausalLM"}
+                  "GraniteMoeSharedConfig": "GraniteMoeSharedForCausalLM", "Llama4TextConfig": "Llama4ForCausalLM"}
 
 
 def make_config(variant: str, **overrides) -> transformers.PretrainedConfig:
@@ -320,3 +327,14 @@ def build_mistral3_image_text(out_dir: Path, seed: int = 0) -> Path:
                                          tie_word_embeddings=False, eos_token_id=[2, 5])
     torch.manual_seed(seed)
     return _save_random(transformers.Mistral3ForConditionalGeneration(config), out_dir)
+
+
+def build_llama4_image_text(out_dir: Path, seed: int = 0) -> Path:
+    """A tiny Llama4ForConditionalGeneration (Llama 4 Scout's and Maverick's class): the llama4 variant's language
+    model beside a one-layer vision model."""
+    text = {**make_config("llama4").to_dict(), "model_type": "llama4_text"}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+    config = transformers.Llama4Config(text_config=text, vision_config=vision, image_token_index=VOCAB - 1)
+    torch.manual_seed(seed)
+    return _save_random(transformers.Llama4ForConditionalGeneration(config), out_dir)

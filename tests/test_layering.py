@@ -30,8 +30,9 @@ PACKAGES = ["jserve", *LIBRARY_ORDER]
 JSERVE_LAYERS = [
     # plain data and flags: configs, request parameters (and the LoRA adapter a request names) and results, argparse
     # types, the engine flags, the tokenizer (and its GGUF builder)
-    ["jserve.config", "jserve.config_json", "jserve.sampling_params", "jserve.pooling_params", "jserve.lora_request",
-     "jserve.outputs", "jserve.arg_types", "jserve.engine_args", "jserve.tokenizer", "jserve.gguf_tokenizer"],
+    ["jserve.config", "jserve.config_json", "jserve.config_llama4", "jserve.sampling_params", "jserve.pooling_params",
+     "jserve.lora_request", "jserve.outputs", "jserve.arg_types", "jserve.engine_args", "jserve.tokenizer",
+     "jserve.gguf_tokenizer"],
     # the Flax models and their shape under tensor parallelism; what a step carries: a sequence and its scheduled
     # chunk, the packed host arrays, the jitted sampler and its speculative drafts' rejection sampler
     ["jserve.models", "jserve.engine.sequence", "jserve.engine.packing", "jserve.engine.sampler",

@@ -1,6 +1,6 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, Granite, Gemma 1/2/3, SmolLM3, OLMo 2/3, GLM-4, and
-the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, OLMoE, gpt-oss, DeepSeek-V2/V3 and Granite MoE): one
-decoder whose differences are config flags.
+the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, OLMoE, gpt-oss, DeepSeek-V2/V3, Granite MoE and
+Llama 4): one decoder whose differences are config flags.
 
 Qwen2 adds q/k/v biases, Qwen3 normalizes q and k per head before rotary, Mistral may use a sliding window; Gemma
 scales its embeddings, uses GELU, windows some layers and not others (Gemma 3 rotating them with their own base),
@@ -80,6 +80,13 @@ class Attention(nnx.Module):
         if self.rotary < 2:  # (global, local) frequencies; a NoPE layer sees no positions
             q = apply_rope(q, batch.positions, inv_freq[self.rotary])
             k = apply_rope(k, batch.positions, inv_freq[self.rotary])
+            if cfg.qk_l2_norm:  # Llama 4: each head's q and k normalized after rotary, no weight
+                q, k = l2_norm(q, cfg.rms_norm_eps), l2_norm(k, cfg.rms_norm_eps)
+        elif cfg.attention_temperature is not None:  # Llama 4's NoPE layers: queries sharpened with the position
+            floor_scale, attn_scale = cfg.attention_temperature
+            positions = batch.positions.astype(jnp.float32)
+            scale = jnp.log1p(jnp.floor((positions + 1.0) / floor_scale)) * attn_scale + 1.0
+            q = (q * scale[:, None, None]).astype(q.dtype)
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, batch.slot_mapping)
         out = ragged_paged_attention(q, k_pages, v_pages, batch.page_table, batch.query_start, batch.seq_lens,
                                      scale=cfg.attention_scale, sliding_window=self.sliding_window,
@@ -87,6 +94,12 @@ class Attention(nnx.Module):
                                      sinks=None if self.sinks is None else self.sinks[...],
                                      backend=self.attention_backend)
         return self.o_proj(out.reshape(num_tokens, cfg.q_size), lora_slots), k_pages, v_pages
+
+
+def l2_norm(x: jax.Array, eps: float) -> jax.Array:
+    """x scaled to unit root-mean-square over its last axis (an RMSNorm without weight), in float32."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 class MLP(nnx.Module):

@@ -1,7 +1,7 @@
-"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, OLMoE, gpt-oss, DeepSeek-V2/V3): a router picks
-each token's top-k experts, each a SwiGLU MLP of its own, and the token's output is their weighted sum (plus a shared
-expert: Qwen2-MoE's gated, GLM-4.5's and DeepSeek's not). gpt-oss adds biases to the router and the experts and
-clamps its SwiGLU.
+"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, OLMoE, gpt-oss, DeepSeek-V2/V3, Granite MoE,
+Llama 4): a router picks each token's top-k experts, each a SwiGLU MLP of its own, and the token's output is their
+weighted sum (Llama 4: the sum of the experts of inputs so weighted) plus a shared expert (Qwen2-MoE's gated, the
+others' not). gpt-oss adds biases to the router and the experts and clamps its SwiGLU.
 
 Experts run grouped: every (token, chosen expert) pair is sorted by expert into tiles of `tile_rows(...)` rows,
 each tile holding one expert's tokens (a group's last tile padded), and a loop over the tiles multiplies each by
@@ -150,10 +150,11 @@ def _route_in_groups(scores: jax.Array, choice: jax.Array, k: int, normalize: bo
     return weights * scale, ids.astype(jnp.int32)
 
 
-def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, valid: jax.Array, experts: Experts
-                    ) -> jax.Array:
+def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, valid: jax.Array, experts: Experts,
+                    scale_inputs: bool = False) -> jax.Array:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t with valid[t] -> float32[T, H] (zeros for
-    the others). x [T, H]; weights, ids [T, k]; valid bool[T]."""
+    the others); with scale_inputs (Llama 4) sum_j expert_{ids[t, j]}(weights[t, j] * x[t]). x [T, H]; weights, ids
+    [T, k]; valid bool[T]."""
     num_tokens, k = ids.shape
     num_experts, hidden = experts.gate_proj.weight.shape[0], x.shape[-1]
     pairs = num_tokens * k
@@ -172,7 +173,9 @@ def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, valid: jax
     dest = jnp.where(sorted_expert < num_experts,
                      padded_start[expert] + jnp.arange(pairs) - group_start[expert], capacity)  # [P]
     tokens = order // k
-    x_rows = jnp.zeros((capacity, hidden), x.dtype).at[dest].set(x[tokens], mode="drop")
+    pair_weights = weights.reshape(-1)[order]
+    x_in = (x[tokens] * pair_weights[:, None]).astype(x.dtype) if scale_inputs else x[tokens]
+    x_rows = jnp.zeros((capacity, hidden), x.dtype).at[dest].set(x_in, mode="drop")
     # each tile's expert: the first whose padded rows end after the tile's start (num_experts past the last)
     tile_expert = jnp.searchsorted(padded_end, jnp.arange(num_tiles) * rows, side="right").astype(jnp.int32)
 
@@ -186,7 +189,8 @@ def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, valid: jax
 
     _, y = jax.lax.scan(tile, None, (x_rows.reshape(num_tiles, rows, hidden), tile_expert))
     pair_out = jnp.take(y.reshape(capacity, hidden), dest, axis=0, mode="fill", fill_value=0)
-    pair_out = pair_out * weights.reshape(-1)[order][:, None]
+    if not scale_inputs:
+        pair_out = pair_out * pair_weights[:, None]
     return jnp.zeros((num_tokens, hidden), jnp.float32).at[tokens].add(pair_out)
 
 
@@ -218,9 +222,12 @@ class SparseMoeBlock(nnx.Module):
                                                 cfg.routed_scaling_factor)
         elif cfg.moe_routing == "topk_softmax":
             weights, ids = route_topk_softmax(self.gate(x), cfg.num_experts_per_tok)
+        elif cfg.moe_routing == "sigmoid_input":  # Llama 4: the chosen logits' sigmoids scale the experts' inputs
+            top, ids = jax.lax.top_k(self.gate(x), cfg.num_experts_per_tok)
+            weights = jax.nn.sigmoid(top.astype(jnp.float32))
         else:
             weights, ids = route(self.gate(x), cfg.num_experts_per_tok, cfg.norm_topk_prob)
-        out = grouped_experts(x, weights, ids, valid, self.experts)
+        out = grouped_experts(x, weights, ids, valid, self.experts, scale_inputs=cfg.moe_routing == "sigmoid_input")
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             out = out + (shared if self.shared_expert_gate is None else jax.nn.sigmoid(self.shared_expert_gate(x))
