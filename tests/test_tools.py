@@ -229,6 +229,25 @@ AUTO_CASES = [
                      "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", None, [("add", {"a": 4, "b": 5})]),
     ("deepseek_v31", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>{\"a\": 4<｜tool▁call▁end｜>",
      "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>{\"a\": 4<｜tool▁call▁end｜>", []),
+    # Mistral's (vLLM's MistralToolParser): a JSON list after [TOOL_CALLS] (tokenizers up to v7), NAME[ARGS]{...} per
+    # call (v11 on), with a call id (v13)
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+                '{"name": "add", "arguments": {"a": 1, "b": 2}}]', None,
+     [("get_weather", {"city": "Paris", "unit": "celsius"}), ("add", {"a": 1, "b": 2})]),
+    ("mistral", 'Sure. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}[TOOL_CALLS]add[ARGS]'
+                '{"a": 1, "b": 2}', "Sure.", [("get_weather", {"city": "Paris", "unit": "celsius"}),
+                                              ("add", {"a": 1, "b": 2})]),
+    ("mistral", '[TOOL_CALLS]add[CALL_ID]a1B2c3D4e[ARGS]{"a": 5, "b": 6}', None, [("add", {"a": 5, "b": 6})]),
+    ("mistral", '[TOOL_CALLS]sub[ARGS]{"a": 5}', '[TOOL_CALLS]sub[ARGS]{"a": 5}', []),
+    ("mistral", "It is [sunny].", "It is [sunny].", []),
+    # pythonic (vLLM's PythonicToolParser and Llama4PythonicToolParser)
+    ("pythonic", '[get_weather(city="Paris", unit="celsius"), add(a=1, b=-2)]', None,
+     [("get_weather", {"city": "Paris", "unit": "celsius"}), ("add", {"a": 1, "b": -2})]),
+    ("pythonic", "<|python_start|>[add(a=3, b=4)]<|python_end|>", None, [("add", {"a": 3, "b": 4})]),
+    ("pythonic", "[1, 2, 3]", "[1, 2, 3]", []),
+    ("pythonic", '[os.system("ls")]', '[os.system("ls")]', []),
+    ("pythonic", "[add(a=x, b=2)]", "[add(a=x, b=2)]", []),  # a name, not a literal: nothing is evaluated
+    ("pythonic", "The list is [a, b].", "The list is [a, b].", []),
     # text that starts as a marker or a call would, and is none
     ("hermes", "Use <tool> tags\n", "Use <tool> tags\n", []),
     ("llama3_json", "  <|python", "  <|python", []),

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from jserve.server.lora_modules import LoraModule
 from jserve.server.reasoning import REASONING_PARSERS
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "openai", "deepseek_v3", "deepseek_v31")  # server/tools.py
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "openai", "deepseek_v3", "deepseek_v31", "mistral",
+                     "pythonic")  # server/tools.py
 
 # Request bodies above this many bytes get a 413 (a 4 MiB body is a prompt of roughly a million tokens).
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20

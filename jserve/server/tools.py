@@ -12,12 +12,17 @@ when the model chooses (`tool_choice: "auto"`, with `--tool-call-parser`).
   the output, server/reasoning.py; `deepseek_v3`: DeepSeek-V3's and R1's `<｜tool▁call▁begin｜>function<｜tool▁sep｜>
   NAME` lines, each followed by its arguments in a json code fence and `<｜tool▁call▁end｜>`, inside
   `<｜tool▁calls▁begin｜>` ... `<｜tool▁calls▁end｜>`; `deepseek_v31`: DeepSeek-V3.1's `<｜tool▁call▁begin｜>NAME
-  <｜tool▁sep｜>ARGUMENTS<｜tool▁call▁end｜>` there). DeepSeek's markers are added tokens of its tokenizer: requests
-  under its parsers keep special tokens in their text, and the parser takes the markers out.
+  <｜tool▁sep｜>ARGUMENTS<｜tool▁call▁end｜>` there; `mistral`: Mistral's `[TOOL_CALLS]` followed by a JSON list of
+  `{"name", "arguments"}` or, from tokenizer v11 on, by `NAME[ARGS]{...}`, once a call; `pythonic`: a whole output
+  that is a Python list of calls with literal keyword arguments, as Llama 3.2 and Llama 4 write them, Llama 4's
+  between `<|python_start|>` and `<|python_end|>`). DeepSeek's, Mistral's and Llama 4's markers are added tokens of
+  their tokenizers: requests under those parsers keep special tokens in their text, and the parser takes the markers
+  out.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -36,8 +41,14 @@ _DEEPSEEK_CALL = {  # one call within the calls block
     "deepseek_v31": re.compile(r"<｜tool▁call▁begin｜>(?P<name>.*?)<｜tool▁sep｜>(?P<arguments>.*?)<｜tool▁call▁end｜>",
                                re.DOTALL),
 }
+_MISTRAL_CALLS = "[TOOL_CALLS]"
+# Mistral's newer calls (tokenizer v11 on: Mistral Small 3.2, Devstral, Magistral): NAME, an optional call id, then
+# [ARGS] and the arguments' JSON, one call after each [TOOL_CALLS]
+_MISTRAL_CALL = re.compile(r"\s*(?P<name>[A-Za-z0-9_-]{1,64})(?:\[CALL_ID\][A-Za-z0-9]+)?\[ARGS\](?P<arguments>.*)",
+                           re.DOTALL)
+_PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"
 # parsers whose markers are special tokens, kept in the text for them (routes.create_chat_completion)
-READS_SPECIAL_TOKENS = ("openai", *_DEEPSEEK_CALL)
+READS_SPECIAL_TOKENS = ("openai", *_DEEPSEEK_CALL, "mistral", "pythonic")
 
 
 @dataclass
@@ -87,6 +98,10 @@ class ToolRequest:
                 return _parse_harmony(text, self.functions)
             if self.parser in _DEEPSEEK_CALL:
                 return _parse_deepseek(text, self.functions, _DEEPSEEK_CALL[self.parser])
+            if self.parser == "mistral":
+                return _parse_mistral(text, self.functions)
+            if self.parser == "pythonic":
+                return _parse_pythonic(text, self.functions)
             return _parse_llama3_json(text, self.functions)
         try:
             value = json.loads(text)
@@ -132,8 +147,8 @@ def parse_tool_request(body: dict, parser: str | None) -> ToolRequest | None:
                           '{"name": ...}}', "tool_choice")
     if choice == "auto" and parser is None:
         raise bad_request('tool_choice "auto" needs the server started with --tool-call-parser (hermes, '
-                          'llama3_json, openai, deepseek_v3 or deepseek_v31); "required" and a named function work '
-                          "without one", "tool_choice")
+                          'llama3_json, openai, deepseek_v3, deepseek_v31, mistral or pythonic); "required" and a '
+                          "named function work without one", "tool_choice")
     if choice != "auto" and parser == "openai":
         raise bad_request('gpt-oss (--tool-call-parser openai) serves tool_choice "auto" only: a required or named '
                           "call would constrain the output to JSON outside its harmony messages", "tool_choice")
@@ -166,9 +181,12 @@ def _call(obj: Any, functions: dict[str, dict], arguments_key: str) -> ToolCall 
 
 
 # Where each parser's calls begin (llama3_json's are the whole output: ToolStream)
-_CALL_MARKERS = {"hermes": "<tool_call>", "deepseek_v3": _DEEPSEEK_CALLS, "deepseek_v31": _DEEPSEEK_CALLS}
+_CALL_MARKERS = {"hermes": "<tool_call>", "deepseek_v3": _DEEPSEEK_CALLS, "deepseek_v31": _DEEPSEEK_CALLS,
+                 "mistral": _MISTRAL_CALLS}
 _PYTHON_TAG = "<|python_tag|>"
-STREAMED_PARSERS = (*_CALL_MARKERS, "llama3_json")
+# parsers whose calls are the whole output, held back while the output may still be one: where it may start
+_WHOLE_OUTPUT_STARTS = {"llama3_json": ("{", _PYTHON_TAG), "pythonic": ("[", _PYTHON_START)}
+STREAMED_PARSERS = (*_CALL_MARKERS, *_WHOLE_OUTPUT_STARTS)
 
 
 class ToolStream:
@@ -181,6 +199,7 @@ class ToolStream:
 
     def __init__(self, parser: str):
         self.marker = _CALL_MARKERS.get(parser)
+        self.starts = _WHOLE_OUTPUT_STARTS.get(parser, ())
         self.text, self.sent = "", 0
 
     def feed(self, piece: str) -> str:
@@ -196,9 +215,9 @@ class ToolStream:
         return out
 
     def _safe_end(self) -> int:
-        if self.marker is None:  # llama3_json: all or nothing
+        if self.marker is None:  # llama3_json, pythonic: all or nothing
             body = self.text.lstrip()
-            maybe_call = not body or body.startswith(("{", _PYTHON_TAG)) or _PYTHON_TAG.startswith(body)
+            maybe_call = not body or body.startswith(self.starts) or any(s.startswith(body) for s in self.starts)
             return self.sent if maybe_call else len(self.text)
         pos = self.text.find(self.marker)
         if pos < 0:
@@ -243,6 +262,55 @@ def _parse_harmony(text: str, functions: dict[str, dict]) -> tuple[str | None, l
     split = split_reasoning(text, "openai_gptoss")
     calls = [ToolCall(name, arguments) for name, arguments in split.calls if name in functions]
     return split.content or None, calls
+
+
+def _parse_mistral(text: str, functions: dict[str, dict]) -> tuple[str | None, list[ToolCall]]:
+    """Mistral's calls after the text's content: `[TOOL_CALLS][{"name", "arguments"}, ...]` (tokenizers up to v7),
+    or `[TOOL_CALLS]NAME[ARGS]{...}` once a call (v11 on). Anything else after the marker leaves the text as it is."""
+    start = text.find(_MISTRAL_CALLS)
+    if start < 0:
+        return text, []
+    parts = text[start:].split(_MISTRAL_CALLS)[1:]
+    calls: list[ToolCall | None] = []
+    if len(parts) == 1 and parts[0].lstrip().startswith("["):
+        try:
+            items = json.loads(parts[0])
+        except ValueError:
+            return text, []
+        calls = [_call(item, functions, "arguments") for item in items] if isinstance(items, list) else []
+    else:
+        for part in parts:
+            m = _MISTRAL_CALL.fullmatch(part)
+            calls.append(None if m is None else _call({"name": m["name"], "arguments": m["arguments"].strip()},
+                                                      functions, "arguments"))
+    if not calls or None in calls:
+        return text, []
+    return text[:start].rstrip() or None, calls
+
+
+def _parse_pythonic(text: str, functions: dict[str, dict]) -> tuple[str | None, list[ToolCall]]:
+    """A whole output that is a Python list of calls with literal keyword arguments (Llama 3.2's and Llama 4's
+    `[get_weather(city="Paris"), add(a=1, b=2)]`, Llama 4 between <|python_start|> and <|python_end|>); read with
+    ast, nothing evaluated but literals."""
+    body = text.strip().removeprefix(_PYTHON_START).removesuffix(_PYTHON_END).strip()
+    if not body.startswith("["):
+        return text, []
+    try:
+        tree = ast.parse(body, mode="eval").body
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return text, []
+        calls = []
+        for node in tree.elts:
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
+                    and all(k.arg is not None for k in node.keywords)):
+                return text, []
+            arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+            calls.append(_call({"name": node.func.id, "arguments": arguments}, functions, "arguments"))
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+        return text, []
+    if None in calls:
+        return text, []
+    return None, calls
 
 
 def _parse_llama3_json(text: str, functions: dict[str, dict]) -> tuple[str | None, list[ToolCall]]:
