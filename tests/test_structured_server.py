@@ -130,3 +130,24 @@ def test_a_constraint_that_cannot_compile_is_a_400(client, server, kwargs, param
         client.chat.completions.create(model=server.state.model_name, messages=MESSAGES, max_tokens=4, **kwargs)
     assert info.value.status_code == 400 and info.value.body["param"] == param
     assert info.value.body["message"]
+
+
+def test_vllms_older_guided_fields_constrain_alike(client, server):
+    """guided_choice, guided_regex and guided_json (vLLM's names before structured_outputs, which clients still
+    send) constrain as structured_outputs does; given with it, or two at once, they are a 400."""
+    model = server.state.model_name
+    kwargs = dict(model=model, messages=MESSAGES, temperature=1.0, max_tokens=40)
+    for seed in range(4):
+        choice = client.chat.completions.create(**kwargs, seed=seed, extra_body={"guided_choice": ["yes", "no"]})
+        assert choice.choices[0].message.content in ("yes", "no")
+        digits = client.completions.create(model=model, prompt="n =", max_tokens=12, temperature=1.0, seed=seed,
+                                           extra_body={"guided_regex": "[0-9]{3}"})
+        assert re.fullmatch("[0-9]{3}", digits.choices[0].text)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    shaped = client.chat.completions.create(**kwargs, seed=0, extra_body={"guided_json": schema})
+    assert set(json.loads(shaped.choices[0].message.content)) == {"n"}
+    for extra in ({"guided_choice": ["a"], "structured_outputs": {"choice": ["b"]}},
+                  {"guided_choice": ["a"], "guided_regex": "b"}):
+        with pytest.raises(openai.BadRequestError, match="give one constraint"):
+            client.chat.completions.create(**kwargs, extra_body=extra)

@@ -229,6 +229,14 @@ SAMPLING_FIELDS: dict[str, dict] = {
             "grammar": {"type": "string", "minLength": 1}}},
         "Constrain the output (vLLM's field): exactly one of json (a JSON schema), json_object (true), regex, "
         "choice (a list of strings) or grammar (Lark or EBNF)."),
+    # vLLM's older names of the same constraints (before structured_outputs), which clients still send
+    "guided_json": _nullable({"anyOf": [{"type": "object"}, {"type": "string", "minLength": 1}]},
+                             "structured_outputs.json under vLLM's older name."),
+    "guided_regex": _nullable({"type": "string", "minLength": 1}, "structured_outputs.regex under vLLM's older name."),
+    "guided_choice": _nullable({"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+                               "structured_outputs.choice under vLLM's older name."),
+    "guided_grammar": _nullable({"type": "string", "minLength": 1},
+                                "structured_outputs.grammar under vLLM's older name."),
     "response_format": _nullable(
         {"type": "object", "properties": {
             "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
@@ -431,7 +439,7 @@ def _structured_outputs(values: dict[str, Any]) -> dict | None:
         if kind not in ("text", "json_object", "json_schema"):
             raise bad_request(f"response_format.type must be 'text', 'json_object' or 'json_schema', "
                               f"got {kind!r}"[:300], "response_format")
-        if "structured_outputs" in values and kind != "text":
+        if ("structured_outputs" in values or any(k in values for k in _GUIDED)) and kind != "text":
             raise bad_request("give either response_format or structured_outputs, not both", "response_format")
         if kind == "json_object":
             return {"json_object": True}
@@ -441,7 +449,17 @@ def _structured_outputs(values: dict[str, Any]) -> dict | None:
                 raise bad_request("response_format json_schema needs json_schema.schema, a JSON schema object",
                                   "response_format")
             return {"json": schema}
+    guided = {field: values[name] for name, field in _GUIDED.items() if name in values}
+    if guided:
+        if "structured_outputs" in values or len(guided) > 1:
+            raise bad_request(f"give one constraint: {', '.join(sorted(k for k in _GUIDED if k in values))} and "
+                              f"structured_outputs are the same field under several names", next(
+                                  k for k in _GUIDED if k in values))
+        return guided
     return values.get("structured_outputs")
+
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
