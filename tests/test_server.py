@@ -590,6 +590,8 @@ def assert_error(response, status: int, param: str | None = None):
     (b'{"prompt": "hi", "max_tokens": "ten"}', "max_tokens"),
     (b'{"prompt": "hi", "max_tokens": -1}', "max_tokens"),
     (b'{"prompt": "hi", "max_tokens": 0}', "max_tokens"),
+    (b'{"prompt": "hi", "use_beam_search": true}', "use_beam_search"),
+    (b'{"prompt": "hi", "return_tokens_as_token_ids": true}', "return_tokens_as_token_ids"),
     (b'{"prompt": "hi", "max_tokens": 1e30}', "max_tokens"),
     (b'{"prompt": "hi", "max_tokens": 100000000000000000000000000000}', "max_tokens"),
     (b'{"prompt": "hi", "n": 100000000000000000000}', "n"),
@@ -610,6 +612,8 @@ def assert_error(response, status: int, param: str | None = None):
     (b'{"prompt": "hi", "min_tokens": 50, "max_tokens": 5}', "min_tokens"),
     (b'{"prompt": "hi", "model": 7}', "model"),
     (b'{"prompt": "hi", "max_tokens": 0}', "max_tokens"),
+    (b'{"prompt": "hi", "use_beam_search": true}', "use_beam_search"),
+    (b'{"prompt": "hi", "return_tokens_as_token_ids": true}', "return_tokens_as_token_ids"),
     (b'{"prompt": "hi", "best_of": 3}', "best_of"),
 ])
 def test_malformed_completion_requests(server, raw, param):

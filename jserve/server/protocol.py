@@ -211,6 +211,9 @@ SAMPLING_FIELDS: dict[str, dict] = {
                                            "another as its bare content (vLLM's; default true)."),
     "include_stop_str_in_output": _bool("Keep the matched stop string at the end of the text."),
     "priority": _int("Scheduling priority: lower values are served first (default 0)."),
+    # vLLM's, refused rather than ignored: their answers would silently differ from what the client asked for
+    "use_beam_search": _bool("Not supported: only false is accepted."),
+    "return_tokens_as_token_ids": _bool("Not supported: only false is accepted."),
     "allowed_token_ids": _nullable(_TOKEN_IDS, "Only these token ids may be generated."),
     "bad_words": _nullable({"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LENGTH},
                             "maxItems": MAX_STOP_STRINGS},
@@ -473,6 +476,10 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
 
 
 def _common(values: dict[str, Any]) -> dict[str, Any]:
+    for name, why in (("use_beam_search", "beam search is not served; sample with n instead"),
+                      ("return_tokens_as_token_ids", "logprobs name their tokens by text")):
+        if values.get(name):
+            raise bad_request(f"{name} is not supported: {why}", name)
     options = values.get("stream_options") or {}
     stream = bool(values.get("stream", False))
     if options and not stream:
