@@ -1,4 +1,5 @@
-"""`jserve generate`: a resumable batch job from a JSONL file of prompts to a JSONL file of results.
+"""`jserve generate`: a resumable batch job from a JSONL file of prompts to a JSONL file of results (texts, or with an
+embedding model, runner "pooling", embeddings).
 
 Each result is written and flushed the moment its request finishes, so an interrupted job keeps what it did;
 a rerun skips the ids already present in the output file. Both files are UTF-8, as JSON Lines are, whatever the
@@ -15,13 +16,16 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from jserve.config import EngineConfig
-from jserve.outputs import RequestOutput
+from jserve.outputs import EmbeddingRequestOutput, RequestOutput
+from jserve.pooling_params import PoolingParams
 from jserve.sampling_params import SAMPLING_FIELDS, RequestOutputKind, SamplingParams, with_defaults
 
 # A line may set any SamplingParams field but output_kind (the job writes finished results only); any other key is
 # a malformed line, so a typo (or another library's name, such as max_new_tokens) is not silently ignored.
 _SAMPLING_FIELDS = SAMPLING_FIELDS - {"output_kind"}
 _LINE_FIELDS = {"id", "prompt", "messages", "priority", "model"}  # model: a --lora-modules adapter's name
+# An embedding model's line: its prompt (text or ids) and PoolingParams' fields.
+_POOLING_FIELDS = {"id", "prompt", "priority", "dimensions", "normalize", "truncate_prompt_tokens"}
 # max_tokens of a line that sets none, where neither --max-tokens nor the model's generation_config.json says.
 DEFAULT_MAX_TOKENS = 128
 
@@ -31,7 +35,7 @@ class BatchItem:
     id: str
     prompt: str | list[int] | None
     messages: list[dict] | None
-    params: SamplingParams
+    params: SamplingParams | PoolingParams  # PoolingParams: an embedding model's line
     priority: int = 0
     given: frozenset[str] = frozenset()  # the line's sampling fields: the model's defaults fill the rest
     model_max_tokens: bool = False  # no max_tokens on the line or the command line: the model's max_new_tokens
@@ -104,6 +108,28 @@ def read_done_ids(output: Path) -> set[str]:
     return done
 
 
+def parse_pooling_line(line: str, line_no: int) -> tuple[str, str | list[int], PoolingParams, int]:
+    """One input line of an embedding job -> (id, prompt, its PoolingParams, priority)."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise MalformedLine(f"line {line_no}: invalid JSON ({e.msg})") from None
+    if not isinstance(obj, dict) or "prompt" not in obj:
+        raise MalformedLine(f"line {line_no}: an embedding model's line is a JSON object with a 'prompt'")
+    unknown = [k for k in obj if k not in _POOLING_FIELDS]
+    if unknown:
+        raise MalformedLine(f"line {line_no}: unknown field(s) {', '.join(map(repr, unknown))}; an embedding model's "
+                            f"line takes {', '.join(sorted(_POOLING_FIELDS))}")
+    try:
+        params = PoolingParams(**{k: obj[k] for k in ("dimensions", "normalize", "truncate_prompt_tokens") if k in obj})
+    except (TypeError, ValueError) as e:
+        raise MalformedLine(f"line {line_no}: {e}") from None
+    priority = obj.get("priority", 0)
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise MalformedLine(f"line {line_no}: priority must be an integer")
+    return str(obj.get("id", f"line-{line_no}")), obj["prompt"], params, priority
+
+
 def _logprobs_json(entry: dict[int, float] | None) -> dict | None:
     """One position's logprobs, {chosen id: lp, top ids: lps} (the chosen token first), as JSON (whose object keys
     cannot stay integers): the chosen token and its logprob, and every token of the entry (the top ones, and the
@@ -115,9 +141,12 @@ def _logprobs_json(entry: dict[int, float] | None) -> dict | None:
     return {"token_id": token, "logprob": logprob, "top_logprobs": top}
 
 
-def result_record(item_id: str, output: RequestOutput, model: str | None = None) -> dict:
+def result_record(item_id: str, output: RequestOutput | EmbeddingRequestOutput, model: str | None = None) -> dict:
     """A finished request as a JSONL record; logprobs and prompt_logprobs appear when the line asked for them, model
-    (the adapter's name) when the line named one."""
+    (the adapter's name) when the line named one. An embedding's record holds its vector."""
+    if isinstance(output, EmbeddingRequestOutput):
+        return {"id": item_id, "prompt": output.prompt, "embedding": output.outputs.embedding,
+                "usage": {"prompt_tokens": len(output.prompt_token_ids)}}
     choices = []
     for c in output.outputs:
         choice = {"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
@@ -151,11 +180,12 @@ def run_batch(config: EngineConfig, input_path: Path, output_path: Path, *, stri
     drop_torn_last_line(output_path)
     done = read_done_ids(output_path)
     items, errors = [], 0
+    pooling = config.runner == "pooling"
     for line_no, line in enumerate(input_path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            item = parse_line(line, line_no, default_max_tokens)
+            item = _pooling_item(line, line_no) if pooling else parse_line(line, line_no, default_max_tokens)
         except MalformedLine as e:
             if strict:
                 raise
@@ -177,6 +207,10 @@ def run_batch(config: EngineConfig, input_path: Path, output_path: Path, *, stri
                 raise ValueError(f"model {item.model!r} is not a LoRA adapter of --lora-modules "
                                  f"({', '.join(adapters) or 'none given'})")
             prompt = item.prompt
+            if pooling:
+                engine.add_request(item.id, prompt, item.params, priority=item.priority)
+                pending[item.id] = item
+                continue
             if item.messages is not None:
                 prompt = {"prompt_token_ids": engine.tokenizer.apply_chat_template(item.messages)}
             params = with_defaults(item.params, item.given, engine.sampling_defaults)  # the model's, as the server
@@ -195,7 +229,7 @@ def run_batch(config: EngineConfig, input_path: Path, output_path: Path, *, stri
             errors += 1
     written = 0
     with open(output_path, "a", encoding="utf-8") as out, \
-            tqdm(total=len(pending), desc="Generating", unit="req") as bar:
+            tqdm(total=len(pending), desc="Embedding" if pooling else "Generating", unit="req") as bar:
         while pending:
             for output in engine.step():
                 if output.finished:
@@ -209,3 +243,8 @@ def run_batch(config: EngineConfig, input_path: Path, output_path: Path, *, stri
     print(f"jserve: wrote {written} results to {output_path}"
           f" ({len(done)} already present, {errors} skipped)", file=sys.stderr)
     return 0
+
+
+def _pooling_item(line: str, line_no: int) -> BatchItem:
+    item_id, prompt, params, priority = parse_pooling_line(line, line_no)
+    return BatchItem(item_id, prompt, None, params, priority)

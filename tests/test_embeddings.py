@@ -231,3 +231,24 @@ def test_a_text_model_refuses_embeddings():
     for refused in (response, reranked):
         assert refused.status_code == 400
         assert "does not serve embeddings" in refused.json()["error"]["message"]
+
+
+def test_a_batch_job_writes_embeddings(base_model_dir, tmp_path):
+    """`jserve generate` with an embedding model: each line's vector, as transformers' hidden state pools; a line
+    with a generation field is skipped with its reason."""
+    from jserve.batch import run_batch
+    from jserve.config import EngineConfig
+
+    lines = [{"id": "a", "prompt": PROMPTS[0]}, {"id": "b", "prompt": PROMPTS[1], "dimensions": 8},
+             {"id": "c", "prompt": PROMPTS[2], "max_tokens": 3}]
+    source, results = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    config = EngineConfig(model=str(base_model_dir), runner="pooling", executor="xla", max_model_len=256,
+                          kv_cache_memory_bytes=1 << 20, warmup=False, compilation_cache_dir="")
+    assert run_batch(config, source, results) == 0
+    records = {r["id"]: r for r in map(json.loads, results.read_text().splitlines())}
+    assert set(records) == {"a", "b"}
+    for key, prompt, width in (("a", PROMPTS[0], None), ("b", PROMPTS[1], 8)):
+        want = hf_pooled(base_model_dir, prompt, "LAST")[:width]
+        np.testing.assert_allclose(records[key]["embedding"], want / np.linalg.norm(want), atol=2e-6)
+        assert records[key]["usage"]["prompt_tokens"] == len(prompt)
