@@ -380,7 +380,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            query_start: jax.Array, seq_lens: jax.Array, *, scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
                            k_scales: jax.Array | None = None, v_scales: jax.Array | None = None,
-                           sinks: jax.Array | None = None) -> jax.Array:
+                           sinks: jax.Array | None = None, attention_chunk: int | None = None) -> jax.Array:
     """The spec of pallas_kernels.interface.ragged_paged_attention; K/V float32, bfloat16, uint16 bf16 bits, or
     int8 with k_scales / v_scales (float32 [N, B, Hkv]: each (token, KV head) row's value = int8 * scale; the kernel
     widens and scales a row in registers as it reads it). Pages are read in place: only the pages each sequence
@@ -398,7 +398,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         q.astype(jnp.float32), k_pages, v_pages, page_table.astype(jnp.int32), query_start.astype(jnp.int32),
         seq_lens.astype(jnp.int32), none if k_scales is None else k_scales, none if v_scales is None else v_scales,
         none if sinks is None else sinks.astype(jnp.float32), scale=np.float32(scale),
-        sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0))
+        sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0),
+        attention_chunk=np.int64(attention_chunk or 0))
 
 
 class PartLayout(NamedTuple):

@@ -12,9 +12,11 @@ namespace {
 // is one contiguous run read front to back, which the prefetchers follow.
 void StoreAttentionRows(const AttentionArgs& a, const AttentionItem& item, const float* acc);
 
-// The first key a query at `pos` sees (a sliding window hides the older ones).
+// The first key a query at `pos` sees: a sliding window hides the older ones, and chunked attention (Llama 4's)
+// those before the query's chunk.
 inline int64_t LowestKey(const AttentionArgs& a, int64_t pos) {
-  return a.sliding_window > 0 ? std::max<int64_t>(0, pos - a.sliding_window + 1) : 0;
+  if (a.sliding_window > 0) return std::max<int64_t>(0, pos - a.sliding_window + 1);
+  return a.attention_chunk > 0 ? pos / a.attention_chunk * a.attention_chunk : 0;
 }
 
 // The attention sink of an item's row r (nullptr: no sinks). Rows are [KV head][token][query head of the group]
@@ -139,14 +141,14 @@ void AttendItem(const AttentionArgs& a, const AttentionItem& item) {
         float* s = scores + r * b_size;
         const int64_t pos = row_pos[r - row_begin];
         float page_max = -std::numeric_limits<float>::infinity();
-        const bool all_visible = a.soft_cap <= 0 && key_begin + keys - 1 <= pos &&
-                                 (a.sliding_window <= 0 || key_begin > pos - a.sliding_window);
+        const int64_t lowest = LowestKey(a, pos);
+        const bool all_visible = a.soft_cap <= 0 && key_begin + keys - 1 <= pos && key_begin >= lowest;
         if (all_visible) {  // the usual case, without a branch per key
           page_max = MaxOf(s, keys);
         } else {
           for (int64_t j = 0; j < keys; ++j) {
             const int64_t key_pos = key_begin + j;
-            const bool visible = key_pos <= pos && (a.sliding_window <= 0 || key_pos > pos - a.sliding_window);
+            const bool visible = key_pos <= pos && key_pos >= lowest;
             float score = -std::numeric_limits<float>::infinity();
             if (visible) score = a.soft_cap > 0 ? a.soft_cap * std::tanh(s[j] / a.soft_cap) : s[j];
             s[j] = score;
@@ -377,7 +379,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
                               ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> seq_lens,
                               ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales,
                               ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out, float scale,
-                              int64_t sliding_window, float soft_cap) {
+                              int64_t sliding_window, float soft_cap, int64_t attention_chunk) {
   CallClock call_clock(kAttentionCall);
   const auto q_dims = q.dimensions();
   if (q_dims.size() != 3) return ffi::Error::InvalidArgument("jserve_paged_attention: expected q[T, H, D]");
@@ -413,6 +415,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   a.scale = scale;
   a.soft_cap = soft_cap;
   a.sliding_window = sliding_window;
+  a.attention_chunk = attention_chunk;
   const int64_t num_tokens = q_dims[0], num_seqs = page_table.dimensions()[0];
   const int64_t real_tokens = std::clamp<int64_t>(a.query_start[num_seqs], 0, num_tokens);
   float* out_data = out->typed_data();

@@ -33,6 +33,7 @@ struct AttentionArgs {
   int64_t num_heads, kv_heads, head_dim, page_size, pages_per_seq, num_pages;
   float scale, soft_cap;       // soft_cap 0: none
   int64_t sliding_window;      // 0: none
+  int64_t attention_chunk = 0;  // 0: none; else a query sees only its own chunk of this many keys (Llama 4)
   float* partials = nullptr;   // split items' unnormalized rows, maxima and sums (AttentionItem::partial)
   const float* sinks = nullptr;  // [H] attention sinks by query head (gpt-oss), or none: see InverseSum
 };

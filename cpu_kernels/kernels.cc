@@ -142,7 +142,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JservePagedAttention, PagedAttentionImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("sliding_window")
-                                  .Attr<float>("soft_cap"));
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("attention_chunk"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveArgmax, ArgmaxImpl,
                               ffi::Ffi::Bind()

@@ -145,6 +145,10 @@ class ModelConfig:
     # floor_scale)) * attn_scale + 1.
     qk_l2_norm: bool = False
     attention_temperature: tuple[float, float] | None = None
+    # Llama 4's chunked attention: the layers of chunked_layers attend within chunks of attention_chunk_size
+    # positions (a query sees the keys of its own chunk up to itself; pallas_kernels.interface)
+    attention_chunk_size: int | None = None
+    chunked_layers: tuple[bool, ...] | None = None
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.0
     attention_sinks: bool = False
@@ -218,6 +222,11 @@ class ModelConfig:
         if self.rope_layers is not None and not self.rope_layers[layer]:
             return 2
         return 1 if self.layer_rope_theta(layer) is not None else 0
+
+    def layer_attention_chunk(self, layer: int) -> int | None:
+        """The attention chunk of decoder layer `layer` (None: it attends to every earlier position)."""
+        chunked = self.chunked_layers is not None and self.chunked_layers[layer]
+        return self.attention_chunk_size if chunked else None
 
     def layer_moe(self, layer: int) -> bool:
         """Whether decoder layer `layer`'s MLP is a mixture of experts."""

@@ -6,9 +6,8 @@ whose router picks its top num_experts_per_tok experts and scales each one's *in
 an ungated shared expert; the experts and the shared expert are intermediate_size wide, the dense layers
 intermediate_size_mlp. The layers of no_rope_layers (1: rotary, 0: NoPE; default every fourth without) rotate q and
 k by interleaved pairs and then L2-normalize them per head (use_qk_norm); the NoPE layers scale their queries by
-log1p(floor((position + 1) / floor_scale)) * attn_scale + 1 (attn_temperature_tuning). The rotary layers attend
-within chunks of attention_chunk_size tokens, which jserve does not implement: the context is capped there, where
-chunked attention equals causal attention.
+log1p(floor((position + 1) / floor_scale)) * attn_scale + 1 (attn_temperature_tuning). The layers layer_types calls
+chunked_attention (default: the rotary ones) attend within chunks of attention_chunk_size positions.
 """
 
 from __future__ import annotations
@@ -24,13 +23,9 @@ def llama4_text_config(cfg: dict) -> dict:
 
 
 def llama4_config(cfg: dict, source: str) -> dict:
-    """config.json's fields as the Llama family reads them: the dense layers' width as intermediate_size, the context
-    capped at attention_chunk_size (see the module doc)."""
-    chunk = positive_int(cfg, "attention_chunk_size", source, 8192)
-    context = positive_int(cfg, "max_position_embeddings", source, 4096 * 32)
+    """config.json's fields as the Llama family reads them: the dense layers' width as intermediate_size."""
     return {**cfg, "intermediate_size": positive_int(cfg, "intermediate_size_mlp", source, 16384),
-            "moe_intermediate_size": positive_int(cfg, "intermediate_size", source, 8192),
-            "max_position_embeddings": min(context, chunk)}
+            "moe_intermediate_size": positive_int(cfg, "intermediate_size", source, 8192)}
 
 
 def llama4_fields(cfg: dict, source: str) -> dict:
@@ -56,9 +51,16 @@ def llama4_fields(cfg: dict, source: str) -> dict:
                              f"{rope!r}")
     tuning = cfg.get("attn_temperature_tuning", True)
     width = cfg["moe_intermediate_size"]
+    kinds = cfg.get("layer_types") or ["chunked_attention" if f else "full_attention" for f in rope]
+    if not isinstance(kinds, list) or len(kinds) != layers or \
+            not all(k in ("chunked_attention", "full_attention") for k in kinds):
+        raise ModelLoadError(f"{source}: layer_types must list {layers} of chunked_attention and full_attention, got "
+                             f"{kinds!r}")
     return {"num_experts": experts, "num_experts_per_tok": per_token, "moe_routing": "sigmoid_input",
             "moe_intermediate_size": width, "shared_expert_intermediate_size": width, "shared_expert_gated": False,
             "moe_layers": tuple(i in moe for i in range(layers)), "rope_layers": tuple(bool(f) for f in rope),
             "rotary_interleaved": True, "qk_l2_norm": bool(cfg.get("use_qk_norm", True)),
             "attention_temperature": (positive_float(cfg.get("floor_scale", 8192), "floor_scale", source),
-                                      float(cfg.get("attn_scale", 0.1))) if tuning else None}
+                                      float(cfg.get("attn_scale", 0.1))) if tuning else None,
+            "attention_chunk_size": positive_int(cfg, "attention_chunk_size", source, 8192),
+            "chunked_layers": tuple(k == "chunked_attention" for k in kinds)}

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 # The masked logit of every online softmax here: finite, so a fully masked tile or chunk never makes NaNs.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -116,3 +117,15 @@ def unpack_out(out: jax.Array, query_start: jax.Array, num_tokens: int, num_head
     row = (block_begin[seq] + local // block_q) * block_q + local % block_q
     real = t < query_start[num_seqs]
     return jnp.where(real[:, None, None], flat[jnp.where(real, row, 0)], 0)
+
+
+def first_visible_key(pos, sliding_window: int | None, attention_chunk: int | None):
+    """The first key position a query at `pos` (non-negative int32) sees: the oldest of its sliding window, the
+    first of its chunk (chunked attention, Llama 4's: a query sees the keys of its own chunk of attention_chunk
+    positions), else 0. Truncating division: pos is non-negative, and floor division lowers through sign(), whose
+    Mosaic rule needs to know the TPU generation."""
+    if sliding_window is not None:
+        return jnp.maximum(pos - sliding_window + 1, 0)
+    if attention_chunk is not None:
+        return lax.div(pos, jnp.int32(attention_chunk)) * attention_chunk
+    return 0

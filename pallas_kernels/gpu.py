@@ -25,7 +25,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.blocks import MASK_VALUE, block_metadata, pack_q, pack_sinks, sink_weights, unpack_out
+from pallas_kernels.blocks import (
+    MASK_VALUE,
+    block_metadata,
+    first_visible_key,
+    pack_q,
+    pack_sinks,
+    sink_weights,
+    unpack_out,
+)
 from pallas_kernels.quantized import QuantizedPages
 
 
@@ -67,7 +75,7 @@ def takes_head_dim(head_dim: int) -> bool:
 
 
 def _attend_page(qs, ks, vs, carry, key_pos0, row_pos, k_scale=None, v_scale=None, *, scale, soft_cap,
-                 sliding_window):
+                 sliding_window, attention_chunk):
     """One online-softmax step of the query tiles ([M, width] per head_dim chunk) against one [N, width] tile of
     keys and of values per chunk. Quantized pages bring each key's and value's scale ([N] float32): they multiply
     the score and probability columns."""
@@ -81,8 +89,8 @@ def _attend_page(qs, ks, vs, carry, key_pos0, row_pos, k_scale=None, v_scale=Non
         s = soft_cap * jnp.tanh(s / soft_cap)
     key_pos = key_pos0 + jnp.arange(s.shape[1], dtype=jnp.int32)
     mask = key_pos[None, :] <= row_pos[:, None]
-    if sliding_window is not None:
-        mask &= key_pos[None, :] > row_pos[:, None] - sliding_window
+    if sliding_window is not None or attention_chunk is not None:
+        mask &= key_pos[None, :] >= first_visible_key(row_pos, sliding_window, attention_chunk)[:, None]
     s = jnp.where(mask, s, MASK_VALUE)
     m_next = jnp.maximum(m_prev, s.max(axis=1))
     p = jnp.exp(s - m_next[:, None])
@@ -96,6 +104,7 @@ def _attend_page(qs, ks, vs, carry, key_pos0, row_pos, k_scale=None, v_scale=Non
 
 def _kernel(seq_ref, q_pos_ref, kv_end_ref, page_table_ref, *refs, chunks: tuple[tuple[int, int], ...],
             scale: float, block_q: int, pages_per_step: int, kv_splits: int, sliding_window: int | None,
+            attention_chunk: int | None,
             soft_cap: float | None, compute_dtype: jnp.dtype | None, has_sinks: bool):
     # refs: one q tile per head_dim chunk, the K and V pages; for quantized pages (compute_dtype set) two scale refs
     # ([N, B, Hkv] float32); with has_sinks (kv_splits == 1 only) the [M] sinks of the tile's rows; then the
@@ -109,14 +118,15 @@ def _kernel(seq_ref, q_pos_ref, kv_end_ref, page_table_ref, *refs, chunks: tuple
     qs = tuple(q_ref[...] for q_ref in q_refs)
     rows = qs[0].shape[0]
     row_pos = q_pos + jnp.arange(rows, dtype=jnp.int32) % block_q
-    first_page = 0 if sliding_window is None else jnp.maximum(q_pos - sliding_window + 1, 0) // page_size
+    first_page = first_visible_key(q_pos, sliding_window, attention_chunk) // page_size
     last_page = (kv_end + page_size - 1) // page_size
     num_steps = (last_page - first_page + pages_per_step - 1) // pages_per_step
     # Split s of kv_splits takes its own contiguous run of the steps (an empty run writes an empty partial).
     steps_per_split = (num_steps + kv_splits - 1) // kv_splits
     begin = split * steps_per_split
     end = jnp.minimum(begin + steps_per_split, num_steps)
-    attend = functools.partial(_attend_page, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    attend = functools.partial(_attend_page, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+                               attention_chunk=attention_chunk)
     block_k = pages_per_step * page_size
 
     def body(i, carry):
@@ -181,7 +191,8 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array | QuantizedPages
                                sliding_window: int | None = None, soft_cap: float | None = None,
                                block_q: int | None = None, pages_per_step: int | None = None,
                                kv_splits: int | None = None, sinks: jax.Array | None = None,
-                               num_warps: int = 4, num_stages: int = 2, interpret: bool = False) -> jax.Array:
+                               num_warps: int = 4, num_stages: int = 2, interpret: bool = False,
+                               attention_chunk: int | None = None) -> jax.Array:
     """Triton-backend kernel with the interface of `ragged_paged_attention` (spec in pallas_kernels/interface.py).
 
     block_q: query tokens per block (a power of two; raised so the tile has >= 16 rows, tl.dot's minimum). None:
@@ -244,8 +255,8 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array | QuantizedPages
             + [jax.ShapeDtypeStruct(per_row, jnp.float32)] * 2
     out = pl.pallas_call(
         functools.partial(_kernel, chunks=chunks, scale=scale, block_q=block_q, pages_per_step=pages_per_step,
-                          kv_splits=kv_splits, sliding_window=sliding_window, soft_cap=soft_cap,
-                          compute_dtype=compute_dtype, has_sinks=bool(kernel_sinks)),
+                          kv_splits=kv_splits, sliding_window=sliding_window, attention_chunk=attention_chunk,
+                          soft_cap=soft_cap, compute_dtype=compute_dtype, has_sinks=bool(kernel_sinks)),
         grid=(nb, num_kv_heads, kv_splits),
         in_specs=[whole] * 4 + tiles + [whole] * (2 + len(scales))
         + [pl.BlockSpec((None, rows), lambda b, h, s: (h, 0))] * len(kernel_sinks),

@@ -21,6 +21,8 @@ dense gather, defines it):
                                one scale per (token, KV head) row; attention computes in its `dtype`.
   scale        float           multiplies q.k (usually D ** -0.5).
   sliding_window int | None    a token at position p sees keys p - window + 1 .. p (Mistral's convention).
+  attention_chunk int | None   a token at position p sees keys (p // chunk) * chunk .. p, its own chunk's (Llama 4's
+                               chunked attention; never with sliding_window).
   soft_cap     float | None    scaled logits s become soft_cap * tanh(s / soft_cap) (Gemma 2's convention).
   sinks        [H] float32     attention sinks (gpt-oss; None: none): query head h's softmax denominator gains
                or None         exp(sinks[h]), as if each sequence had one more key whose value is zero:
@@ -97,9 +99,12 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array | QuantizedPages, v_
                            page_table: jax.Array,
                            query_start: jax.Array, seq_lens: jax.Array, *, scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
-                           sinks: jax.Array | None = None, backend: str = "reference") -> jax.Array:
+                           sinks: jax.Array | None = None, backend: str = "reference",
+                           attention_chunk: int | None = None) -> jax.Array:
     """Attention of every token over its own sequence's paged KV; the spec is in this module's docstring."""
-    kwargs = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if sliding_window is not None and attention_chunk is not None:
+        raise ValueError("ragged_paged_attention: a sliding window or an attention chunk, not both")
+    kwargs = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, attention_chunk=attention_chunk)
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
     quantized = isinstance(k_pages, QuantizedPages)
@@ -125,11 +130,13 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array | QuantizedPages, v_
 # per step shape instead of one per layer (jit caches the trace by shapes; the lowered module calls one function
 # from every layer, and XLA inlines the calls back, so the compiled step is the same). For a 32-layer model on the
 # Triton kernel that takes the step's trace and lowering from ~3 s to ~0.5 s (docs/kernels.md).
-@functools.partial(jax.jit, static_argnames=("backend", "scale", "sliding_window", "soft_cap"))
+@functools.partial(jax.jit, static_argnames=("backend", "scale", "sliding_window", "soft_cap", "attention_chunk"))
 def _attention(q: jax.Array, k_pages: jax.Array | QuantizedPages, v_pages: jax.Array | QuantizedPages,
                page_table: jax.Array, query_start: jax.Array, seq_lens: jax.Array, sinks: jax.Array | None, *,
-               backend: str, scale: float, sliding_window: int | None, soft_cap: float | None) -> jax.Array:
-    kwargs = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
+               backend: str, scale: float, sliding_window: int | None, soft_cap: float | None,
+               attention_chunk: int | None = None) -> jax.Array:
+    kwargs = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
+                  attention_chunk=attention_chunk)
     if backend == "reference":  # the engine's pure-JAX attention: the definition's result, chunk by chunk
         token_seq, positions = token_positions(query_start, seq_lens, q.shape[0])
         return ragged_paged_attention_chunked(q, k_pages, v_pages, page_table, token_seq, positions, **kwargs)
@@ -148,7 +155,8 @@ def _attention(q: jax.Array, k_pages: jax.Array | QuantizedPages, v_pages: jax.A
         if not takes_head_dim(q.shape[-1]):  # a head_dim Triton cannot tile (e.g. 72 = 64 + 8): the reference there
             def triton(*_: jax.Array) -> jax.Array:
                 return _attention(q, k_pages, v_pages, page_table, query_start, seq_lens, sinks, backend="reference",
-                                  scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+                                  scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                                  attention_chunk=attention_chunk)
         return jax.lax.platform_dependent(*args, tpu=functools.partial(ragged_paged_attention_tpu, **kwargs),
                                           cuda=triton, rocm=triton)
     if backend in ("pallas-interpret", "pallas-interpret-tpu"):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.blocks import MASK_VALUE
+from pallas_kernels.blocks import MASK_VALUE, first_visible_key
 from pallas_kernels.quantized import QuantizedPages, stored_to_compute, write_quantized
 
 
@@ -100,7 +100,7 @@ def _scale_keys(x: jax.Array, scales: jax.Array | None) -> jax.Array:
 def ragged_paged_attention_ref(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                                token_seq: jax.Array, positions: jax.Array, *, scale: float,
                                sliding_window: int | None = None, soft_cap: float | None = None,
-                               sinks: jax.Array | None = None) -> jax.Array:
+                               sinks: jax.Array | None = None, attention_chunk: int | None = None) -> jax.Array:
     """Attention of each token over its own sequence's cached keys; returns float32 [T, H, D]. A quantized cache
     (QuantizedPages) scales each key's score and each value's probability by its row's scale."""
     num_tokens, num_heads, head_dim = q.shape
@@ -119,9 +119,8 @@ def ragged_paged_attention_ref(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     key_pos = jnp.arange(width, dtype=jnp.int32)[None, :]
-    mask = key_pos <= positions[:, None]
-    if sliding_window is not None:
-        mask &= key_pos > positions[:, None] - sliding_window
+    mask = (key_pos <= positions[:, None]) & (key_pos >= first_visible_key(positions[:, None], sliding_window,
+                                                                             attention_chunk))
     scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
     if sinks is None:
         probs = jax.nn.softmax(scores, axis=-1)
@@ -137,7 +136,8 @@ def ragged_paged_attention_ref(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
 def ragged_paged_attention_chunked(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                                    token_seq: jax.Array, positions: jax.Array, *, scale: float,
                                    sliding_window: int | None = None, soft_cap: float | None = None,
-                                   sinks: jax.Array | None = None, pages_per_chunk: int = 8) -> jax.Array:
+                                   sinks: jax.Array | None = None, pages_per_chunk: int = 8,
+                                   attention_chunk: int | None = None) -> jax.Array:
     """ragged_paged_attention_ref's result, walking the page table `pages_per_chunk` columns at a time with an
     online softmax, up to the chunk of the furthest position in the batch (a data-dependent loop): its cost follows
     the longest sequence, not the table's width, so one full-width table serves every step."""
@@ -151,9 +151,8 @@ def ragged_paged_attention_chunked(q: jax.Array, k_pages: jax.Array, v_pages: ja
     compute_dtype = value_dtype(k_pages)
     qg = q.reshape(num_tokens, kv_heads, group, head_dim).astype(compute_dtype)
     precision = dot_precision(compute_dtype)
-    first = 0
-    if sliding_window is not None:  # chunks wholly before every token's window hold nothing it sees
-        first = jnp.maximum(jnp.min(positions) - sliding_window + 1, 0) // width
+    # chunks of pages wholly before every token's first visible key (its window's, its attention chunk's) hold nothing
+    first = first_visible_key(jnp.min(positions), sliding_window, attention_chunk) // width
     last = jnp.max(positions) // width + 1
 
     def body(i, carry):
@@ -168,9 +167,8 @@ def ragged_paged_attention_chunked(q: jax.Array, k_pages: jax.Array, v_pages: ja
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         key_pos = i * width + jnp.arange(width, dtype=jnp.int32)[None, :]
-        mask = key_pos <= positions[:, None]
-        if sliding_window is not None:
-            mask &= key_pos > positions[:, None] - sliding_window
+        mask = (key_pos <= positions[:, None]) & (key_pos >= first_visible_key(positions[:, None], sliding_window,
+                                                                                 attention_chunk))
         s = jnp.where(mask[:, None, None, :], s, MASK_VALUE)
         m_next = jnp.maximum(m_prev, s.max(axis=-1))
         p = jnp.exp(s - m_next[..., None])

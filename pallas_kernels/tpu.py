@@ -18,7 +18,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.blocks import MASK_VALUE, block_metadata, pack_q, pack_sinks, sink_weights, unpack_out
+from pallas_kernels.blocks import (
+    MASK_VALUE,
+    block_metadata,
+    first_visible_key,
+    pack_q,
+    pack_sinks,
+    sink_weights,
+    unpack_out,
+)
 from pallas_kernels.quantized import QuantizedPages
 
 
@@ -49,7 +57,7 @@ def _chunk_copies(k_hbm, v_hbm, k_buf, v_buf, sems, page_table_ref, scale_refs, 
     return copies
 
 
-def _attend_chunk(q, k, v, carry, key_pos0, row_pos, *, scale, soft_cap, sliding_window):
+def _attend_chunk(q, k, v, carry, key_pos0, row_pos, *, scale, soft_cap, sliding_window, attention_chunk):
     """One online-softmax step of the [M, D] query tile against a [C, D] chunk of keys and values."""
     acc, m_prev, l_prev = carry
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_precision(k.dtype),
@@ -58,8 +66,8 @@ def _attend_chunk(q, k, v, carry, key_pos0, row_pos, *, scale, soft_cap, sliding
         s = soft_cap * jnp.tanh(s / soft_cap)
     key_pos = key_pos0 + lax.broadcasted_iota(jnp.int32, s.shape, 1)
     mask = key_pos <= row_pos
-    if sliding_window is not None:
-        mask &= key_pos > row_pos - sliding_window
+    if sliding_window is not None or attention_chunk is not None:
+        mask &= key_pos >= first_visible_key(row_pos, sliding_window, attention_chunk)
     s = jnp.where(mask, s, MASK_VALUE)
     m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
     p = jnp.exp(s - m_next)
@@ -73,7 +81,8 @@ def _kernel(seq_ref, q_pos_ref, kv_end_ref, page_table_ref,  # scalar prefetch (
             q_ref, k_hbm, v_hbm,  # inputs: q tile in VMEM, caches in HBM
             *refs,  # [k/v_scale_hbm] (quantized), [sink_ref] (sinks), o_ref, k_buf, v_buf, sems, [k/v scale bufs]
             scale: float, block_q: int, pages_per_chunk: int, pages_per_seq: int,
-            sliding_window: int | None, soft_cap: float | None, compute_dtype: jnp.dtype | None, has_sinks: bool):
+            sliding_window: int | None, soft_cap: float | None, compute_dtype: jnp.dtype | None, has_sinks: bool,
+            attention_chunk: int | None = None):
     # Quantized pages add their scales in HBM (inputs) and two [2, C, 1] float32 scale buffers (scratch); sinks add
     # the [M, 1] float32 sinks of the tile's rows (a VMEM block, a column like the softmax's running max).
     ks_hbm, vs_hbm, *refs = refs if compute_dtype is not None else (None, None, *refs)
@@ -84,7 +93,8 @@ def _kernel(seq_ref, q_pos_ref, kv_end_ref, page_table_ref,  # scalar prefetch (
     page_size = k_hbm.shape[1]
     # lax.div/rem (truncating) rather than // and %: operands are non-negative, and floor division lowers
     # through sign(), whose Mosaic rule needs to know the TPU generation.
-    first_page = 0 if sliding_window is None else lax.div(jnp.maximum(q_pos - sliding_window + 1, 0), page_size)
+    first_key = first_visible_key(q_pos, sliding_window, attention_chunk)
+    first_page = 0 if sliding_window is None and attention_chunk is None else lax.div(first_key, page_size)
     last_page = lax.div(kv_end + page_size - 1, page_size)
     num_chunks = lax.div(last_page - first_page + pages_per_chunk - 1, pages_per_chunk)
     copies = functools.partial(_chunk_copies, k_hbm, v_hbm, k_buf, v_buf, sems, page_table_ref, scale_refs, row=row,
@@ -96,7 +106,8 @@ def _kernel(seq_ref, q_pos_ref, kv_end_ref, page_table_ref,  # scalar prefetch (
     chunk_len = k_buf.shape[1]
     # Row r holds token r % block_q of the block (rows are head-major); block_q is a power of two.
     row_pos = q_pos + (lax.broadcasted_iota(jnp.int32, (rows, chunk_len), 0) & (block_q - 1))
-    attend = functools.partial(_attend_chunk, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    attend = functools.partial(_attend_chunk, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+                               attention_chunk=attention_chunk)
 
     @pl.when(num_chunks > 0)
     def _():
@@ -138,7 +149,7 @@ def ragged_paged_attention_tpu(q: jax.Array, k_pages: jax.Array | QuantizedPages
                                query_start: jax.Array, seq_lens: jax.Array, *, scale: float,
                                sliding_window: int | None = None, soft_cap: float | None = None,
                                sinks: jax.Array | None = None, block_q: int = 16, pages_per_chunk: int = 8,
-                               interpret: bool = False) -> jax.Array:
+                               interpret: bool = False, attention_chunk: int | None = None) -> jax.Array:
     """Mosaic kernel with the interface of `ragged_paged_attention` (see pallas_kernels/__init__.py).
 
     block_q: query tokens per block, a power of two; group * block_q rows should be a multiple of 16 (bf16
@@ -171,7 +182,8 @@ def ragged_paged_attention_tpu(q: jax.Array, k_pages: jax.Array | QuantizedPages
     chunk_len = pages_per_chunk * page_size
     kernel = functools.partial(_kernel, scale=scale, block_q=block_q, pages_per_chunk=pages_per_chunk,
                                pages_per_seq=pages_per_seq, sliding_window=sliding_window, soft_cap=soft_cap,
-                               compute_dtype=compute_dtype, has_sinks=sinks is not None)
+                               compute_dtype=compute_dtype, has_sinks=sinks is not None,
+                               attention_chunk=attention_chunk)
     scale_scratch = [pltpu.VMEM((2, chunk_len, 1), jnp.float32)] * 2 if quantized else []
     out = pl.pallas_call(
         kernel,

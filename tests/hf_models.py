@@ -34,8 +34,8 @@ VOCAB = 512
 # with low-rank queries, experts chosen as GLM-4.5's; granitemoe: Granite's four multipliers on top-2 of 4 experts
 # stacked as Granite stores them; granitemoeshared: those with an ungated shared MLP and tied embeddings; llama4:
 # a dense layer then a MoE one (top-1 of 4 experts, their inputs scaled, a shared expert), interleaved rotary with
-# q/k L2 norms on three layers, the fourth NoPE with its query temperature (floor_scale 4, so that short prompts
-# reach it).
+# q/k L2 norms on three layers, attending within chunks of 16 positions, the fourth NoPE with its query temperature
+# (floor_scale 4 and the chunk so small that short prompts reach them).
 VARIANTS: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", dict(num_key_value_heads=2)),
     "llama3_rope": ("LlamaConfig", dict(num_key_value_heads=2, rope_scaling={
@@ -96,7 +96,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "llama4": ("Llama4TextConfig", dict(num_key_value_heads=2, head_dim=16, num_hidden_layers=4, intermediate_size=48,
                                         intermediate_size_mlp=96, num_local_experts=4, num_experts_per_tok=1,
                                         interleave_moe_layer_step=2, floor_scale=4, attn_scale=0.5,
-                                        attention_chunk_size=2048)),
+                                        attention_chunk_size=16)),
     "deepseek_v3": ("DeepseekV3Config", dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24,
                                              qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=12,
                                              n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,

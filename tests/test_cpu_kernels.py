@@ -234,7 +234,8 @@ def test_long_prefill_chunk_over_a_cached_prefix():
 
 @pytest.mark.parametrize(("dtype", "extra"), [(jnp.float32, {}), (jnp.bfloat16, {}),
                                              (jnp.float32, {"sliding_window": 300, "soft_cap": 20.0}),
-                                             (jnp.bfloat16, {"sliding_window": 300})])
+                                             (jnp.bfloat16, {"sliding_window": 300}),
+                                             (jnp.float32, {"attention_chunk": 200})])
 def test_long_decodes_split_into_parts_match_the_reference(dtype, extra):
     """Decodes over more than 16 pages are split into parts of about equal page counts, merged after; with a
     sliding window only the window's pages are split."""

@@ -83,7 +83,8 @@ def max_error(kernel, args, ref_meta, **kwargs) -> float:
 
 
 # (batch, heads, kv_heads, head_dim, page_size, dtype, extra kwargs): every GQA ratio (1, 4, 8), head_dim (64,
-# 128), page size (16, 32), dtype and batch kind appears, and the window / soft cap are crossed with both.
+# 128), page size (16, 32), dtype and batch kind appears, and the window / soft cap are crossed with both; an
+# attention chunk that pages do not divide.
 CASES = [
     ("decode", 8, 1, 64, 16, jnp.float32, {}),
     ("prefill", 4, 4, 128, 32, jnp.float32, {}),
@@ -93,6 +94,7 @@ CASES = [
     ("prefill", 8, 2, 64, 16, jnp.bfloat16, {}),
     ("mixed", 4, 1, 64, 16, jnp.float32, {"sliding_window": 9, "soft_cap": 5.0}),
     ("mixed", 6, 2, 64, 16, jnp.bfloat16, {"sliding_window": 16}),  # GQA 3 (not a power of two), as in the bench
+    ("mixed", 4, 2, 64, 16, jnp.float32, {"attention_chunk": 24}),  # Llama 4's chunks, across page boundaries
 ]
 
 
@@ -628,4 +630,24 @@ def test_check_lowering_passes(platform):
     result = subprocess.run([sys.executable, "-m", "tools.check_lowering", "--platform", platform],
                             capture_output=True, text=True, timeout=300, cwd=repo)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "0 failure(s)" in result.stdout and result.stdout.count("ok   ") >= 21
+    assert "0 failure(s)" in result.stdout and result.stdout.count("ok   ") >= 24
+
+
+def test_chunked_attention_sees_only_its_own_chunk():
+    """The definition's attention_chunk, against a dense causal softmax over each query's own chunk of keys."""
+    rng = np.random.default_rng(31)
+    args, (token_seq, positions, num_real) = make_batch(rng, BATCHES["mixed"], heads=4, kv_heads=2, head_dim=32,
+                                                        page_size=16, dtype=jnp.float32)
+    q, k_pages, v_pages, page_table, _, _ = args
+    out = np.asarray(ragged_paged_attention_ref(q, k_pages, v_pages, page_table, jnp.asarray(token_seq),
+                                                jnp.asarray(positions), scale=0.2, attention_chunk=24))
+    k_all, v_all = np.asarray(k_pages), np.asarray(v_pages)
+    for t in range(num_real):
+        pos = int(positions[t])
+        keys = np.arange(pos // 24 * 24, pos + 1)
+        pages = np.asarray(page_table)[token_seq[t]][keys // 16]
+        k, v = k_all[pages, keys % 16], v_all[pages, keys % 16]  # [L, Hkv, D]
+        for h in range(4):
+            scores = k[:, h // 2] @ np.asarray(q)[t, h] * 0.2
+            weights = np.exp(scores - scores.max())
+            np.testing.assert_allclose(out[t, h], weights @ v[:, h // 2] / weights.sum(), atol=1e-5)

@@ -59,7 +59,8 @@ BUCKETS = [(8, 8, 1), (64, 32, 16), (512, 32, None)]
 # Optional features change the kernel body; lower them once per shape at the mid bucket. "sinks": gpt-oss's attention
 # sinks, a float32 [H] argument (at the mid bucket the Triton kernel normalizes in the kernel for llama3-8b and
 # merges key splits for bench-135m, so both places the sinks join are lowered).
-VARIANTS = [{}, {"sliding_window": 4096, "soft_cap": 50.0}, {"sliding_window": 128, "sinks": True}]
+VARIANTS = [{}, {"sliding_window": 4096, "soft_cap": 50.0}, {"sliding_window": 128, "sinks": True},
+            {"attention_chunk": 8192}]  # Llama 4's chunked attention
 
 
 def lower(platform: str, shape: Shape, tokens: int, seqs: int, pages: int, *, sinks: bool = False,

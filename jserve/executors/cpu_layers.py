@@ -326,7 +326,7 @@ def layer_kernel_takes(config: ModelConfig) -> bool:
     normalized per head if at all, no attention sinks, no latent attention. A mixture of experts and OLMo's blocks
     run as the Flax model on packed matmuls."""
     return not (config.num_experts or config.qk_norm_across_heads or config.post_norms or config.clip_qkv
-                or config.attention_sinks or config.kv_lora_rank)
+                or config.attention_sinks or config.kv_lora_rank or config.attention_chunk_size)
 
 
 def _load_packed_for_flax(model_dir: str | Path, config: ModelConfig, dtype: str, attention_backend: str,

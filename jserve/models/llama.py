@@ -46,6 +46,7 @@ class Attention(nnx.Module):
         self.config = config
         self.attention_backend = attention_backend  # a static str in the graphdef: picks the kernel at trace time
         self.sliding_window = config.layer_window(layer)  # static too, like the local rotary choice
+        self.attention_chunk = config.layer_attention_chunk(layer)  # Llama 4's chunked layers
         self.rotary = config.layer_rotary(layer)  # static: 0 rope_theta's, 1 the local base's, 2 none (NoPE)
         qkv_out = config.q_size + 2 * config.kv_size
         self.qkv_proj = Linear(config.hidden_size, qkv_out, dtype=dtype, axes=("qkv", "embed"), bias=config.qkv_bias,
@@ -92,7 +93,7 @@ class Attention(nnx.Module):
                                      scale=cfg.attention_scale, sliding_window=self.sliding_window,
                                      soft_cap=cfg.attn_logit_softcapping,
                                      sinks=None if self.sinks is None else self.sinks[...],
-                                     backend=self.attention_backend)
+                                     backend=self.attention_backend, attention_chunk=self.attention_chunk)
         return self.o_proj(out.reshape(num_tokens, cfg.q_size), lora_slots), k_pages, v_pages
 
 
