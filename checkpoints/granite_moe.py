@@ -16,23 +16,10 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from checkpoints import CheckpointError
-from checkpoints.tensor_views import RowView, take
+from checkpoints.tensor_views import RowView, StackRows
 
 _GRANITE_MOE = re.compile(r"(model\.layers\.\d+\.)(block_sparse_moe\.(input_linear|output_linear|router\.layer)|"
                           r"shared_mlp\.(input_linear|output_linear))\.weight$")
-
-
-class StackRows:
-    """Rows [start, start + count) of the second axis of an [E, rows, columns] stack, read block by block."""
-
-    def __init__(self, tensor, start: int, count: int):
-        self.tensor, self.start = tensor, start
-        self.shape = (tensor.shape[0], count, tensor.shape[2])
-
-    def read(self, index: tuple, dtype: np.dtype) -> np.ndarray:
-        index = tuple(index) + (slice(None),) * (3 - len(tuple(index)))
-        rows = np.arange(self.start, self.start + self.shape[1])[index[1]]
-        return take(self.tensor, (index[0], rows, index[2]), dtype)
 
 
 def granite_moe_tensors(tensors: Iterable[tuple[str, object, str]]) -> Iterator[tuple[str, object, str]]:

@@ -13,27 +13,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 
-import numpy as np
-
 from checkpoints import CheckpointError
-from checkpoints.tensor_views import take
+from checkpoints.tensor_views import StackRows
 
 _FEED_FORWARD = re.compile(r"(model\.layers\.\d+\.)feed_forward\.(.+)$")
-
-
-class TransposedStack:
-    """Columns [start, start + count) of an [E, in, out] stack, read as the [E, count, in] stack of their
-    transposes, block by block."""
-
-    def __init__(self, tensor, start: int, count: int):
-        self.tensor, self.start = tensor, start
-        self.shape = (tensor.shape[0], count, tensor.shape[1])
-
-    def read(self, index: tuple, dtype: np.dtype) -> np.ndarray:
-        index = tuple(index) + (slice(None),) * (3 - len(tuple(index)))
-        columns = np.arange(self.start, self.start + self.shape[1])[index[1]]
-        block = take(self.tensor, (index[0], index[2], columns), dtype)  # [e, in, columns]
-        return np.ascontiguousarray(block.transpose(0, 2, 1))
 
 
 def llama4_tensors(tensors: Iterable[tuple[str, object, str]]) -> Iterator[tuple[str, object, str]]:
@@ -51,10 +34,11 @@ def llama4_tensors(tensors: Iterable[tuple[str, object, str]]) -> Iterator[tuple
                 raise CheckpointError(f"{origin}: {name} has shape {list(tensor.shape)}, not a stack of experts' "
                                       "[in, out] matrices (gate_up_proj: gate and up columns)")
             if rest == "experts.down_proj":
-                yield f"{prefix}mlp.experts.down_proj.weight", TransposedStack(tensor, 0, tensor.shape[2]), origin
+                down = StackRows(tensor, 0, tensor.shape[2], transposed=True)
+                yield f"{prefix}mlp.experts.down_proj.weight", down, origin
                 continue
             half = tensor.shape[2] // 2
-            yield f"{prefix}mlp.experts.gate_proj.weight", TransposedStack(tensor, 0, half), origin
-            yield f"{prefix}mlp.experts.up_proj.weight", TransposedStack(tensor, half, half), origin
+            yield f"{prefix}mlp.experts.gate_proj.weight", StackRows(tensor, 0, half, transposed=True), origin
+            yield f"{prefix}mlp.experts.up_proj.weight", StackRows(tensor, half, half, transposed=True), origin
         else:  # the dense MLP's and the shared expert's projections
             yield f"{prefix}mlp.{rest}", tensor, origin

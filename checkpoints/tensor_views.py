@@ -71,6 +71,23 @@ class RowView:
         return block.astype(dtype)
 
 
+class StackRows:
+    """Rows [start, start + count) of each matrix of a stack of experts' matrices, read block by block: of an
+    [E, out, in] stack, or (transposed) of an [E, in, out] one, whose columns are then the rows read, giving
+    [E, count, in] either way."""
+
+    def __init__(self, tensor, start: int, count: int, transposed: bool = False):
+        self.tensor, self.start, self.transposed = tensor, start, transposed
+        self.shape = (tensor.shape[0], count, tensor.shape[1 if transposed else 2])
+
+    def read(self, index: tuple, dtype: np.dtype) -> np.ndarray:
+        index = tuple(index) + (slice(None),) * (3 - len(tuple(index)))
+        rows = np.arange(self.start, self.start + self.shape[1])[index[1]]
+        if not self.transposed:
+            return take(self.tensor, (index[0], rows, index[2]), dtype)
+        return np.ascontiguousarray(take(self.tensor, (index[0], index[2], rows), dtype).transpose(0, 2, 1))
+
+
 def interleaved_order(head_dim: int, rotary_dim: int) -> np.ndarray:
     """Where each row of a head comes from so that interleaved rotary pairs (2i, 2i + 1) become halves
     (i, i + rotary_dim / 2); the passed-through rows stay."""
