@@ -589,7 +589,7 @@ def test_kv_budget_too_small_for_one_request_fails_with_advice(hf_model_dir):
 
 
 def test_no_recompilation_after_warmup(hf_model_dir, executor):
-    """A randomized 200-request workload (mixed lengths, sampling settings, aborts) compiles nothing new: every token
+    """A randomized 100-request workload (mixed lengths, sampling settings, aborts) compiles nothing new: every token
     bucket, the sampler's variants and the decode bursts were compiled at warm-up, on both executors."""
     import jax
     from jax._src import dispatch  # the event name jax reports for each XLA compilation
@@ -611,7 +611,7 @@ def test_no_recompilation_after_warmup(hf_model_dir, executor):
         choices = [dict(temperature=0.0), dict(temperature=0.9, seed=1), dict(temperature=1.0, top_p=0.8),
                    dict(temperature=0.7, top_k=20), dict(temperature=1.0, min_p=0.1, seed=3),
                    dict(temperature=0.0, stop=["a", "e "])]
-        pending = list(range(200))
+        pending = list(range(100))
         while pending or engine.has_unfinished_requests():
             for _ in range(int(rng.integers(0, 6))):
                 if pending:

@@ -19,7 +19,7 @@ def test_check_runs_on_cpu_with_the_demo_model(tmp_path):
     # run here are those that changed since or have not run there yet.
     cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--out", str(tmp_path), "--device", "cpu",
            "--sections", "env,kernels,speed,warmup,profile,lora", "--kernel-cases", "8/8/128/16/bfloat16",
-           "--concurrency", "2,4", "--io", "16/8", "--max-num-batched-tokens", "64", "--profile-tokens", "16"]
+           "--concurrency", "2", "--io", "16/8", "--max-num-batched-tokens", "64", "--profile-tokens", "16"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -28,7 +28,7 @@ def test_check_runs_on_cpu_with_the_demo_model(tmp_path):
     assert sections["env"]["hbm_bandwidth"]["gb_per_s"] > 0 and sections["env"]["bf16_matmul"]["tflops"] > 0
     speed = sections["speed"]
     assert speed["batch1_decode"]["tok_s"] > 0 and 0 < speed["batch1_decode"]["share_of_roofline"]
-    assert [(t["concurrent"], t["input"], t["output"]) for t in speed["throughput"]] == [(2, 16, 8), (4, 16, 8)]
+    assert [(t["concurrent"], t["input"], t["output"]) for t in speed["throughput"]] == [(2, 16, 8)]
     assert all(t["output_tok_s"] > 0 for t in speed["throughput"])
     assert sections["warmup"]["warmup"]["step_shapes"] >= len(sections["warmup"]["warmup"]["token_buckets"])
     # kernels: one correctness case; one decode shape timed, the kernel's loop traced (on a CPU the interpreted
