@@ -52,7 +52,7 @@ def test_check_runs_on_cpu_with_the_demo_model(tmp_path):
     # are the same alone and in a batch mixed with base-model requests, and not the base model's
     lora = sections["lora"]
     assert [(r["concurrent"], r["adapter"]) for r in lora["batch1_decode"] + lora["throughput"]] == \
-        [(1, False), (1, True), (2, False), (2, True), (4, False), (4, True)]
+        [(1, False), (1, True), (2, False), (2, True)]
     assert all(r.get("tok_s", r.get("output_tok_s", 0)) > 0 for r in lora["batch1_decode"] + lora["throughput"])
     assert lora["check"]["alone_equals_mixed"] and lora["check"]["differs_from_base"], lora["check"]
     report = (tmp_path / "gpu_check.md").read_text()
