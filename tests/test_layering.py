@@ -32,7 +32,7 @@ JSERVE_LAYERS = [
     # types, the engine flags, the tokenizer (and its GGUF builder)
     ["jserve.config", "jserve.config_json", "jserve.config_llama4", "jserve.sampling_params", "jserve.pooling_params",
      "jserve.lora_request", "jserve.outputs", "jserve.arg_types", "jserve.engine_args", "jserve.tokenizer",
-     "jserve.gguf_tokenizer"],
+     "jserve.gguf_tokenizer", "jserve.speculative_config"],
     # the Flax models and their shape under tensor parallelism; what a step carries: a sequence and its scheduled
     # chunk, the packed host arrays, the jitted sampler and its speculative drafts' rejection sampler
     ["jserve.models", "jserve.engine.sequence", "jserve.engine.packing", "jserve.engine.sampler",

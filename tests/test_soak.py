@@ -25,7 +25,7 @@ from jserve.server.settings import ServerSettings
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/ is a directory, not an installed package
 from benchmarks.soak import EXPECTED, rss_of, run_soak  # noqa: E402
 
-REQUESTS, CONCURRENCY = 600, 64
+REQUESTS, CONCURRENCY = 400, 64
 
 
 @pytest.fixture(scope="module")
