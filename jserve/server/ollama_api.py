@@ -172,8 +172,7 @@ async def _serve(request: Request, state: ServerState, kind: str, chat: dict) ->
                         **_counts(chunk["usage"], started)}
                 yield (json.dumps(last) + "\n").encode()
 
-    response = await routes.serve_chat(request, state, chat, "ollama", events, whole, ndjson_stream)
-    return response
+    return await routes.serve_chat(request, state, chat, "ollama", events, whole, ndjson_stream)
 
 
 @ollama_errors
